@@ -1,0 +1,273 @@
+"""The three encoding contracts and the registry.
+
+Every positional encoding in vispe is a :class:`PositionalEncoding` module that a host model
+(ViT, video ViT, ...) drives through four hooks, always with an explicit :class:`PositionGrid`:
+
+* ``prepare(grid, device)`` -- position-only quantities for this forward (rotary tables,
+  bias tables); computed once per forward for all layers and cached per (grid, device) where
+  no gradient needs them.
+* ``embed_tokens(x, grid, state, image)`` -- token encodings add to the token sequence
+  (prefix tokens first, then the lattice in row-major order).
+* ``after_block(index, x, grid, state)`` -- conditional encodings (PEG) act between blocks.
+* ``attend(q, k, v, layer=..., state=...)`` -- attention-side encodings; the default is plain
+  SDPA. :class:`AttentionBiasEncoding` adds a float ``attn_mask``; :class:`RotaryEncoding`
+  rotates q and k through :func:`vispe.encodings.rotary.apply_rotary` and keeps SDPA.
+
+Models never branch on an encoding's name: they call the hooks. Each class states its
+``prefix_policy`` (what happens to cls/register tokens).
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .grid import PositionGrid
+
+__all__ = [
+    "EncodingContext",
+    "PositionalEncoding",
+    "TokenEncoding",
+    "AttentionBiasEncoding",
+    "register_encoding",
+    "create_encoding",
+    "list_encodings",
+    "get_encoding_class",
+    "sdpa",
+]
+
+
+@dataclass(frozen=True)
+class EncodingContext:
+    """What a host model tells an encoding about itself at construction.
+
+    Only the fields an encoding's ``__init__`` names are passed to it, so an encoding declares
+    what it needs simply by having the argument (``dim``, ``num_heads``, ``depth``, ...).
+    """
+
+    dim: int
+    num_heads: int
+    depth: int
+    grid_size: tuple[int, ...]
+    num_prefix_tokens: int = 1
+    in_chans: int = 3
+    patch_size: tuple[int, ...] = field(default=(16, 16))
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.num_heads
+
+    @property
+    def ndim(self) -> int:
+        return len(self.grid_size)
+
+    def as_kwargs(self) -> dict[str, Any]:
+        return dict(
+            dim=self.dim,
+            num_heads=self.num_heads,
+            head_dim=self.head_dim,
+            depth=self.depth,
+            grid_size=tuple(self.grid_size),
+            num_prefix_tokens=self.num_prefix_tokens,
+            in_chans=self.in_chans,
+            patch_size=tuple(self.patch_size),
+        )
+
+
+def sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """SDPA that also accepts an additive bias together with ``is_causal``."""
+    if attn_mask is not None and is_causal:
+        lq, lk = q.shape[-2], k.shape[-2]
+        causal = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+        if attn_mask.dtype == torch.bool:
+            attn_mask = attn_mask & causal
+        else:
+            attn_mask = attn_mask.masked_fill(~causal, float("-inf"))
+        is_causal = False
+    if attn_mask is not None and attn_mask.dtype != torch.bool and attn_mask.dtype != q.dtype:
+        attn_mask = attn_mask.to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
+
+
+class PositionalEncoding(nn.Module):
+    """Base class and the "no positional encoding" behaviour for every hook."""
+
+    #: 'none' | 'token' | 'bias' | 'rotary' | 'conditional' -- informative, models never read it.
+    kind: ClassVar[str] = "none"
+    #: Grid dimensionalities this encoding accepts (e.g. (2,) for image-only, (2, 3) for both).
+    grid_ndims: ClassVar[tuple[int, ...]] = (1, 2, 3)
+    #: How prefix tokens (cls, registers) are treated; one sentence, shown in docs and repr.
+    prefix_policy: ClassVar[str] = "prefix tokens are untouched"
+    #: Whether the encoding still works when timm's PatchDropout removes tokens.
+    supports_token_dropout: ClassVar[bool] = True
+
+    registry_name: ClassVar[str] = ""
+
+    def check_grid(self, grid: PositionGrid) -> None:
+        if grid.ndim not in self.grid_ndims:
+            raise ValueError(
+                f"{type(self).__name__} ({self.registry_name!r}) takes {self.grid_ndims}-D grids, got a {grid.ndim}-D grid "
+                f"{grid.shape}; pick a variant for this grid (see vispe.list_encodings())."
+            )
+
+    def prepare(self, grid: PositionGrid, device: torch.device | None = None) -> Any:
+        """Position-only quantities for one forward (shared by all layers). Default: nothing."""
+        return None
+
+    def embed_tokens(
+        self, x: torch.Tensor, grid: PositionGrid, state: Any = None, image: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Add a token encoding to ``x`` of shape ``(B, S + N, D)``. Default: identity."""
+        return x
+
+    def after_block(self, index: int, x: torch.Tensor, grid: PositionGrid, state: Any = None) -> torch.Tensor:
+        """Act on the token sequence after block ``index``. Default: identity."""
+        return x
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        layer: int = 0,
+        state: Any = None,
+        attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """Attention for ``q, k, v`` of shape ``(B, H, L, dh)``. Default: plain SDPA."""
+        return sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale)
+
+    def set_grid_size(self, grid_size: Sequence[int]) -> None:
+        """Called by a host model's ``set_input_size``: adapt stored tables to a new training grid."""
+
+    def no_weight_decay(self) -> set[str]:
+        """Parameter names (relative to this module) that must not be weight-decayed."""
+        return set()
+
+    def load_timm_pos_embed(self, pos_embed: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """Map a timm checkpoint's ``pos_embed`` onto this encoding's parameters (``None``: not used)."""
+        return None
+
+    def uses_attention(self) -> bool:
+        """True if ``attend`` differs from plain SDPA (host models may skip work otherwise)."""
+        return type(self).attend is not PositionalEncoding.attend
+
+
+class TokenEncoding(PositionalEncoding):
+    """An encoding added to the token sequence once, before the blocks."""
+
+    kind = "token"
+
+
+class AttentionBiasEncoding(PositionalEncoding):
+    """An additive logit term passed to SDPA as a float ``attn_mask``.
+
+    Subclasses implement :meth:`bias` returning a tensor broadcastable to ``(B, H, L, L)``.
+    """
+
+    kind = "bias"
+
+    def bias(self, q: torch.Tensor, k: torch.Tensor, *, layer: int, state: Any) -> torch.Tensor | None:
+        raise NotImplementedError
+
+    def attend(self, q, k, v, *, layer=0, state=None, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
+        b = self.bias(q, k, layer=layer, state=state)
+        if b is not None:
+            b = b.to(q.dtype)
+            if attn_mask is None:
+                attn_mask = b
+            elif attn_mask.dtype == torch.bool:
+                attn_mask = b.masked_fill(~attn_mask, float("-inf"))
+            else:
+                attn_mask = attn_mask + b
+        return sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale)
+
+
+# ---------------------------------------------------------------------------------------------
+# Registry
+# ---------------------------------------------------------------------------------------------
+
+_REGISTRY: dict[str, type[PositionalEncoding]] = {}
+_CONTEXT_KEYS = set(EncodingContext(1, 1, 1, (1, 1)).as_kwargs())
+
+
+def register_encoding(name: str) -> Callable[[type[PositionalEncoding]], type[PositionalEncoding]]:
+    """Class decorator: ``@register_encoding('rope_axial')``. Names are unique."""
+
+    def wrap(cls: type[PositionalEncoding]) -> type[PositionalEncoding]:
+        if not (isinstance(cls, type) and issubclass(cls, PositionalEncoding)):
+            raise TypeError(f"register_encoding({name!r}) expects a PositionalEncoding subclass, got {cls!r}")
+        if name in _REGISTRY and _REGISTRY[name] is not cls:
+            raise ValueError(f"encoding name {name!r} is already registered to {_REGISTRY[name].__name__}")
+        cls.registry_name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return wrap
+
+
+def list_encodings(kind: str | None = None, grid_ndim: int | None = None) -> list[str]:
+    """Registered encoding names, optionally filtered by ``kind`` or by a grid dimensionality."""
+    names = []
+    for name, cls in sorted(_REGISTRY.items()):
+        if kind is not None and cls.kind != kind:
+            continue
+        if grid_ndim is not None and grid_ndim not in cls.grid_ndims:
+            continue
+        names.append(name)
+    return names
+
+
+def get_encoding_class(name: str) -> type[PositionalEncoding]:
+    if not isinstance(name, str) or name not in _REGISTRY:
+        raise ValueError(f"unknown positional encoding {name!r}; choose one of {list_encodings()}")
+    return _REGISTRY[name]
+
+
+def _init_params(cls: type) -> tuple[set[str], bool]:
+    sig = inspect.signature(cls.__init__)
+    names = {p.name for p in list(sig.parameters.values())[1:] if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    var_kw = any(p.kind == p.VAR_KEYWORD for p in sig.parameters.values())
+    return names, var_kw
+
+
+def create_encoding(name: str, context: EncodingContext | None = None, **kwargs: Any) -> PositionalEncoding:
+    """Build a registered encoding.
+
+    Args:
+        name: a name from :func:`list_encodings`.
+        context: what the host model knows (width, heads, depth, grid); only the fields the
+            encoding's constructor names are passed.
+        **kwargs: the encoding's own options; unknown options raise a ``TypeError`` that lists
+            the valid ones.
+    """
+    cls = get_encoding_class(name)
+    accepted, var_kw = _init_params(cls)
+    own = sorted(accepted - _CONTEXT_KEYS)
+    unknown = [k for k in kwargs if k not in accepted and not var_kw]
+    if unknown:
+        raise TypeError(f"encoding {name!r} got unknown option(s) {unknown}; valid options: {own}")
+    clash = [k for k in kwargs if k in _CONTEXT_KEYS and context is not None]
+    if clash:
+        raise TypeError(f"encoding {name!r}: {clash} come from the model, not from pos_encoding options")
+    args: dict[str, Any] = {}
+    if context is not None:
+        args.update({k: v for k, v in context.as_kwargs().items() if k in accepted})
+    args.update(kwargs)
+    enc = cls(**args)
+    return enc

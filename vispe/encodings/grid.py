@@ -1,0 +1,76 @@
+"""Position grids: the one description of "where each token is" that every encoding consumes.
+
+A grid is an N-D lattice of patch (or tubelet) tokens laid out in row-major order (last axis
+fastest), preceded by ``num_prefix_tokens`` tokens that have no lattice position (cls, registers,
+distillation). 2D image grids are ``(h, w)``, video grids are ``(t, h, w)``; nothing here is
+specific to two axes. Multimodal (text + vision) position ids are not lattices and are built by
+:mod:`vispe.positions` instead.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+__all__ = ["PositionGrid", "as_grid"]
+
+
+@dataclass(frozen=True)
+class PositionGrid:
+    """An N-D token lattice plus a count of prefix tokens that precede it in the sequence.
+
+    Attributes:
+        shape: lattice size per axis, e.g. ``(h, w)`` or ``(t, h, w)``.
+        num_prefix_tokens: tokens before the lattice (cls, registers); they carry no coordinate.
+    """
+
+    shape: tuple[int, ...]
+    num_prefix_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        shape = tuple(int(s) for s in self.shape)
+        if len(shape) == 0 or any(s <= 0 for s in shape):
+            raise ValueError(f"PositionGrid shape must be a non-empty tuple of positive sizes, got {self.shape!r}")
+        if self.num_prefix_tokens < 0:
+            raise ValueError(f"num_prefix_tokens must be >= 0, got {self.num_prefix_tokens}")
+        object.__setattr__(self, "shape", shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def num_patches(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def seq_len(self) -> int:
+        return self.num_prefix_tokens + self.num_patches
+
+    def indices(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """Integer lattice indices, float32 of shape ``(num_patches, ndim)``, axes in ``shape`` order.
+
+        For a 2D grid column 0 is the row index and column 1 the column index.
+        """
+        axes = [torch.arange(s, device=device, dtype=torch.float32) for s in self.shape]
+        mesh = torch.meshgrid(*axes, indexing="ij")
+        return torch.stack([m.reshape(-1) for m in mesh], dim=-1)
+
+    def centers(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """Patch centres normalised per axis to (0, 1): ``(i + 0.5) / size``; shape ``(num_patches, ndim)``."""
+        size = torch.tensor(self.shape, device=device, dtype=torch.float32)
+        return (self.indices(device) + 0.5) / size
+
+    def with_prefix(self, num_prefix_tokens: int) -> "PositionGrid":
+        return PositionGrid(self.shape, num_prefix_tokens)
+
+
+def as_grid(grid: PositionGrid | Sequence[int], num_prefix_tokens: int = 0) -> PositionGrid:
+    """Accept a :class:`PositionGrid` or a plain shape tuple."""
+    if isinstance(grid, PositionGrid):
+        return grid
+    return PositionGrid(tuple(grid), num_prefix_tokens)

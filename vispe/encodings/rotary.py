@@ -1,0 +1,150 @@
+"""The one rotary application path shared by every pair-wise rotary encoding in vispe.
+
+A rotary encoding assigns each token ``n`` and each rotation pair ``i`` an angle ``phi[n, i]``
+(float32, computed with autocast off). Pairs are stored in one of two layouts:
+
+* ``'interleaved'`` -- pair ``i`` is channels ``(2i, 2i+1)``: RoPE-ViT, EVA-02, timm's
+  ``apply_rot_embed_cat`` (the ViT side of vispe uses this).
+* ``'half'`` -- pair ``i`` is channels ``(i, i + P)``: the Qwen/HF LLM family (``rotate_half``).
+
+Both layouts compute ``x' = x * cos(phi) + rot(x) * sin(phi)`` for each pair; the table is a
+complex tensor ``exp(i*phi)`` so the rotation is a single complex multiply in float32, and the
+result is cast back to the input dtype. Prefix tokens that must not rotate get ``phi = 0``,
+i.e. an exact identity (``(a + ib)(1 + 0i)`` is bit-exact), so q/k never need slicing or
+concatenation.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from .base import PositionalEncoding, sdpa
+from .grid import PositionGrid
+
+__all__ = ["apply_rotary", "rotary_table", "RotaryEncoding", "RotaryState", "ROTARY_LAYOUTS"]
+
+ROTARY_LAYOUTS = ("interleaved", "half")
+
+
+def rotary_table(angles: torch.Tensor) -> torch.Tensor:
+    """``exp(i * angles)`` as complex64, computed in float32 regardless of autocast."""
+    angles = angles.float()
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+def apply_rotary(x: torch.Tensor, table: torch.Tensor, layout: str = "interleaved") -> torch.Tensor:
+    """Rotate the last dimension of ``x`` (``(..., L, 2P)``) by a complex ``table`` (``(..., L, P)``).
+
+    The table broadcasts against ``x``'s leading dimensions (batch, heads). Math runs in float32;
+    the output has ``x``'s dtype.
+    """
+    d = x.shape[-1]
+    p = table.shape[-1]
+    if d != 2 * p:
+        raise ValueError(f"rotary table has {p} pairs but the head dimension is {d} (needs {2 * p})")
+    xf = x.float()
+    if layout == "interleaved":
+        xc = torch.view_as_complex(xf.reshape(*xf.shape[:-1], p, 2))
+        out = torch.view_as_real(xc * table).flatten(-2)
+    elif layout == "half":
+        xc = torch.complex(xf[..., :p], xf[..., p:])
+        r = xc * table
+        out = torch.cat([r.real, r.imag], dim=-1)
+    else:
+        raise ValueError(f"unknown rotary layout {layout!r}; choose one of {ROTARY_LAYOUTS}")
+    return out.type_as(x)
+
+
+@dataclass
+class RotaryState:
+    """Per-forward rotary tables: ``table`` is ``(L, P)``, ``(H, L, P)`` or ``(depth, H, L, P)``."""
+
+    table: torch.Tensor
+    per_layer: bool = False
+
+    def for_layer(self, layer: int) -> torch.Tensor:
+        return self.table[layer] if self.per_layer else self.table
+
+
+class RotaryEncoding(PositionalEncoding):
+    """Base for encodings that rotate q and k by per-pair angles.
+
+    Subclasses implement :meth:`angles` (and optionally :meth:`prefix_angles`). This class
+    builds the complex table once per forward for all layers, caches it per (grid, device)
+    when no gradient flows through it, and rotates q and k before SDPA.
+    """
+
+    kind = "rotary"
+    prefix_policy: ClassVar[str] = "prefix tokens are not rotated (identity rotation)"
+    #: Angle tables carry a leading ``depth`` dimension (one table per layer).
+    per_layer: bool = False
+    layout: str = "interleaved"
+    cache_size: ClassVar[int] = 8
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._table_cache: OrderedDict[Any, RotaryState] = OrderedDict()
+
+    # -- to implement --------------------------------------------------------------------
+    def angles(self, grid: PositionGrid, device: torch.device | None) -> torch.Tensor:
+        """float32 angles ``(..., N, P)`` for the lattice tokens, leading dims ``()``, ``(H,)`` or ``(depth, H)``."""
+        raise NotImplementedError
+
+    def prefix_angles(self, grid: PositionGrid, device: torch.device | None) -> torch.Tensor | None:
+        """Angles for prefix tokens (``(..., S, P)``), or ``None`` for the identity (no rotation)."""
+        return None
+
+    def cacheable(self) -> bool:
+        """Tables can be reused while no gradient must flow into them."""
+        return not (torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()))
+
+    # -- shared machinery ----------------------------------------------------------------
+    def _cache_key(self, grid: PositionGrid, device: torch.device | None) -> Any:
+        versions = tuple(p._version for p in self.parameters())
+        return (grid.shape, grid.num_prefix_tokens, str(device), versions)
+
+    def build_state(self, grid: PositionGrid, device: torch.device | None) -> RotaryState:
+        dev_type = torch.device(device).type if device is not None else "cpu"
+        with torch.autocast(device_type=dev_type, enabled=False):
+            ang = self.angles(grid, device).float()
+            s = grid.num_prefix_tokens
+            if s:
+                pre = self.prefix_angles(grid, device)
+                if pre is None:
+                    pre = ang.new_zeros(*ang.shape[:-2], s, ang.shape[-1])
+                else:
+                    pre = pre.float().expand(*ang.shape[:-2], s, ang.shape[-1])
+                ang = torch.cat([pre, ang], dim=-2)
+            table = rotary_table(ang)
+        return RotaryState(table, per_layer=self.per_layer)
+
+    def prepare(self, grid: PositionGrid, device: torch.device | None = None) -> RotaryState:
+        self.check_grid(grid)
+        if not self.cacheable():
+            return self.build_state(grid, device)
+        key = self._cache_key(grid, device)
+        state = self._table_cache.get(key)
+        if state is None:
+            state = self.build_state(grid, device)
+            self._table_cache[key] = state
+            while len(self._table_cache) > self.cache_size:
+                self._table_cache.popitem(last=False)
+        else:
+            self._table_cache.move_to_end(key)
+        return state
+
+    def rotate(self, x: torch.Tensor, state: RotaryState, layer: int = 0) -> torch.Tensor:
+        return apply_rotary(x, state.for_layer(layer), self.layout)
+
+    def attend(self, q, k, v, *, layer=0, state=None, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
+        if state is not None:
+            q = self.rotate(q, state, layer)
+            k = self.rotate(k, state, layer)
+        return sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale)
+
+    def _apply(self, fn, *args, **kwargs):  # moving devices/dtypes invalidates cached tables
+        self._table_cache.clear()
+        return super()._apply(fn, *args, **kwargs)

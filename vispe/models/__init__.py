@@ -1,0 +1,16 @@
+"""timm-compatible models that take vispe positional encodings (registered in timm on import)."""
+from .checkpoint import LoadReport, adapt_timm_state_dict, load_timm_checkpoint, timm_checkpoint_filter
+from .layers import LayerPE, PEAttention, PEBlock
+from .vispe_vit import VispeVisionTransformer, parse_pos_encoding
+
+__all__ = [
+    "LoadReport",
+    "adapt_timm_state_dict",
+    "load_timm_checkpoint",
+    "timm_checkpoint_filter",
+    "LayerPE",
+    "PEAttention",
+    "PEBlock",
+    "VispeVisionTransformer",
+    "parse_pos_encoding",
+]

@@ -1,0 +1,70 @@
+"""timm's Attention and Block with one extra argument: the layer's positional-encoding binding.
+
+Parameter names are timm's, so every timm ViT checkpoint loads. With ``pe=None`` the maths is
+exactly timm's fused path.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import torch
+from timm.layers import Attention
+from timm.models.vision_transformer import Block
+
+from ..encodings.base import PositionalEncoding, sdpa
+
+__all__ = ["LayerPE", "PEAttention", "PEBlock"]
+
+
+class LayerPE(NamedTuple):
+    """What one attention layer needs from the encoding: the encoding, its per-forward state, the layer index."""
+
+    encoding: PositionalEncoding
+    state: Any
+    layer: int
+
+
+class PEAttention(Attention):
+    """timm ``Attention`` whose score computation is delegated to the encoding's ``attend`` hook."""
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        attn_mask: Optional[torch.Tensor] = None,
+        is_causal: bool = False,
+        pe: Optional[LayerPE] = None,
+    ) -> torch.Tensor:
+        B, N, C = x.shape
+        gate = self.gate(x).sigmoid() if self.gate is not None else None
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        q, k = self.q_norm(q), self.k_norm(k)
+        dropout_p = self.attn_drop.p if self.training else 0.0
+        if pe is None:
+            x = sdpa(q, k, v, attn_mask, dropout_p, is_causal)
+        else:
+            x = pe.encoding.attend(
+                q, k, v, layer=pe.layer, state=pe.state, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal
+            )
+        x = x.transpose(1, 2).reshape(B, N, self.attn_dim)
+        x = self.norm(x)
+        if gate is not None:
+            x = x * gate
+        x = self.proj(x)
+        x = self.proj_drop(x)
+        return x
+
+
+class PEBlock(Block):
+    """timm ``Block`` that forwards the layer's :class:`LayerPE` to its attention."""
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        attn_mask: Optional[torch.Tensor] = None,
+        is_causal: bool = False,
+        pe: Optional[LayerPE] = None,
+    ) -> torch.Tensor:
+        x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x), attn_mask=attn_mask, is_causal=is_causal, pe=pe)))
+        x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+        return x

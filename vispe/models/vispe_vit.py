@@ -1,0 +1,299 @@
+"""timm's VisionTransformer with a pluggable positional encoding, registered in timm as ``vispe_vit_*``.
+
+``VispeVisionTransformer(pos_encoding='rope_mixed', ...)`` keeps every timm parameter name and
+every timm feature (``dynamic_img_size``, ``forward_intermediates`` / ``features_only``,
+``set_input_size``, ``reset_classifier``, grad checkpointing); the encoding is driven through
+the hooks of :class:`vispe.encodings.PositionalEncoding`, so the model never looks at its name.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn as nn
+from timm.layers import to_2tuple
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models._features import feature_take_indices
+from timm.models.vision_transformer import VisionTransformer
+from torch.utils.checkpoint import checkpoint
+
+from ..encodings import EncodingContext, PositionGrid, create_encoding, get_encoding_class
+from .checkpoint import timm_checkpoint_filter
+from .layers import LayerPE, PEAttention, PEBlock
+
+__all__ = ["VispeVisionTransformer", "parse_pos_encoding"]
+
+PosEncodingArg = Union[str, Mapping[str, Any], Sequence[Any]]
+
+
+def parse_pos_encoding(spec: PosEncodingArg) -> tuple[str, dict[str, Any]]:
+    """``'rope_axial'``, ``{'name': 'irpe', 'mode': 'bias'}`` or ``('irpe', {'mode': 'bias'})`` -> ``(name, kwargs)``."""
+    if isinstance(spec, str):
+        return spec, {}
+    if isinstance(spec, Mapping):
+        spec = dict(spec)
+        if "name" not in spec:
+            raise ValueError(f"pos_encoding mapping needs a 'name' key, got keys {sorted(spec)}")
+        name = spec.pop("name")
+        kwargs = dict(spec.pop("kwargs", {}) or {})
+        kwargs.update(spec)
+        return name, kwargs
+    if isinstance(spec, (tuple, list)) and len(spec) == 2 and isinstance(spec[0], str) and isinstance(spec[1], Mapping):
+        return spec[0], dict(spec[1])
+    raise ValueError(f"pos_encoding must be a name, a mapping with 'name', or (name, kwargs); got {spec!r}")
+
+
+class VispeVisionTransformer(VisionTransformer):
+    """A timm ``VisionTransformer`` whose positional encoding is any registered vispe encoding.
+
+    Args:
+        pos_encoding: encoding name (see :func:`vispe.list_encodings`), a mapping
+            ``{'name': ..., **options}``, or ``(name, options)``.
+        **kwargs: timm ``VisionTransformer`` arguments (``pos_embed`` must stay unset: the
+            encoding replaces it).
+    """
+
+    def __init__(self, pos_encoding: PosEncodingArg = "learned", **kwargs: Any) -> None:
+        name, pe_kwargs = parse_pos_encoding(pos_encoding)
+        get_encoding_class(name)  # unknown names fail before any weight is built
+        if kwargs.get("pos_embed", "none") not in ("none", "", None):
+            raise ValueError(
+                f"pos_embed={kwargs['pos_embed']!r} is timm's own APE switch; vispe models take pos_encoding= instead "
+                f"(e.g. pos_encoding='learned')"
+            )
+        kwargs["pos_embed"] = "none"
+        img_size = to_2tuple(kwargs.get("img_size", 224))
+        patch_size = to_2tuple(kwargs.get("patch_size", 16))
+        if not kwargs.get("dynamic_img_pad", False) and (img_size[0] % patch_size[0] or img_size[1] % patch_size[1]):
+            raise ValueError(
+                f"img_size={img_size} is not divisible by patch_size={patch_size}; choose a multiple of the patch size "
+                f"or pass dynamic_img_pad=True"
+            )
+        kwargs.setdefault("block_fn", PEBlock)
+        kwargs.setdefault("attn_layer", PEAttention)
+        super().__init__(**kwargs)
+        self.pos_encoding_name = name
+        self.pos_encoding_kwargs = dict(pe_kwargs)
+        context = EncodingContext(
+            dim=self.embed_dim,
+            num_heads=self.blocks[0].attn.num_heads if len(self.blocks) else 1,
+            depth=len(self.blocks),
+            grid_size=tuple(self.patch_embed.grid_size),
+            num_prefix_tokens=self.num_prefix_tokens,
+            in_chans=self.patch_embed.proj.in_channels,
+            patch_size=tuple(self.patch_embed.patch_size),
+        )
+        self.pos_encoding = create_encoding(name, context, **pe_kwargs)
+        if kwargs.get("patch_drop_rate", 0.0) > 0 and not self.pos_encoding.supports_token_dropout:
+            raise ValueError(f"patch_drop_rate > 0 drops tokens, which encoding {name!r} cannot follow; set patch_drop_rate=0")
+
+    # ------------------------------------------------------------------------------------
+    def _check_input(self, x: torch.Tensor) -> None:
+        h, w = x.shape[-2:]
+        ph, pw = self.patch_embed.patch_size
+        if not self.patch_embed.dynamic_img_pad and (h % ph or w % pw):
+            raise ValueError(
+                f"input size {h}x{w} is not divisible by the patch size {ph}x{pw}; resize to a multiple "
+                f"or build the model with dynamic_img_pad=True"
+            )
+        if not self.dynamic_img_size and (h, w) != tuple(self.patch_embed.img_size):
+            raise ValueError(
+                f"input size {h}x{w} differs from the model's img_size {tuple(self.patch_embed.img_size)}; build the model with "
+                f"dynamic_img_size=True or call set_input_size()"
+            )
+
+    def embed(self, x: torch.Tensor) -> tuple[torch.Tensor, PositionGrid]:
+        """Patchify, prepend prefix tokens, apply token encodings. Returns tokens and their grid."""
+        image = x
+        self._check_input(x)
+        x = self.patch_embed(x)
+        if x.ndim == 4:  # NHWC from dynamic_img_size
+            grid_hw = tuple(x.shape[1:3])
+            x = x.flatten(1, 2)
+        else:
+            grid_hw = tuple(self.patch_embed.dynamic_feat_size(image.shape[-2:]))
+        grid = PositionGrid(grid_hw, self.num_prefix_tokens)
+        to_cat = []
+        if self.cls_token is not None:
+            to_cat.append(self.cls_token.expand(x.shape[0], -1, -1))
+        if self.reg_token is not None:
+            to_cat.append(self.reg_token.expand(x.shape[0], -1, -1))
+        if to_cat:
+            x = torch.cat(to_cat + [x], dim=1)
+        x = self.pos_encoding.embed_tokens(x, grid, None, image=image)
+        x = self.pos_drop(x)
+        x = self.patch_drop(x)
+        x = self.norm_pre(x)
+        return x, grid
+
+    def iter_blocks(
+        self,
+        x: torch.Tensor,
+        grid: PositionGrid,
+        attn_mask: Optional[torch.Tensor] = None,
+        is_causal: bool = False,
+        last_index: Optional[int] = None,
+    ):
+        """Run the blocks, yielding ``(index, tokens)`` after each (position-only work done once)."""
+        enc = self.pos_encoding
+        state = enc.prepare(grid, x.device)
+        use_ckpt = self.grad_checkpointing and not torch.jit.is_scripting() and torch.is_grad_enabled()
+        for i, blk in enumerate(self.blocks):
+            if last_index is not None and i > last_index:
+                break
+            pe = LayerPE(enc, state, i)
+            if use_ckpt:
+                x = checkpoint(blk, x, attn_mask, is_causal, pe, use_reentrant=False)
+            else:
+                x = blk(x, attn_mask=attn_mask, is_causal=is_causal, pe=pe)
+            x = enc.after_block(i, x, grid, state)
+            yield i, x
+
+    def forward_features(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False) -> torch.Tensor:
+        x, grid = self.embed(x)
+        for _, x in self.iter_blocks(x, grid, attn_mask, is_causal):
+            pass
+        return self.norm(x)
+
+    def forward_intermediates(
+        self,
+        x: torch.Tensor,
+        indices: Optional[Union[int, List[int]]] = None,
+        return_prefix_tokens: bool = False,
+        norm: bool = False,
+        stop_early: bool = False,
+        output_fmt: str = "NCHW",
+        intermediates_only: bool = False,
+        output_dict: bool = False,
+        attn_mask: Optional[torch.Tensor] = None,
+        is_causal: bool = False,
+    ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]], Dict[str, Any]]:
+        """timm's ``forward_intermediates`` with the encoding applied in every block."""
+        if output_fmt not in ("NCHW", "NLC"):
+            raise ValueError(f"output_fmt={output_fmt!r}; choose 'NCHW' or 'NLC'")
+        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
+        B = x.shape[0]
+        x, grid = self.embed(x)
+        intermediates = []
+        last = max_index if stop_early else None
+        for i, x in self.iter_blocks(x, grid, attn_mask, is_causal, last_index=last):
+            if i in take_indices:
+                intermediates.append(self.norm(x) if norm else x)
+        npt = self.num_prefix_tokens
+        prefix_tokens = [y[:, :npt] for y in intermediates] if npt else None
+        if npt:
+            intermediates = [y[:, npt:] for y in intermediates]
+        if output_fmt == "NCHW":
+            H, W = grid.shape
+            intermediates = [y.reshape(B, H, W, -1).permute(0, 3, 1, 2).contiguous() for y in intermediates]
+        if output_dict:
+            out: Dict[str, Any] = {"image_intermediates": intermediates}
+            if prefix_tokens is not None and return_prefix_tokens:
+                out["image_intermediates_prefix"] = prefix_tokens
+            if not intermediates_only:
+                out["image_features"] = self.norm(x)
+            return out
+        if return_prefix_tokens and prefix_tokens is not None:
+            intermediates = list(zip(intermediates, prefix_tokens))
+        if intermediates_only:
+            return intermediates
+        return self.norm(x), intermediates
+
+    def set_input_size(self, img_size: Optional[Tuple[int, int]] = None, patch_size: Optional[Tuple[int, int]] = None) -> None:
+        super().set_input_size(img_size=img_size, patch_size=patch_size)
+        self.pos_encoding.set_grid_size(tuple(self.patch_embed.grid_size))
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> set[str]:
+        names = set(super().no_weight_decay())
+        names |= {f"pos_encoding.{n}" for n in self.pos_encoding.no_weight_decay()}
+        return names
+
+
+# ----------------------------------------------------------------------------------------
+# timm registration
+# ----------------------------------------------------------------------------------------
+
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+
+
+def _cfg(**kwargs: Any) -> Dict[str, Any]:
+    return {
+        "url": "",
+        "num_classes": 1000,
+        "input_size": (3, 224, 224),
+        "pool_size": None,
+        "crop_pct": 0.9,
+        "interpolation": "bicubic",
+        "fixed_input_size": False,
+        "mean": IMAGENET_MEAN,
+        "std": IMAGENET_STD,
+        "first_conv": "patch_embed.proj",
+        "classifier": "head",
+        "license": "apache-2.0",
+        **kwargs,
+    }
+
+
+_small_image_cfg = dict(num_classes=10, input_size=(3, 32, 32), crop_pct=1.0, mean=CIFAR_MEAN, std=CIFAR_STD)
+
+default_cfgs = generate_default_cfgs(
+    {
+        "vispe_vit_tiny_patch16_224.untrained": _cfg(),
+        "vispe_vit_small_patch16_224.untrained": _cfg(),
+        "vispe_vit_base_patch16_224.untrained": _cfg(),
+        "vispe_vit_tiny_patch4_32.untrained": _cfg(**_small_image_cfg),
+        "vispe_vit_small_patch4_32.untrained": _cfg(**_small_image_cfg),
+    }
+)
+
+
+def _create_vispe_vit(variant: str, pretrained: bool = False, **kwargs: Any) -> VispeVisionTransformer:
+    out_indices = kwargs.pop("out_indices", 3)
+    kwargs.setdefault("dynamic_img_size", True)  # resolution changes are the point of vispe
+    strict = kwargs.pop("pretrained_strict", False)
+    return build_model_with_cfg(
+        VispeVisionTransformer,
+        variant,
+        pretrained,
+        pretrained_filter_fn=timm_checkpoint_filter,
+        pretrained_strict=strict,
+        feature_cfg=dict(out_indices=out_indices, feature_cls="getter"),
+        **kwargs,
+    )
+
+
+@register_model
+def vispe_vit_tiny_patch16_224(pretrained: bool = False, **kwargs: Any) -> VispeVisionTransformer:
+    """ViT-Ti/16 (192 wide, 12 blocks, 3 heads) with a pluggable ``pos_encoding``."""
+    args = dict(patch_size=16, embed_dim=192, depth=12, num_heads=3)
+    return _create_vispe_vit("vispe_vit_tiny_patch16_224", pretrained, **dict(args, **kwargs))
+
+
+@register_model
+def vispe_vit_small_patch16_224(pretrained: bool = False, **kwargs: Any) -> VispeVisionTransformer:
+    """ViT-S/16 (384 wide, 12 blocks, 6 heads) with a pluggable ``pos_encoding``."""
+    args = dict(patch_size=16, embed_dim=384, depth=12, num_heads=6)
+    return _create_vispe_vit("vispe_vit_small_patch16_224", pretrained, **dict(args, **kwargs))
+
+
+@register_model
+def vispe_vit_base_patch16_224(pretrained: bool = False, **kwargs: Any) -> VispeVisionTransformer:
+    """ViT-B/16 (768 wide, 12 blocks, 12 heads) with a pluggable ``pos_encoding``."""
+    args = dict(patch_size=16, embed_dim=768, depth=12, num_heads=12)
+    return _create_vispe_vit("vispe_vit_base_patch16_224", pretrained, **dict(args, **kwargs))
+
+
+@register_model
+def vispe_vit_tiny_patch4_32(pretrained: bool = False, **kwargs: Any) -> VispeVisionTransformer:
+    """ViT-Ti-class model for 32-px images: patch 4 (8x8 grid), 192 wide, 12 blocks, 3 heads."""
+    args = dict(img_size=32, patch_size=4, embed_dim=192, depth=12, num_heads=3)
+    return _create_vispe_vit("vispe_vit_tiny_patch4_32", pretrained, **dict(args, **kwargs))
+
+
+@register_model
+def vispe_vit_small_patch4_32(pretrained: bool = False, **kwargs: Any) -> VispeVisionTransformer:
+    """ViT-S-class model for 32-px images: patch 4 (8x8 grid), 384 wide, 12 blocks, 6 heads."""
+    args = dict(img_size=32, patch_size=4, embed_dim=384, depth=12, num_heads=6)
+    return _create_vispe_vit("vispe_vit_small_patch4_32", pretrained, **dict(args, **kwargs))
