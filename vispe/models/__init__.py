@@ -2,6 +2,7 @@
 from .checkpoint import LoadReport, adapt_timm_state_dict, load_timm_checkpoint, timm_checkpoint_filter
 from .layers import LayerPE, PEAttention, PEBlock
 from .vispe_vit import VispeVisionTransformer, parse_pos_encoding
+from . import video_vit, video_llm  # noqa: F401,E402  (registers vispe_video_vit_* in timm)
 
 __all__ = [
     "LoadReport",

@@ -1,0 +1,285 @@
+"""ComRoPE: commutation, shift invariance (and its failure without commutation), blockwise = dense,
+zero generators = no PE, grids, dtypes, parameter counts, bad input, peak memory (opt-in)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import timm
+import torch
+
+import vispe  # noqa: F401  (registers the models)
+from vispe.encodings import EncodingContext, PositionGrid, create_encoding
+from vispe.encodings.comrope import (
+    apply_block_rotation,
+    block_rotations,
+    comrope_coordinates,
+    line_jitter,
+    rotate_pair,
+    rotate_pair_gathered,
+    rotation_from_generators,
+)
+
+MODEL = "vispe_vit_tiny_patch4_32"
+
+
+def _enc(name: str, ndim: int = 2, heads: int = 2, head_dim: int = 16, depth: int = 2, **kw):
+    ctx = EncodingContext(dim=heads * head_dim, num_heads=heads, depth=depth, grid_size=(4,) * ndim)
+    return create_encoding(name, ctx, **kw)
+
+
+def _logits(rot: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    return apply_block_rotation(q, rot) @ apply_block_rotation(k, rot).transpose(-1, -2)
+
+
+@pytest.mark.parametrize("name,ndim", [("comrope_ap", 2), ("comrope_ld", 2), ("comrope_ld_3d", 3)])
+def test_generators_commute(name, ndim):
+    enc = _enc(name, ndim, block_size=4)
+    gens = enc.axis_generators()  # (N, depth, H, m, b, b)
+    assert gens.shape[0] == ndim
+    assert torch.allclose(gens, -gens.transpose(-1, -2))  # skew-symmetric
+    assert gens.abs().sum() > 0
+    for i in range(ndim):
+        for j in range(ndim):
+            assert torch.allclose(gens[i] @ gens[j], gens[j] @ gens[i], atol=1e-5)
+
+
+@pytest.mark.parametrize("name,ndim", [("comrope_ap", 2), ("comrope_ld", 2), ("comrope_ld_3d", 3)])
+def test_own_rotations_equal_exp_of_generator_sum(name, ndim):
+    """The fast path (scalar x skew block) equals exp(sum_i x_i A_i) from the per-axis generators."""
+    enc = _enc(name, ndim, block_size=4)
+    grid = PositionGrid((3,) * ndim if ndim == 3 else (3, 5), 1)
+    fast = enc.rotations(grid, None)  # (depth, H, L, m, b, b), lattice products
+    coords = comrope_coordinates(grid, None)
+    slow = rotation_from_generators(coords, enc.axis_generators())  # one matrix_exp per token
+    assert torch.allclose(fast, slow, atol=1e-5)
+    assert torch.allclose(enc.reference_rotations(grid), slow, atol=1e-5)
+    assert torch.equal(coords[0], torch.full((ndim,), 0.5))  # cls at the centre
+
+
+@pytest.mark.parametrize("name", ["comrope_ap", "comrope_ld"])
+def test_perturbed_rotations_equal_reference(name):
+    enc = _enc(name, block_size=4, sigma=1.0).train()
+    grid = PositionGrid((5, 6), 1)
+    torch.manual_seed(3)
+    fast = enc.rotations(grid, None)
+    torch.manual_seed(3)
+    jitter = line_jitter(grid, 1.0)
+    assert all((j.abs() <= 0.5 / n).all() and j.abs().max() > 0 for j, n in zip(jitter, grid.shape))
+    assert torch.allclose(fast, enc.reference_rotations(grid, jitter=jitter), atol=1e-5)
+
+
+@pytest.mark.parametrize("name,ndim", [("comrope_ap", 2), ("comrope_ld", 2), ("comrope_ld_3d", 3)])
+def test_logits_invariant_to_global_shift(name, ndim):
+    torch.manual_seed(0)
+    enc = _enc(name, ndim, block_size=4)
+    grid = PositionGrid((3, 4) if ndim == 2 else (2, 3, 3), 1)
+    coords = comrope_coordinates(grid, None)
+    shift = torch.tensor([0.37, -1.3, 0.8][:ndim])
+    gens = enc.axis_generators()
+    q = torch.randn(2, enc.num_heads, coords.shape[0], enc.head_dim)
+    k = torch.randn_like(q)
+    base = _logits(rotation_from_generators(coords, gens)[0], q, k)
+    moved = _logits(rotation_from_generators(coords + shift, gens)[0], q, k)
+    assert (base - moved).abs().max() < 1e-3 * base.abs().max()
+    # the rotation itself changes (so the check is not vacuous)
+    assert not torch.allclose(rotation_from_generators(coords, gens), rotation_from_generators(coords + shift, gens), atol=1e-3)
+
+
+def test_non_commuting_generators_fail_shift_invariance():
+    """LieRE-style free per-axis blocks do not commute, and the relative property breaks."""
+    torch.manual_seed(0)
+    heads, m, b = 2, 4, 4
+    raw = torch.randn(2, heads, m, b, b)
+    gens = raw - raw.transpose(-1, -2)
+    assert not torch.allclose(gens[0] @ gens[1], gens[1] @ gens[0], atol=1e-3)
+    grid = PositionGrid((3, 4), 1)
+    coords = comrope_coordinates(grid, None)
+    q = torch.randn(2, heads, coords.shape[0], m * b)
+    k = torch.randn_like(q)
+    base = _logits(rotation_from_generators(coords, gens), q, k)
+    moved = _logits(rotation_from_generators(coords + torch.tensor([0.37, -1.3]), gens), q, k)
+    assert (base - moved).abs().max() > 1e-2 * base.abs().max()
+
+
+def test_blockwise_equals_dense_block_diagonal():
+    torch.manual_seed(0)
+    h, length, m, b = 3, 5, 4, 4
+    raw = torch.randn(h, length, m, b, b)
+    rot = torch.linalg.matrix_exp(raw - raw.transpose(-1, -2))
+    x = torch.randn(2, h, length, m * b)
+    out = apply_block_rotation(x, rot)
+    dense = torch.stack([torch.stack([torch.block_diag(*rot[hh, n]) for n in range(length)]) for hh in range(h)])
+    ref = torch.einsum("hnij,bhnj->bhni", dense, x)
+    assert torch.allclose(out, ref, atol=1e-5)
+    assert torch.allclose(out.norm(dim=-1), x.norm(dim=-1), atol=1e-4)  # orthogonal
+
+
+@pytest.mark.parametrize("name", ["comrope_ap", "comrope_ld"])
+def test_gathered_rotation_matches_dense_values_and_gradients(name):
+    """The compact path used in attention (line tables + custom backward) equals rotating by the dense
+    per-token rotations with autograd's own matmul, in values and in gradients (q, k, generators)."""
+    torch.manual_seed(0)
+    enc = _enc(name, block_size=4)
+    grid = PositionGrid((3, 5), 1)
+    state = enc.prepare(grid, None)
+    q = torch.randn(2, 2, grid.seq_len, 16, dtype=torch.float64, requires_grad=True)
+    k = torch.randn_like(q, requires_grad=True)
+    w = torch.randn_like(q)
+    fast = rotate_pair_gathered(q, k, state.tables[1], state.flat_index)
+    dense = enc.rotations(grid, None)[1]
+    ref = tuple(torch.einsum("hnij,bhnj->bhni", dense.double().reshape(2, grid.seq_len, 4, 4, 4).flatten(1, 2).reshape(2, grid.seq_len * 4, 4, 4).reshape(2, grid.seq_len, 4, 4, 4).reshape(2, -1, 4, 4),
+                             x.reshape(2, 2, -1, 4)).reshape(x.shape) for x in (q, k))
+    for a, b in zip(fast, ref):
+        assert torch.allclose(a.double(), b, atol=1e-5)
+    params = [q, k, enc.base] + ([enc.scalars] if hasattr(enc, "scalars") else [])
+    g_fast = torch.autograd.grad(sum((o * w).sum() for o in fast), params)
+    g_ref = torch.autograd.grad(sum((o * w).sum() for o in rotate_pair(q, k, enc.rotations(grid, None)[1])), params)
+    for a, b in zip(g_fast, g_ref):
+        assert torch.allclose(a.double(), b.double(), atol=1e-4) and a.abs().sum() > 0
+
+
+def test_block_rotations_float32_under_autocast():
+    coef = torch.rand(5, 2)
+    raw = torch.randn(2, 4, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        r = block_rotations(coef, raw - raw.transpose(-1, -2))
+    assert r.dtype == torch.float32
+    eye = torch.eye(4).expand_as(r)
+    assert torch.allclose(r @ r.transpose(-1, -2), eye, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["comrope_ap", "comrope_ld"])
+def test_zero_generators_equal_no_pe(name):
+    torch.manual_seed(0)
+    pe = timm.create_model(MODEL, pos_encoding={"name": name, "zero_init": True}, depth=2).eval()
+    nope = timm.create_model(MODEL, pos_encoding="none", depth=2).eval()
+    missing, unexpected = nope.load_state_dict(pe.state_dict(), strict=False)
+    assert not missing and all(u.startswith("pos_encoding.") for u in unexpected)
+    x = torch.randn(2, 3, 32, 40)
+    with torch.no_grad():
+        assert torch.allclose(pe(x), nope(x), atol=1e-5)
+        # and a non-zero init really changes the output
+        pe2 = timm.create_model(MODEL, pos_encoding=name, depth=2).eval()
+        pe2.load_state_dict({k: v for k, v in pe.state_dict().items() if not k.startswith("pos_encoding.")}, strict=False)
+        assert not torch.allclose(pe2(x), nope(x), atol=1e-3)
+
+
+@pytest.mark.parametrize("name", ["comrope_ap", "comrope_ld"])
+def test_forward_backward_grids_and_bf16(name):
+    model = timm.create_model(MODEL, pos_encoding={"name": name, "sigma": 1.0}, depth=1)
+    for hw in [(32, 32), (48, 48), (32, 56)]:
+        model.zero_grad()
+        model(torch.randn(2, 3, *hw)).sum().backward()
+        assert model.pos_encoding.base.grad.abs().sum() > 0
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(torch.randn(2, 3, 40, 32))
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
+
+
+def test_3d_variant_runs_on_video_grid():
+    torch.manual_seed(0)
+    enc = _enc("comrope_ld_3d", 3, heads=2, head_dim=16)
+    grid = PositionGrid((2, 3, 4), 1)
+    state = enc.prepare(grid, None)
+    q = torch.randn(1, 2, grid.seq_len, 16, requires_grad=True)
+    out = enc.attend(q, q, q, layer=1, state=state)
+    out.sum().backward()
+    assert out.shape == q.shape and enc.base.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="3"):
+        enc.prepare(PositionGrid((4, 4), 1), None)
+
+
+def test_perturbation_only_in_training_and_cache_in_eval():
+    enc = _enc("comrope_ld", sigma=1.0)
+    grid = PositionGrid((4, 4), 1)
+    enc.train()
+    a, b = enc.prepare(grid, None).for_layer(0), enc.prepare(grid, None).for_layer(0)
+    assert not torch.allclose(a, b)
+    enc.eval()
+    with torch.no_grad():
+        s1, s2 = enc.prepare(grid, None), enc.prepare(grid, None)
+    assert s1 is s2
+    assert torch.allclose(torch.stack([s1.for_layer(i) for i in range(enc.depth)]), enc.rotations(grid, None).detach())
+
+
+@pytest.mark.parametrize(
+    "name,kw,expected",
+    [
+        ("comrope_ap", {}, 73_728),
+        ("comrope_ld", {}, 76_032),
+        ("comrope_ld", {"shared_scalars": True}, 73_920),
+    ],
+)
+def test_param_count_vit_b(name, kw, expected):
+    with torch.device("meta"):
+        model = timm.create_model("vispe_vit_base_patch16_224", pos_encoding={"name": name, **kw})
+    assert sum(p.numel() for p in model.pos_encoding.parameters()) == expected
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="block_size=6 does not divide head_dim=16"):
+        _enc("comrope_ap", block_size=6)
+    with pytest.raises(ValueError, match="multiple of 2"):
+        _enc("comrope_ap", head_dim=24, block_size=8)  # 3 blocks over 2 axes
+    with pytest.raises(ValueError, match="block_size"):
+        _enc("comrope_ld", block_size=1)
+    with pytest.raises(ValueError, match="sigma"):
+        _enc("comrope_ld", sigma=-1.0)
+    with pytest.raises(TypeError, match="valid options"):
+        _enc("comrope_ld", blocksize=8)
+
+
+# ---------------------------------------------------------------------------------------------
+# Peak memory, ViT-S/16 at 224, batch 8, forward + backward (opt-in: VISPE_MEMORY_TEST=1).
+# Each model runs in its own subprocess (glibc told to mmap buffers >= 128 KiB so freed ones leave RSS);
+# the figure is the peak RSS increase over the RSS just
+# before the forward (ru_maxrss after the step minus the RSS before it).
+# ---------------------------------------------------------------------------------------------
+_MEM_SCRIPT = textwrap.dedent(
+    """
+    import json, resource, sys, torch, timm, vispe
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    name = sys.argv[1]
+    model = timm.create_model('vispe_vit_small_patch16_224', pos_encoding=name)
+    x = torch.randn(8, 3, 224, 224)
+    def rss_kib():
+        with open('/proc/self/status') as f:
+            for line in f:
+                if line.startswith('VmRSS:'):
+                    return int(line.split()[1])
+    before = rss_kib()
+    model(x).sum().backward()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({'name': name, 'before_mib': before / 1024, 'peak_mib': peak / 1024, 'delta_mib': (peak - before) / 1024}))
+    """
+)
+
+
+def measure_peak_memory(names: tuple[str, ...] = ("rope_axial", "comrope_ap", "comrope_ld")) -> dict[str, dict]:
+    out = {}
+    for name in names:
+        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="131072")
+        res = subprocess.run([sys.executable, "-c", _MEM_SCRIPT, name], capture_output=True, text=True, check=True, env=env)
+        out[name] = json.loads(res.stdout.strip().splitlines()[-1])
+    return out
+
+
+@pytest.mark.skipif(os.environ.get("VISPE_MEMORY_TEST") != "1", reason="slow; set VISPE_MEMORY_TEST=1")
+def test_peak_memory_vs_rope_axial():
+    res = measure_peak_memory()
+    base = res["rope_axial"]["delta_mib"]
+    for name in ("comrope_ap", "comrope_ld"):
+        ratio = res[name]["delta_mib"] / base
+        print(f"{name}: {res[name]['delta_mib']:.0f} MiB vs rope_axial {base:.0f} MiB -> {ratio:.3f}x")
+        assert ratio <= 1.10
+
+
+if __name__ == "__main__":  # python tests/test_comrope.py  -> prints the memory figures
+    for name, r in measure_peak_memory().items():
+        print(name, json.dumps(r))

@@ -1,0 +1,143 @@
+"""Absolute 3D token encodings for video ViTs over a ``(t, h, w)`` lattice.
+
+* ``sincos3d`` -- a fixed sin-cos table: the width ``D`` is split into t / h / w parts
+  (``D/2`` frequency bands shared out as h, w: ``(D/2)//3`` each, t the rest); each axis has
+  ``[sin | cos]`` channels with frequencies ``temperature^(-k/n_axis)`` (timm's 2D convention per
+  axis). ``extrapolation='extend'`` evaluates the formula at the new integer indices,
+  ``'interpolate'`` at indices rescaled into the training grid's range.
+* ``learned_3d`` -- a learned ``(t, h, w)`` table (truncated normal, std 0.02), resampled
+  trilinearly for other grids (``align_corners=False``, like timm's 2D resampler). Optional prefix
+  rows (``embed_prefix=True``) give cls/register tokens their own learned rows.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from timm.layers import trunc_normal_
+from torch import nn
+
+from .absolute import EXTRAPOLATION_MODES, _check_choice
+from .base import TokenEncoding, register_encoding
+from .grid import PositionGrid
+from .rope3d import grid_thw
+
+__all__ = ["Learned3d", "SinCos3d", "sincos3d_table"]
+
+
+def _split_bands(dim: int) -> tuple[int, int, int]:
+    half = dim // 2
+    s = half // 3
+    return half - 2 * s, s, s
+
+
+def sincos3d_table(idx: torch.Tensor, dim: int, temperature: float = 10000.0) -> torch.Tensor:
+    """``(N, dim)`` sin-cos table for float ``(t, h, w)`` indices ``idx`` of shape ``(N, 3)``."""
+    if dim % 2 or dim < 6:
+        raise ValueError(f"sincos3d needs an even embedding dim >= 6, got dim={dim}")
+    parts = []
+    for a, n in enumerate(_split_bands(dim)):
+        if n == 0:
+            continue
+        omega = temperature ** (-torch.arange(n, device=idx.device, dtype=torch.float32) / n)
+        ang = idx[:, a : a + 1].float() * omega
+        parts += [torch.sin(ang), torch.cos(ang)]
+    return torch.cat(parts, dim=-1)
+
+
+def _add_to_lattice(x: torch.Tensor, pe: torch.Tensor, s: int) -> torch.Tensor:
+    if s == 0:
+        return x + pe
+    return torch.cat([x[:, :s], x[:, s:] + pe], dim=1)
+
+
+@register_encoding("sincos3d")
+class SinCos3d(TokenEncoding):
+    """Fixed 3D sin-cos table added to the lattice tokens (t, h, w parts of the width)."""
+
+    grid_ndims = (3,)
+    prefix_policy = "prefix tokens get nothing added"
+
+    def __init__(self, dim: int, grid_size: Sequence[int] = (8, 14, 14), temperature: float = 10000.0, extrapolation: str = "extend") -> None:
+        super().__init__()
+        if dim % 2 or dim < 6:
+            raise ValueError(f"sincos3d needs an even embedding dim >= 6, got dim={dim}")
+        _check_choice("extrapolation", extrapolation, EXTRAPOLATION_MODES)
+        self.dim = dim
+        self.grid_size = tuple(int(g) for g in grid_size)
+        self.temperature = temperature
+        self.extrapolation = extrapolation
+        self._cache: dict[Any, torch.Tensor] = {}
+
+    def table_for(self, grid: PositionGrid, device: torch.device | None) -> torch.Tensor:
+        self.check_grid(grid)
+        key = (grid.shape, str(device))
+        table = self._cache.get(key)
+        if table is None:
+            train = self.grid_size if self.extrapolation == "interpolate" else None
+            table = sincos3d_table(grid_thw(grid, device, train), self.dim, self.temperature)[None]
+            if len(self._cache) > 16:
+                self._cache.clear()
+            self._cache[key] = table
+        return table
+
+    def embed_tokens(self, x, grid, state=None, image=None):
+        return _add_to_lattice(x, self.table_for(grid, x.device).to(x.dtype), grid.num_prefix_tokens)
+
+    def set_grid_size(self, grid_size: Sequence[int]) -> None:
+        self.grid_size = tuple(int(g) for g in grid_size)
+        self._cache.clear()
+
+
+@register_encoding("learned_3d")
+class Learned3d(TokenEncoding):
+    """Learned ``(t, h, w)`` absolute table, trilinearly resampled to other frame counts / resolutions."""
+
+    grid_ndims = (3,)
+    prefix_policy = "prefix tokens get their own learned rows (embed_prefix=True) or nothing (embed_prefix=False)"
+
+    def __init__(self, dim: int, grid_size: Sequence[int] = (8, 14, 14), num_prefix_tokens: int = 1, embed_prefix: bool = True) -> None:
+        super().__init__()
+        gs = tuple(int(g) for g in grid_size)
+        if len(gs) != 3 or min(gs) < 1:
+            raise ValueError(f"learned_3d needs a (t, h, w) training grid of positive sizes, got grid_size={grid_size!r}")
+        self.grid_size = gs
+        self.embed_prefix = embed_prefix
+        self.num_prefix_rows = num_prefix_tokens if embed_prefix else 0
+        self.pos_embed = nn.Parameter(torch.zeros(1, gs[0], gs[1], gs[2], dim))
+        trunc_normal_(self.pos_embed, std=0.02)
+        self.prefix_embed = nn.Parameter(torch.zeros(1, self.num_prefix_rows, dim)) if self.num_prefix_rows else None
+        if self.prefix_embed is not None:
+            trunc_normal_(self.prefix_embed, std=0.02)
+
+    @staticmethod
+    def resample(table: torch.Tensor, new: Sequence[int]) -> torch.Tensor:
+        """``(1, t, h, w, D) -> (1, t', h', w', D)`` trilinear (float32 math)."""
+        if tuple(table.shape[1:4]) == tuple(new):
+            return table
+        x = table.permute(0, 4, 1, 2, 3).float()
+        x = F.interpolate(x, size=tuple(new), mode="trilinear", align_corners=False)
+        return x.permute(0, 2, 3, 4, 1).to(table.dtype)
+
+    def embed_tokens(self, x, grid, state=None, image=None):
+        self.check_grid(grid)
+        s = grid.num_prefix_tokens
+        if self.embed_prefix and s != self.num_prefix_rows:
+            raise ValueError(f"learned_3d has {self.num_prefix_rows} prefix rows but the sequence has {s} prefix tokens")
+        pe = self.resample(self.pos_embed, grid.shape).flatten(1, 3).to(x.dtype)
+        if self.prefix_embed is not None:
+            pe = torch.cat([self.prefix_embed.to(x.dtype), pe], dim=1)
+            return x + pe
+        return _add_to_lattice(x, pe, s)
+
+    @torch.no_grad()
+    def set_grid_size(self, grid_size: Sequence[int]) -> None:
+        new = tuple(int(g) for g in grid_size)
+        if new != self.grid_size:
+            self.pos_embed = nn.Parameter(self.resample(self.pos_embed.data, new), requires_grad=self.pos_embed.requires_grad)
+            self.grid_size = new
+
+    def no_weight_decay(self) -> set[str]:
+        return {"pos_embed", "prefix_embed"} if self.prefix_embed is not None else {"pos_embed"}

@@ -1,0 +1,605 @@
+"""ComRoPE (Yu et al., CVPR 2025): rotary encoding with trainable, pairwise-commuting angle matrices.
+
+Each token at coordinate ``x in R^N`` rotates its query and key by ``R(x) = exp(sum_i x_i A_i)``
+with skew-symmetric generators ``A_i``. The score ``(R(x) q)^T (R(y) k) = q^T R(y - x) k`` depends
+only on ``y - x`` exactly when the ``A_i`` commute, so both variants build commuting sets from
+block-diagonal generators with ``m = head_dim / b`` blocks of size ``b x b`` per head and layer:
+
+* **AP** (axis partition): block ``j`` belongs to axis ``j mod N``; ``B_ij = P_j - P_j^T`` on its
+  axis and 0 elsewhere.
+* **LD** (linearly dependent): ``B_ij = theta_ij (P_j - P_j^T)``: one base matrix per block and one
+  scalar per (axis, block) (per head by default, as in the paper's parameter count; the released
+  code shares the scalars across heads -- ``shared_scalars=True``).
+
+The rotations for all layers are computed once per forward in :meth:`prepare` (cached per grid when
+no gradient flows), in float32 with autocast off, from ``torch.linalg.matrix_exp`` of ``b x b``
+blocks. Because the generators commute, ``R(x) = prod_a exp(x_a G_a)`` and every axis only takes
+the lattice values ``(i + 0.5) / n`` (odd multiples of ``1 / 2n``; the centre 0.5 is ``n`` of them):
+one ``matrix_exp(G_a / 2n)`` per (layer, head, block, axis) and a few batched products by doubling
+give every line, which are then gathered per token (and, for LD, multiplied across axes).
+:meth:`ComRopeBase.reference_rotations` does the naive thing (one ``matrix_exp`` per token and block)
+and the tests check the two agree; the naive form costs ~100k ``matrix_exp`` per ViT-S forward and
+its backward is ~3x slower than the whole model. Rotations are applied **blockwise** (batched
+``b x b`` products over contiguous channel blocks, q and k of the whole batch folded into the matrix
+columns), never as a dense ``head_dim x head_dim`` matrix; in attention the per-token rotations are
+gathered from the per-layer line tables inside a custom autograd function
+(:func:`rotate_pair_gathered`), so no per-token rotations are stored for the backward. The rotated
+q/k are contiguous, which keeps SDPA on its fused kernel.
+
+Coordinates are patch centres normalised per axis to (0, 1) (``PositionGrid.centers``); every prefix
+token (cls, registers) sits at the centre ``(0.5, ..., 0.5)`` and is rotated like a patch (the
+paper's choice; RoPE-ViT leaves cls unrotated). A new resolution samples the same unit square more
+densely. Optional training-time perturbation ``sigma``: coordinates move by ``N(0, (0.5 sigma)^2)``
+patches clamped to +-0.5 patch before normalisation (released code's magnitude), drawn per lattice
+line and per forward, shared by the batch (vispe's choice: the released code draws per patch and
+sample, which would need one ``matrix_exp`` per token and sample); off in eval mode.
+``zero_init=True`` starts from the identity (plain attention), for inserting into
+pretrained models. Registered as ``comrope_ap``, ``comrope_ld`` (2D) and ``comrope_ld_3d`` (video
+``(t, h, w)`` grids).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, ClassVar, Sequence
+
+import torch
+import torch.nn as nn
+
+from .base import PositionalEncoding, register_encoding, sdpa
+from .grid import PositionGrid
+
+__all__ = [
+    "ComRopeBase",
+    "ComRopeAP",
+    "ComRopeLD",
+    "ComRopeLD3d",
+    "ComRopeState",
+    "block_rotations",
+    "apply_block_rotation",
+    "rotate_pair",
+    "rotate_pair_gathered",
+    "rotation_from_generators",
+    "comrope_coordinates",
+]
+
+
+def _skew(p: torch.Tensor) -> torch.Tensor:
+    return p - p.transpose(-1, -2)
+
+
+def block_rotations(coef: torch.Tensor, skew: torch.Tensor) -> torch.Tensor:
+    """``matrix_exp(coef[..., n, j] * skew[..., j, :, :])`` in float32 with autocast off.
+
+    Args:
+        coef: per-token scalars ``(..., L, m)``.
+        skew: skew-symmetric blocks ``(..., m, b, b)`` (leading dims broadcast against ``coef``'s).
+
+    Returns:
+        rotations ``(..., L, m, b, b)``.
+    """
+    dev_type = coef.device.type
+    with torch.autocast(device_type=dev_type, enabled=False):
+        gen = (coef.float()[..., None, None] * skew.float().unsqueeze(-4)).contiguous()
+        return torch.linalg.matrix_exp(gen)
+
+
+def rotation_from_generators(coords: torch.Tensor, generators: torch.Tensor) -> torch.Tensor:
+    """General ``R(x) = exp(sum_i x_i A_i)`` for block-diagonal generators (no commutation assumed).
+
+    Args:
+        coords: ``(L, N)`` token coordinates.
+        generators: ``(N, ..., m, b, b)`` per-axis block generators.
+
+    Returns:
+        ``(..., L, m, b, b)`` block rotations (float32). Used to check the theory (e.g. a free,
+        non-commuting LieRE-style set loses shift invariance) and by tests.
+    """
+    with torch.autocast(device_type=coords.device.type, enabled=False):
+        g = generators.float()
+        n_axes = g.shape[0]
+        if coords.shape[-1] != n_axes:
+            raise ValueError(f"coords have {coords.shape[-1]} axes but there are {n_axes} generators")
+        # (N, ..., 1, m, b, b) * (L, 1, 1, 1) summed over N -> (..., L, m, b, b)
+        lead = g.shape[1:-3]
+        c = coords.float().reshape(coords.shape[0], n_axes, *([1] * len(lead)))
+        c = c.permute(1, *range(2, 2 + len(lead)), 0)  # (N, *1, L)
+        m = (c[..., None, None, None] * g.unsqueeze(-4)).sum(0)
+        return torch.linalg.matrix_exp(m.contiguous())
+
+
+class _BlockMatmul(torch.autograd.Function):
+    """``torch.bmm`` whose backward also runs on contiguous operands.
+
+    Autograd's own ``bmm`` backward multiplies by transposed views, which on CPU falls back to one
+    copy per small matrix (thousands of 8x8 matrices here); transposing once up front avoids that.
+    """
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(a, b)
+        return torch.bmm(a, b)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        a, b = ctx.saved_tensors
+        grad = grad.contiguous()
+        ga = torch.bmm(grad, b.transpose(1, 2).contiguous()) if ctx.needs_input_grad[0] else None
+        gb = torch.bmm(a.transpose(1, 2).contiguous(), grad) if ctx.needs_input_grad[1] else None
+        return ga, gb
+
+
+def block_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` over broadcast leading dims for many small matrices, float32, autocast off."""
+    lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    p, q, r = a.shape[-2], a.shape[-1], b.shape[-1]
+    with torch.autocast(device_type=a.device.type, enabled=False):
+        a2 = a.float().expand(*lead, p, q).reshape(-1, p, q).contiguous()
+        b2 = b.float().expand(*lead, q, r).reshape(-1, q, r).contiguous()
+        return _BlockMatmul.apply(a2, b2).reshape(*lead, p, r)
+
+
+def apply_block_rotation(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``(B, H, L, m*b)`` by block rotations ``rot`` ``(H or 1, L, m, b, b)``.
+
+    Channels ``[j*b, (j+1)*b)`` form block ``j``. The batch is folded into the matrix columns so the
+    work is one batched ``(b x b) @ (b x B)`` product per (head, token, block) -- never a dense
+    ``head_dim x head_dim`` matrix; math in float32, output contiguous in ``x``'s dtype (SDPA's fused
+    CPU/GPU kernels need a unit last-dim stride).
+    """
+    return rotate_pair(x, None, rot)[0]
+
+
+def _pair_columns(q: torch.Tensor, k: torch.Tensor | None, m: int, b: int) -> torch.Tensor:
+    """``(n, B, H, L, m*b)`` -> ``(H, L, m, b, n*B)``: the batch (of q and k) as matrix columns, float32."""
+    bsz, heads, length, dh = q.shape
+    if m * b != dh:
+        raise ValueError(f"rotation has {m} blocks of size {b} but the head dimension is {dh}")
+    xs = q.float()[None] if k is None else torch.stack([q.float(), k.float()])
+    n = xs.shape[0]
+    return xs.reshape(n, bsz, heads, length, m, b).permute(2, 3, 4, 5, 0, 1).reshape(heads, length, m, b, n * bsz)
+
+
+def _split_columns(
+    out: torch.Tensor, like: torch.Tensor, pair: bool, dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Inverse of :func:`_pair_columns`: contiguous ``(B, H, L, m*b)`` tensors (in ``dtype`` or ``like``'s)."""
+    bsz, heads, length, dh = like.shape
+    n = 2 if pair else 1
+    m, b = out.shape[2], out.shape[3]
+    out = out.reshape(heads, length, m, b, n, bsz).permute(4, 5, 0, 1, 2, 3).contiguous()
+    out = out.reshape(n, bsz, heads, length, dh).to(dtype or like.dtype)
+    return out[0], (out[1] if pair else None)
+
+
+def rotate_pair(q: torch.Tensor, k: torch.Tensor | None, rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rotate ``q`` and ``k`` (same shape) by per-token block rotations ``rot`` ``(H or 1, L, m, b, b)``
+    in ONE batched product (their batches side by side in the matrix columns)."""
+    cols = _pair_columns(q, k, rot.shape[-3], rot.shape[-1])
+    return _split_columns(block_matmul(rot, cols), q, k is not None)
+
+
+class _GatheredBlockRotation(torch.autograd.Function):
+    """Rotate q and k by per-token rotations that are products of gathered line-table factors:
+    ``out[h, n, j] = F_0[h, idx_0[n, j]] @ ... @ F_{A-1}[h, idx_{A-1}[n, j]] @ x[h, n, j]`` for both,
+    in one product.
+
+    The ``b x b`` factors are gathered from small per-(head, block) line tables (one per factor:
+    LD keeps one table per grid axis, since ``R(x) = prod_a exp(x_a G_a)``; AP needs one), multiplied
+    per token in the forward and gathered and multiplied again in the backward; only the tables and
+    the *unrotated* q/k are saved (views of the qkv projection, which SDPA keeps alive through ``v``
+    anyway), so the rotation adds no saved activations beyond its outputs. A table's gradient is a
+    scatter-add of ``prefix^T @ dR @ suffix^T``.
+    """
+
+    @staticmethod
+    def forward(ctx, flat_idx: torch.Tensor, q: torch.Tensor, k: torch.Tensor, *tables: torch.Tensor):  # type: ignore[override]
+        b = tables[0].shape[-1]
+        m = flat_idx.shape[-1] // q.shape[-2]
+        cols = _pair_columns(q, k, m, b)  # (H, L, m, b, 2B) float32
+        rot = _gathered_product(tables, flat_idx)[-1]
+        out = torch.bmm(rot, cols.reshape(-1, b, cols.shape[-1])).reshape(cols.shape)
+        ctx.save_for_backward(flat_idx, q, k, *tables)
+        return _split_columns(out, q, True, torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad_q: torch.Tensor, grad_k: torch.Tensor):  # type: ignore[override]
+        flat_idx, q, k, *tables = ctx.saved_tensors
+        b = tables[0].shape[-1]
+        m = flat_idx.shape[-1] // q.shape[-2]
+        g = _pair_columns(grad_q, grad_k, m, b)
+        c = g.shape[-1]
+        g2 = g.reshape(-1, b, c)
+        prefixes = _gathered_product(tables, flat_idx)  # F_0, F_0 F_1, ..., R
+        rot = prefixes[-1]
+        g_q = g_k = None
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+            g_cols = torch.bmm(rot.transpose(-1, -2).contiguous(), g2).reshape(g.shape)
+            g_q, g_k = _split_columns(g_cols, q, True)
+            g_k = g_k.to(k.dtype)
+        g_tables: list[torch.Tensor | None] = [None] * len(tables)
+        if any(ctx.needs_input_grad[3:]):
+            cols = _pair_columns(q, k, m, b)
+            g_rot = torch.bmm(g2, cols.reshape(-1, b, c).transpose(1, 2).contiguous())  # dL/dR per (h, n, j)
+            idx2 = flat_idx.reshape(len(tables), -1)
+            suffix = None  # F_{a+1} ... F_{A-1}
+            for a in range(len(tables) - 1, -1, -1):
+                g_f = g_rot if suffix is None else torch.bmm(g_rot, suffix.transpose(1, 2).contiguous())
+                if a > 0:
+                    g_f = torch.bmm(prefixes[a - 1].transpose(1, 2).contiguous(), g_f)
+                if ctx.needs_input_grad[3 + a]:
+                    t = tables[a]
+                    g_tables[a] = torch.zeros_like(t).index_add_(1, idx2[a], g_f.reshape(t.shape[0], -1, b, b))
+                if a > 0:
+                    f = _gather_rows(tables[a], idx2[a])
+                    suffix = f if suffix is None else torch.bmm(f, suffix)
+        return (None, g_q, g_k, *g_tables)
+
+
+def _gather_rows(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Rows ``idx`` of a line table ``(H, R, b, b)`` as ``(H * len(idx), b, b)``."""
+    return table.index_select(1, idx).reshape(-1, table.shape[-2], table.shape[-1])
+
+
+def _gathered_product(tables: Sequence[torch.Tensor], flat_idx: torch.Tensor) -> list[torch.Tensor]:
+    """Running products ``[F_0, F_0 F_1, ..., F_0 ... F_{A-1}]`` of the gathered factors, each ``(H*L*m, b, b)``."""
+    idx2 = flat_idx.reshape(len(tables), -1)
+    out = [_gather_rows(tables[0], idx2[0])]
+    for t, idx in zip(tables[1:], idx2[1:]):
+        out.append(torch.bmm(out[-1], _gather_rows(t, idx)))
+    return out
+
+
+def rotate_pair_gathered(
+    q: torch.Tensor, k: torch.Tensor, tables: torch.Tensor | Sequence[torch.Tensor], flat_idx: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rotate_pair` with each token's block rotation the product of factors gathered from line
+    tables: ``tables`` is one ``(H, R_a, b, b)`` tensor or a sequence of them (one per factor),
+    ``flat_idx`` ``(L*m,)`` or ``(A, L*m)`` the rows per (token, block) (see :class:`ComRopeState`);
+    outputs contiguous, in q's dtype."""
+    if isinstance(tables, torch.Tensor):
+        tables = (tables,)
+    flat_idx = flat_idx.reshape(len(tables), -1)
+    b = tables[0].shape[-1]
+    m = flat_idx.shape[-1] // q.shape[-2]
+    if m * b != q.shape[-1]:
+        raise ValueError(f"rotation has {m} blocks of size {b} but the head dimension is {q.shape[-1]}")
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        q2, k2 = _GatheredBlockRotation.apply(flat_idx, q, k, *(t.float().contiguous() for t in tables))
+    return q2.to(q.dtype), k2.to(k.dtype)
+
+
+def _odd_powers(half_step: torch.Tensor, count: int) -> torch.Tensor:
+    """``A^1 .. A^count`` of ``A = half_step`` ``(..., b, b)`` by doubling: ``(..., count, b, b)``."""
+    pows = half_step.unsqueeze(-3)
+    cur = half_step  # A^k with k = pows.shape[-3]
+    while pows.shape[-3] < count:
+        pows = torch.cat([pows, block_matmul(pows, cur.unsqueeze(-3))], dim=-3)
+        cur = block_matmul(cur, cur)
+    return pows[..., :count, :, :]
+
+
+def lattice_line_rotations(gen: torch.Tensor, size: int, jitter: torch.Tensor | None = None) -> torch.Tensor:
+    """``exp(v G)`` for the ``size`` patch-centre values ``v_i = (i + 0.5) / size`` of one axis (each
+    optionally moved by ``jitter[i]``), plus the centre ``v = 0.5`` appended last.
+
+    Centres are odd multiples of ``1 / (2 size)`` and the centre is ``size`` of them, so one
+    ``matrix_exp(G / (2 size))`` per block and a few batched products give the whole axis
+    (exact up to float32 rounding): ``(..., size + 1, b, b)`` for generators ``gen`` ``(..., b, b)``.
+    """
+    with torch.autocast(device_type=gen.device.type, enabled=False):
+        gen = gen.float()
+        half = torch.linalg.matrix_exp((gen / (2 * size)).contiguous())
+        pows = _odd_powers(half, 2 * size)  # A^1 .. A^(2 size)
+        lines = pows[..., 0::2, :, :]  # A^(2i + 1): the patch centres
+        if jitter is not None:
+            eps = torch.linalg.matrix_exp((jitter.float()[:, None, None] * gen.unsqueeze(-3)).contiguous())
+            lines = block_matmul(lines, eps)
+        return torch.cat([lines, pows[..., size - 1 : size, :, :]], dim=-3)
+
+
+def line_jitter(grid: PositionGrid, sigma: float, device: torch.device | str | None = None) -> list[torch.Tensor]:
+    """Training-time perturbation: one offset per lattice line of every axis, in normalised units.
+
+    Each line moves by ``N(0, (0.5 sigma)^2)`` patches clamped to +-0.5 patch (it stays inside its
+    patch), as in the released code -- but per line and per forward (shared by the batch) rather than
+    per patch and sample, so rotations stay one lattice product and batch-independent.
+    """
+    return [(torch.randn(n, device=device) * (0.5 * sigma)).clamp(-0.5, 0.5) / n for n in grid.shape]
+
+
+def comrope_coordinates(
+    grid: PositionGrid, device: torch.device | str | None, jitter: Sequence[torch.Tensor] | None = None
+) -> torch.Tensor:
+    """Normalised coordinates ``(S + N, ndim)``: prefix tokens at ``0.5``, patches at their centres
+    ``(i + 0.5) / size`` (plus the per-line ``jitter`` of :func:`line_jitter`, if given)."""
+    coords = grid.centers(device)
+    if jitter is not None:
+        idx = grid.indices(device).long()
+        coords = coords + torch.stack([j.to(coords.device)[idx[:, a]] for a, j in enumerate(jitter)], dim=-1)
+    if grid.num_prefix_tokens:
+        coords = torch.cat([coords.new_full((grid.num_prefix_tokens, grid.ndim), 0.5), coords], dim=0)
+    return coords
+
+
+def _token_line_index(grid: PositionGrid, device: torch.device | str | None) -> list[torch.Tensor]:
+    """Per axis, each token's row in :func:`lattice_line_rotations` (prefix tokens -> the centre row)."""
+    idx = grid.indices(device).long()
+    out = []
+    for a, n in enumerate(grid.shape):
+        pre = torch.full((grid.num_prefix_tokens,), n, dtype=torch.long, device=idx.device)
+        out.append(torch.cat([pre, idx[:, a]]))
+    return out
+
+
+@dataclass
+class ComRopeState:
+    """Per-forward rotations in compact form: per layer, one or more factor line tables
+    ``(H, m*K_a, b, b)``, and for every factor and (token, block) its row, ``flat_index`` ``(A, L*m)``;
+    a token's block rotation is ``prod_a tables[layer][a][:, flat_index[a, n*m + j]]``. AP has one
+    factor (each block follows one axis; ``K`` = that axis' lines + centre); LD has one per grid axis
+    (``R(x) = prod_a exp(x_a G_a)``), so every table holds only ``O(lines * blocks * b^2)`` and the
+    per-token products are formed inside attention and recomputed in the backward.
+    """
+
+    tables: tuple[tuple[torch.Tensor, ...], ...]
+    flat_index: torch.Tensor
+    num_blocks: int
+
+    @classmethod
+    def build(cls, tables: Sequence[torch.Tensor], index: torch.Tensor) -> "ComRopeState":
+        """``tables``: per factor ``(depth, H, m, K_a, b, b)``; ``index`` ``(A, L, m)`` rows into each ``K_a``."""
+        m = tables[0].shape[2]
+        offsets = torch.arange(m, device=index.device)
+        flat = torch.stack([(index[a] + offsets * t.shape[3]).reshape(-1) for a, t in enumerate(tables)])
+        per_factor = [t.reshape(t.shape[0], t.shape[1], -1, *t.shape[-2:]).contiguous().unbind(0) for t in tables]
+        return cls(tuple(zip(*per_factor)), flat, m)
+
+    def for_layer(self, layer: int) -> torch.Tensor:
+        """Dense per-token block rotations ``(H, L, m, b, b)`` of one layer (for analysis and tests)."""
+        tables = self.tables[layer]
+        heads, b = tables[0].shape[0], tables[0].shape[-1]
+        return _gathered_product(tables, self.flat_index)[-1].reshape(heads, -1, self.num_blocks, b, b)
+
+
+class ComRopeBase(PositionalEncoding):
+    """Shared machinery of the ComRoPE variants; subclasses define :meth:`coefficients`."""
+
+    kind = "rotary"
+    prefix_policy = "prefix tokens (cls, registers) sit at the grid centre (0.5, ...) and are rotated like patches"
+    num_axes: ClassVar[int] = 2
+    cache_size: ClassVar[int] = 8
+
+    def __init__(
+        self,
+        head_dim: int,
+        num_heads: int,
+        depth: int,
+        block_size: int = 8,
+        init_std: float = 1.0,
+        zero_init: bool = False,
+        sigma: float = 0.0,
+    ) -> None:
+        super().__init__()
+        if not isinstance(block_size, int) or block_size < 2:
+            raise ValueError(f"block_size must be an integer >= 2, got {block_size!r}")
+        if head_dim % block_size:
+            raise ValueError(
+                f"{self.registry_name or type(self).__name__}: block_size={block_size} does not divide head_dim={head_dim}; "
+                f"choose a block size among the divisors of {head_dim} (default 8)"
+            )
+        if sigma < 0:
+            raise ValueError(f"sigma (position perturbation) must be >= 0, got {sigma}")
+        self.head_dim = head_dim
+        self.num_heads = num_heads
+        self.depth = depth
+        self.block_size = block_size
+        self.num_blocks = head_dim // block_size
+        self.sigma = float(sigma)
+        self.init_std = init_std
+        self.zero_init = zero_init
+        b, m = block_size, self.num_blocks
+        # raw (unconstrained) matrices P; the generator block is P - P^T
+        self.base = nn.Parameter(torch.empty(depth, num_heads, m, b, b))
+        self._cache: OrderedDict[Any, ComRopeState] = OrderedDict()
+
+    def reset_parameters(self) -> None:
+        if self.zero_init:
+            nn.init.zeros_(self.base)
+        else:
+            nn.init.normal_(self.base, std=self.init_std)
+
+    # -- to implement ----------------------------------------------------------------------
+    def coefficients(self, coords: torch.Tensor) -> torch.Tensor:
+        """Per-token block scalars ``(depth, H or 1, L, m)`` from coordinates ``(L, N)``."""
+        raise NotImplementedError
+
+    def axis_generators(self) -> torch.Tensor:
+        """The per-axis generators ``A_i`` in block form ``(N, depth, H, m, b, b)`` (for analysis/tests)."""
+        raise NotImplementedError
+
+    # -- shared ------------------------------------------------------------------------------
+    def skew_blocks(self) -> torch.Tensor:
+        return _skew(self.base.float())
+
+    def axis_line_generators(self) -> list[torch.Tensor]:
+        """Per axis, the block generators that multiply that axis' coordinate (see subclasses)."""
+        raise NotImplementedError
+
+    def combine(self, tables: list[torch.Tensor], lines: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Per-axis line tables + each token's line per axis -> factor tables ``[(depth, H, m, K_a, b, b)]``
+        and rows ``index (A, L, m)`` (see :class:`ComRopeState`)."""
+        raise NotImplementedError
+
+    def line_tables(self, grid: PositionGrid, device: torch.device | None) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """``(tables [(depth, H, m, K_a, b, b)], index (A, L, m))``: factor line tables and each
+        (token, block)'s row in each; a block rotation is the product of its factors.
+        ``R(x) = prod_a exp(x_a G_a)`` (the generators commute), each axis from
+        :func:`lattice_line_rotations`."""
+        dev = device if device is not None else self.base.device
+        jitter = line_jitter(grid, self.sigma, dev) if (self.training and self.sigma > 0) else None
+        with torch.autocast(device_type=torch.device(dev).type, enabled=False):
+            tables = [
+                lattice_line_rotations(gen, grid.shape[a], None if jitter is None else jitter[a])
+                for a, gen in enumerate(self.axis_line_generators())
+            ]  # per axis: (depth, H, m_a, n_a + 1, b, b), the last row is the centre (prefix tokens)
+            return self.combine(tables, _token_line_index(grid, dev))
+
+    def rotations(self, grid: PositionGrid, device: torch.device | None) -> torch.Tensor:
+        """Dense block rotations for every layer and token: ``(depth, H, L, m, b, b)``, float32.
+
+        Equals :meth:`reference_rotations` (one ``matrix_exp`` per token) up to float32 rounding.
+        """
+        state = ComRopeState.build(*self.line_tables(grid, device))
+        return torch.stack([state.for_layer(i) for i in range(self.depth)])
+
+    def reference_rotations(self, grid: PositionGrid, device: torch.device | None = None,
+                            jitter: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+        """Direct ``matrix_exp`` of every token's block generator (slow; for tests and analysis)."""
+        coords = comrope_coordinates(grid, device if device is not None else self.base.device, jitter)
+        with torch.autocast(device_type=coords.device.type, enabled=False):
+            return block_rotations(self.coefficients(coords), self.skew_blocks())
+
+    def cacheable(self) -> bool:
+        if self.training and self.sigma > 0:
+            return False
+        return not (torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()))
+
+    def prepare(self, grid: PositionGrid, device: torch.device | None = None) -> ComRopeState:
+        self.check_grid(grid)
+        if not self.cacheable():
+            return ComRopeState.build(*self.line_tables(grid, device))
+        key = (grid.shape, grid.num_prefix_tokens, str(device), tuple(p._version for p in self.parameters()))
+        state = self._cache.get(key)
+        if state is None:
+            with torch.no_grad():
+                state = ComRopeState.build(*self.line_tables(grid, device))
+            self._cache[key] = state
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(key)
+        return state
+
+    def attend(self, q, k, v, *, layer=0, state=None, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
+        if state is not None:
+            n_tok = state.flat_index.shape[-1] // state.num_blocks
+            if n_tok != q.shape[-2]:
+                raise ValueError(
+                    f"ComRoPE rotations cover {n_tok} tokens but attention got {q.shape[-2]} "
+                    f"(token dropout is not supported by {self.registry_name!r})"
+                )
+            q, k = rotate_pair_gathered(q, k, state.tables[layer], state.flat_index)
+        return sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale)
+
+    def no_weight_decay(self) -> set[str]:
+        return set()  # the released code decays the generators with everything else
+
+    def _apply(self, fn, *args, **kwargs):
+        self._cache.clear()
+        return super()._apply(fn, *args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return f"block_size={self.block_size}, num_blocks={self.num_blocks}, sigma={self.sigma}, zero_init={self.zero_init}"
+
+
+class ComRopeAPBase(ComRopeBase):
+    """Axis partition: block ``j`` rotates with the coordinate of axis ``j mod N``."""
+
+    supports_token_dropout = False
+
+    def __init__(self, head_dim: int, num_heads: int, depth: int, block_size: int = 8, init_std: float = 1.0,
+                 zero_init: bool = False, sigma: float = 0.0) -> None:
+        super().__init__(head_dim, num_heads, depth, block_size, init_std, zero_init, sigma)
+        if self.num_blocks % self.num_axes:
+            raise ValueError(
+                f"{self.registry_name or type(self).__name__}: head_dim/block_size = {self.num_blocks} blocks cannot be split "
+                f"evenly over {self.num_axes} axes; choose block_size so that head_dim/block_size is a multiple of {self.num_axes}"
+            )
+        self.register_buffer("axis_of_block", torch.arange(self.num_blocks) % self.num_axes, persistent=False)
+        self.reset_parameters()
+
+    def coefficients(self, coords: torch.Tensor) -> torch.Tensor:
+        c = coords.float()[:, self.axis_of_block.to(coords.device)]  # (L, m)
+        return c.expand(self.depth, 1, *c.shape)
+
+    def axis_line_generators(self) -> list[torch.Tensor]:
+        s = self.skew_blocks()  # block j = k * N + a belongs to axis a
+        return [s[:, :, a :: self.num_axes] for a in range(self.num_axes)]
+
+    def combine(self, tables, lines):
+        # each block has one axis: pad the axes' line tables to one length and interleave the blocks back
+        k = max(t.shape[-3] for t in tables)
+        padded = [torch.cat([t, t[..., -1:, :, :].expand(*t.shape[:-3], k - t.shape[-3], *t.shape[-2:])], dim=-3)
+                  if t.shape[-3] < k else t for t in tables]
+        table = torch.stack(padded, dim=-4).flatten(-5, -4)  # (depth, H, m/N, N, K, b, b) -> (depth, H, m, K, b, b)
+        index = torch.stack(lines, dim=-1).repeat(1, self.num_blocks // self.num_axes)  # block j -> axis j mod N
+        return [table], index[None]
+
+    def axis_generators(self) -> torch.Tensor:
+        s = self.skew_blocks()  # (depth, H, m, b, b)
+        onehot = (self.axis_of_block[None, :] == torch.arange(self.num_axes, device=s.device)[:, None]).float()
+        return onehot[:, None, None, :, None, None] * s[None]
+
+
+class ComRopeLDBase(ComRopeBase):
+    """Linearly dependent: block ``j`` of axis ``i`` is ``theta_ij (P_j - P_j^T)``."""
+
+    supports_token_dropout = False
+
+    def __init__(self, head_dim: int, num_heads: int, depth: int, block_size: int = 8, init_std: float = 1.0,
+                 zero_init: bool = False, sigma: float = 0.0, shared_scalars: bool = False) -> None:
+        super().__init__(head_dim, num_heads, depth, block_size, init_std, zero_init, sigma)
+        self.shared_scalars = shared_scalars
+        heads = 1 if shared_scalars else num_heads
+        self.scalars = nn.Parameter(torch.empty(depth, heads, self.num_axes, self.num_blocks))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if hasattr(self, "scalars"):
+            nn.init.normal_(self.scalars, std=1.0)
+
+    def coefficients(self, coords: torch.Tensor) -> torch.Tensor:
+        # (L, N) x (depth, H', N, m) -> (depth, H', L, m)
+        return torch.einsum("ln,dhnm->dhlm", coords.float(), self.scalars.float())
+
+    def axis_line_generators(self) -> list[torch.Tensor]:
+        s = self.skew_blocks()  # (depth, H, m, b, b)
+        th = self.scalars.float()  # (depth, H', N, m)
+        return [th[:, :, a, :, None, None] * s for a in range(self.num_axes)]
+
+    def combine(self, tables, lines):
+        # one factor per axis: the per-token product of the axes' factors is formed inside attention
+        # (and recomputed in its backward), never stored for all lattice combinations and layers
+        index = torch.stack([idx[:, None].expand(-1, self.num_blocks) for idx in lines])
+        return list(tables), index
+
+    def axis_generators(self) -> torch.Tensor:
+        s = self.skew_blocks()  # (depth, H, m, b, b)
+        th = self.scalars.float().expand(self.depth, self.num_heads, self.num_axes, self.num_blocks)
+        return th.permute(2, 0, 1, 3)[..., None, None] * s[None]
+
+
+@register_encoding("comrope_ap")
+class ComRopeAP(ComRopeAPBase):
+    """ComRoPE-AP on 2D grids (block ``j`` -> row axis if ``j`` is even, column axis if odd)."""
+
+    grid_ndims = (2,)
+    num_axes = 2
+
+
+@register_encoding("comrope_ld")
+class ComRopeLD(ComRopeLDBase):
+    """ComRoPE-LD on 2D grids."""
+
+    grid_ndims = (2,)
+    num_axes = 2
+
+
+@register_encoding("comrope_ld_3d")
+class ComRopeLD3d(ComRopeLDBase):
+    """ComRoPE-LD on video grids ``(t, h, w)``, each axis normalised to (0, 1)."""
+
+    grid_ndims = (3,)
+    num_axes = 3

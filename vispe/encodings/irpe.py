@@ -1,0 +1,327 @@
+"""iRPE -- image relative position encoding (Wu et al., ICCV 2021), pure PyTorch.
+
+Each (query, key) pair gets a bucket ``t(i, j)`` from the 2D offset between the two patches,
+mapped through a piecewise index function ``g`` (exact near zero, logarithmic further out,
+clipped; ``alpha = r, beta = 2r, gamma = 8r``). A learned table per bucket then enters attention:
+
+* ``mode='bias'``: a scalar per bucket (and head, unless shared) added to the logits;
+* ``mode='contextual'``: a ``head_dim`` vector per bucket, dotted with the query (key side ``'k'``),
+  with the key (query side ``'q'``), or summed into the output with the attention weights
+  (value side ``'v'``).
+
+Methods (``method=``) turn an offset into buckets: ``'euclidean'`` and ``'quant'`` (undirected),
+``'cross'`` (row and column buckets in two tables whose terms add) and ``'product'`` (row x column
+joint buckets: 49 for ``r=1.9``). With prefix tokens (cls, registers) one extra bucket per table
+holds every pair that involves a prefix token. Defaults are the released DeiT configuration:
+contextual, product, shared head, key side, every block, ``r=1.9``, zero-initialised tables.
+
+Attention stays on SDPA for the q/k terms: the contextual key-side term is computed as
+``Z = (s q) @ R`` over buckets (``(B, H, L, n_buckets)``, cost ``L * n_buckets * dh``), gathered by the
+cached ``(L, L)`` bucket map and passed as the additive ``attn_mask``; the query side is the same
+with ``k`` and a transpose. Only a layer with a value-side table runs explicit
+``softmax(QK^T) V`` attention, because that term needs the probabilities. Bucket maps depend only
+on the grid: they are recomputed for every new ``(h, w)`` (cached per grid and device) and the
+tables are reused unchanged -- no interpolation at a new patch count; a larger grid just puts more
+pairs into the clipped outer buckets.
+
+Paper vs released code (vispe follows the code unless stated):
+
+1. **Quantization method**: the paper applies ``g`` to the *rank* of the distance among the sorted
+   distinct distances; the code applies ``g`` to the *squared* distance ``dr^2 + dc^2``. vispe:
+   code (``method='quant'``).
+2. **Bias-mode scaling**: the paper writes ``(q.k + b) / sqrt(dh)``; the code adds ``b`` to the
+   already scaled logits. vispe: code (the bias goes into ``attn_mask`` unscaled).
+3. **Query-side direction**: the paper writes ``r_ij``; the code evaluates the table with the key
+   as the row, i.e. the bucket of ``p_j - p_i``, and transposes. vispe: code (checkpoints load).
+4. **Weight decay on the tables**: the supplement says none; the released DeiT code leaves them
+   in the decayed group. vispe: paper (:meth:`IRPE.no_weight_decay` lists the tables); the paper
+   reports the effect as negligible.
+
+Also from the code: ``g`` clips against the float ``beta`` and then truncates to an integer, so
+buckets span ``[-beta_int, beta_int]`` with ``beta_int = floor(beta)``.
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .base import PositionalEncoding, register_encoding, sdpa
+from .grid import PositionGrid
+
+__all__ = ["IRPE", "IRPEState", "piecewise_index", "irpe_bucket_ids", "IRPE_METHODS", "IRPE_MODES", "IRPE_SIDES"]
+
+IRPE_METHODS = ("euclidean", "quant", "cross", "product")
+IRPE_MODES = ("bias", "contextual")
+IRPE_SIDES = ("q", "k", "v")
+
+
+def piecewise_index(rel: torch.Tensor, alpha: float, beta: float, gamma: float) -> torch.Tensor:
+    """The iRPE index function ``g`` (released-code form), int64 output.
+
+    ``g(x) = round(x)`` for ``|x| <= alpha``, else
+    ``sign(x) * trunc(min(beta, round(alpha + ln(|x|/alpha) / ln(gamma/alpha) * (beta - alpha))))``.
+    """
+    rel = rel.float()
+    mag = rel.abs()
+    near = mag <= alpha
+    safe = torch.where(near, torch.full_like(mag, alpha), mag)  # avoid log(0) in the unused branch
+    far = alpha + torch.log(safe / alpha) / math.log(gamma / alpha) * (beta - alpha)
+    far = torch.sign(rel) * far.round().clamp(max=beta)
+    out = torch.where(near, rel.round(), far)
+    return out.trunc().to(torch.int64)
+
+
+def irpe_bucket_ids(
+    grid: PositionGrid, method: str, ratio: float, prefix_bucket: bool, device: torch.device | str | None = None
+) -> tuple[torch.Tensor, int]:
+    """Bucket maps of a 2D grid.
+
+    Returns:
+        ``(ids, buckets_per_table)``: ``ids`` is int64 ``(T, L, L)`` with ``T = 2`` for ``'cross'``
+        (row table, column table) and 1 otherwise, query index first; each table has
+        ``buckets_per_table`` entries (the last one is the prefix bucket when ``prefix_bucket``).
+    """
+    if method not in IRPE_METHODS:
+        raise ValueError(f"unknown iRPE method {method!r}; choose one of {list(IRPE_METHODS)}")
+    alpha, beta, gamma = ratio, 2 * ratio, 8 * ratio
+    beta_int = int(beta)
+    width = 2 * beta_int + 1
+    idx = grid.indices(device)  # (N, 2) rows, cols
+    d = idx[:, None, :] - idx[None, :, :]  # (N, N, 2) query minus key
+    dr, dc = d[..., 0], d[..., 1]
+    if method == "euclidean":
+        ids = (piecewise_index(torch.sqrt(dr * dr + dc * dc).round(), alpha, beta, gamma) + beta_int)[None]
+        n = width
+    elif method == "quant":
+        ids = (piecewise_index(dr * dr + dc * dc, alpha, beta, gamma) + beta_int)[None]
+        n = width
+    elif method == "cross":
+        ids = torch.stack([piecewise_index(dr, alpha, beta, gamma), piecewise_index(dc, alpha, beta, gamma)]) + beta_int
+        n = width
+    else:  # product
+        ids = ((piecewise_index(dr, alpha, beta, gamma) + beta_int) * width + piecewise_index(dc, alpha, beta, gamma) + beta_int)[None]
+        n = width * width
+    s = grid.num_prefix_tokens
+    if s:
+        if not prefix_bucket:
+            raise ValueError(
+                f"the sequence has {s} prefix token(s) but this iRPE was built without a prefix bucket "
+                f"(built for num_prefix_tokens=0)"
+            )
+        full = torch.full((ids.shape[0], grid.seq_len, grid.seq_len), n, dtype=torch.int64, device=ids.device)
+        full[:, s:, s:] = ids
+        ids = full
+    return ids, n + (1 if prefix_bucket else 0)
+
+
+@dataclass
+class IRPEState:
+    """Per-forward bucket maps ``(T, L, L)`` (int64) and the same with the table offset folded in."""
+
+    ids: torch.Tensor  # (T, L, L) ids into the concatenated table (table t offset by t * buckets)
+    ids_t: torch.Tensor  # the transpose (key as row), for the query side
+    num_buckets: int  # total columns of the concatenated tables
+
+
+def _parse_sides(sides: str | Iterable[str]) -> tuple[str, ...]:
+    items = tuple(sides) if not isinstance(sides, str) else tuple(sides.lower())
+    bad = [c for c in items if c not in IRPE_SIDES]
+    if bad or not items or len(set(items)) != len(items):
+        raise ValueError(f"iRPE sides={sides!r} is not valid; use a non-empty combination of {list(IRPE_SIDES)} such as 'k', 'qk', 'qkv'")
+    return tuple(c for c in IRPE_SIDES if c in items)
+
+
+@register_encoding("irpe")
+class IRPE(PositionalEncoding):
+    """iRPE attention term (see the module docstring for the maths and paper/code choices).
+
+    Args:
+        mode: ``'contextual'`` (default) or ``'bias'``.
+        method: ``'product'`` (default), ``'cross'``, ``'euclidean'`` or ``'quant'``.
+        sides: where tables attach, any of ``'q'``, ``'k'``, ``'v'`` (default ``'k'``); bias mode
+            allows ``'q'``/``'k'`` only.
+        shared_head: one table shared by all heads (default) or one per head.
+        ratio: ``r`` of the index function (``alpha = r, beta = 2r, gamma = 8r``), default 1.9.
+        layers: block indices that get tables (default: all).
+        init_std: 0 (default, released code) zero-initialises; otherwise truncated normal std.
+    """
+
+    kind = "bias"
+    grid_ndims = (2,)
+    supports_token_dropout = False
+    prefix_policy = "every pair involving a prefix token (cls/registers) uses one extra learned bucket per table"
+    cache_size = 8
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        depth: int,
+        num_prefix_tokens: int = 1,
+        mode: str = "contextual",
+        method: str = "product",
+        sides: str | Sequence[str] = "k",
+        shared_head: bool = True,
+        ratio: float = 1.9,
+        layers: Sequence[int] | None = None,
+        init_std: float = 0.0,
+    ) -> None:
+        super().__init__()
+        if mode not in IRPE_MODES:
+            raise ValueError(f"unknown iRPE mode {mode!r}; choose one of {list(IRPE_MODES)}")
+        if method not in IRPE_METHODS:
+            raise ValueError(f"unknown iRPE method {method!r}; choose one of {list(IRPE_METHODS)}")
+        self.sides = _parse_sides(sides)
+        if mode == "bias" and "v" in self.sides:
+            raise ValueError("iRPE bias mode exists only for the query/key sides; use sides='k' or 'qk', or mode='contextual'")
+        if not ratio > 0:
+            raise ValueError(f"iRPE ratio r must be > 0, got {ratio}")
+        if int(2 * ratio) < 1:
+            raise ValueError(f"iRPE ratio r={ratio} gives beta_int = floor(2r) = 0 (a single bucket); use r >= 0.5")
+        layers = tuple(range(depth)) if layers is None else tuple(int(i) for i in layers)
+        bad = [i for i in layers if not 0 <= i < depth]
+        if bad or len(set(layers)) != len(layers):
+            raise ValueError(f"iRPE layers={layers} must be distinct block indices in [0, {depth})")
+        self.mode, self.method, self.shared_head, self.ratio = mode, method, shared_head, float(ratio)
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.prefix_bucket = num_prefix_tokens > 0
+        self.layers = layers
+        self._slot = {layer: n for n, layer in enumerate(layers)}
+        beta_int = int(2 * ratio)
+        width = 2 * beta_int + 1
+        per_table = (width * width if method == "product" else width) + (1 if self.prefix_bucket else 0)
+        self.num_tables = 2 if method == "cross" else 1
+        self.buckets_per_table = per_table
+        nb = per_table * self.num_tables
+        h = 1 if shared_head else num_heads
+        n_layers = len(layers)
+        for side in self.sides:
+            if mode == "bias":
+                shape = (n_layers, h, nb)
+            elif side == "v":
+                shape = (n_layers, h, nb, head_dim)
+            else:
+                shape = (n_layers, h, head_dim, nb)
+            table = nn.Parameter(torch.zeros(shape))
+            if init_std > 0:
+                nn.init.trunc_normal_(table, std=init_std)
+            self.register_parameter(f"table_{side}", table)
+        self._ids_cache: OrderedDict[Any, IRPEState] = OrderedDict()
+
+    # -- grid-dependent bucket maps ---------------------------------------------------------------
+    def prepare(self, grid: PositionGrid, device: torch.device | None = None) -> IRPEState:
+        self.check_grid(grid)
+        key = (grid.shape, grid.num_prefix_tokens, str(device))
+        state = self._ids_cache.get(key)
+        if state is None:
+            ids, per_table = irpe_bucket_ids(grid, self.method, self.ratio, self.prefix_bucket, device)
+            offsets = torch.arange(ids.shape[0], device=ids.device)[:, None, None] * per_table
+            ids = ids + offsets
+            state = IRPEState(ids.contiguous(), ids.transpose(-1, -2).contiguous(), per_table * ids.shape[0])
+            self._ids_cache[key] = state
+            while len(self._ids_cache) > self.cache_size:
+                self._ids_cache.popitem(last=False)
+        else:
+            self._ids_cache.move_to_end(key)
+        return state
+
+    # -- attention terms --------------------------------------------------------------------------
+    @staticmethod
+    def _gather(z: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """``out[b, h, i, j] = sum_t z[b, h, i, ids[t, i, j]]`` (``z``: ``(B, H, L, nb)``)."""
+        bsz, heads, length, _ = z.shape
+        out = None
+        for t in range(ids.shape[0]):
+            term = torch.gather(z, -1, ids[t].expand(bsz, heads, length, length))
+            out = term if out is None else out + term
+        return out
+
+    def _bias_term(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Bias mode: ``(1, H', L, L)`` from a ``(H', nb)`` table."""
+        out = None
+        for t in range(ids.shape[0]):
+            term = table[:, ids[t]]  # (H', L, L)
+            out = term if out is None else out + term
+        return out[None]
+
+    def logit_term(self, q: torch.Tensor, k: torch.Tensor, layer: int, state: IRPEState, scale: float) -> torch.Tensor | None:
+        """The additive logit term of this layer (already including the softmax scale ``s``)."""
+        slot = self._slot.get(layer)
+        if slot is None:
+            return None
+        if state.ids.shape[-1] != q.shape[-2]:
+            raise ValueError(
+                f"iRPE bucket map covers {state.ids.shape[-1]} tokens but attention got {q.shape[-2]} "
+                f"(token dropout is not supported by 'irpe')"
+            )
+        out = None
+        for side in ("k", "q"):
+            if side not in self.sides:
+                continue
+            table = getattr(self, f"table_{side}")[slot]
+            if self.mode == "bias":
+                term = self._bias_term(table, state.ids if side == "k" else state.ids_t)
+            elif side == "k":
+                z = torch.matmul(q * scale, table.to(q.dtype))  # (B, H, L, nb)
+                term = self._gather(z, state.ids)
+            else:
+                z = torch.matmul(k * scale, table.to(k.dtype))  # key j as the row, bucket of p_j - p_i
+                term = self._gather(z, state.ids).transpose(-1, -2)
+            out = term if out is None else out + term
+        return out
+
+    def attend(self, q, k, v, *, layer=0, state=None, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
+        if state is None:
+            return sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale)
+        s = scale if scale is not None else q.shape[-1] ** -0.5
+        term = self.logit_term(q, k, layer, state, s)
+        mask = attn_mask
+        if term is not None:
+            term = term.to(q.dtype)
+            if mask is None:
+                mask = term
+            elif mask.dtype == torch.bool:
+                mask = term.masked_fill(~mask, float("-inf"))
+            else:
+                mask = mask + term
+        slot = self._slot.get(layer)
+        if "v" not in self.sides or slot is None:
+            return sdpa(q, k, v, mask, dropout_p, is_causal, scale)
+        # value side: explicit attention, the probabilities are needed
+        logits = torch.matmul(q, k.transpose(-1, -2)) * s
+        if is_causal:
+            lq, lk = q.shape[-2], k.shape[-2]
+            causal = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+            logits = logits.masked_fill(~causal, float("-inf"))
+        if mask is not None:
+            logits = logits.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else logits + mask.to(logits.dtype)
+        attn = logits.softmax(dim=-1)
+        if dropout_p > 0:
+            attn = F.dropout(attn, p=dropout_p)
+        out = torch.matmul(attn, v)
+        table_v = self.table_v[slot].to(attn.dtype)  # (H', nb, dh)
+        bsz, heads, length, _ = attn.shape
+        weights = attn.new_zeros(bsz, heads, length, state.num_buckets)
+        for t in range(state.ids.shape[0]):
+            weights = weights.scatter_add(-1, state.ids[t].expand(bsz, heads, length, length), attn)
+        return out + torch.matmul(weights, table_v)
+
+    # -- misc -------------------------------------------------------------------------------------
+    def no_weight_decay(self) -> set[str]:
+        return {f"table_{side}" for side in self.sides}  # paper supplement: no decay on the tables
+
+    def _apply(self, fn, *args, **kwargs):
+        self._ids_cache.clear()
+        return super()._apply(fn, *args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return (
+            f"mode={self.mode!r}, method={self.method!r}, sides={''.join(self.sides)!r}, shared_head={self.shared_head}, "
+            f"ratio={self.ratio}, buckets_per_table={self.buckets_per_table}, layers={len(self.layers)}"
+        )

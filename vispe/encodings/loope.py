@@ -1,0 +1,196 @@
+"""LOOPE -- learnable patch order for a 1D sinusoidal encoding (Chowdhury, Rahman, Taki, 2025).
+
+Each patch gets a scalar position ``X = X_G + X_C``: ``X_G`` is the step at which a Gilbert
+(generalised Hilbert) curve over the ``h x w`` grid visits the patch (:mod:`vispe.encodings.gilbert`;
+0-based as in the paper) and ``X_C in (-1, 1)`` is a bounded, image-conditioned offset from a small
+context CNN, so neighbouring patches can move closer, further apart or swap while the curve keeps
+locality. The encoding is the standard transformer sinusoid of ``X``
+(``PE[2i] = sin(X w_i)``, ``PE[2i+1] = cos(X w_i)``, ``w_i = 10000^(-2i/D)``), added to the patch
+tokens; prefix tokens get their own learned vectors (zeros init, as in the released code). It is
+per image: computed in ``embed_tokens`` from the ``image=`` the host model passes.
+
+Context CNN (supplement Table 1 / released code): input = image + two coordinate maps
+(``linspace(-1, 1)`` over pixels, code), Conv ``P x P`` stride ``P`` to 32 channels (one cell per
+patch), four 5x5 convs to 16, 8, 4, 1 channels, GELU after every conv (code; the paper leaves the
+activation open), BatchNorm(1), a head, then ``2 sigmoid(z) - 1`` (code; the same as
+``tanh(z / 2)``; the paper writes ``tanh``).
+
+Size-agnostic design (beyond the paper). The paper's head is a ``Linear(N, N)`` over the flattened
+map, tied to the training grid, and the curve index range grows with ``N``. vispe's default
+``head='local'`` replaces it by a 1x1 conv over ``[u, mean(u)]`` (each patch's CNN output plus the
+image-wide mean, 3 parameters), so the offset keeps a global context term but works at every grid;
+``order_scale='normalized'`` (default) rescales ``X_G`` by ``(N_train - 1) / (N - 1)`` so a new grid's
+positions span the training range (identical to the paper at the training grid; the sinusoid is
+continuous, so fractional positions are fine) and ``X_C`` stays in training-step units.
+``head='linear'`` (paper/code, no bias like the code; ``linear_bias=True`` for the paper) and
+``order_scale='index'`` reproduce the paper exactly; with ``head='linear'`` a different grid raises
+a clear error. ``offset=False`` is the fixed-order "Hilbert" variant (``X_C = 0``, no CNN).
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from typing import Any, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .base import TokenEncoding, register_encoding
+from .gilbert import gilbert_order
+from .grid import PositionGrid
+
+__all__ = ["LOOPE", "LoopeContext", "sinusoid_1d"]
+
+LOOPE_HEADS = ("local", "linear")
+LOOPE_ORDER_SCALES = ("normalized", "index")
+
+
+def sinusoid_1d(pos: torch.Tensor, dim: int, temperature: float = 10000.0) -> torch.Tensor:
+    """Interleaved sinusoid of continuous positions ``(..., N)`` -> ``(..., N, dim)`` in float32."""
+    omega = temperature ** (-torch.arange(0, dim, 2, device=pos.device, dtype=torch.float32) / dim)  # (dim/2,)
+    ang = pos.float()[..., None] * omega
+    return torch.stack([ang.sin(), ang.cos()], dim=-1).flatten(-2)
+
+
+class LoopeContext(nn.Module):
+    """The context CNN: image + coordinate maps -> per-patch offset in (-1, 1), ``(B, h*w)``."""
+
+    def __init__(self, in_chans: int, patch_size: Sequence[int], head: str, num_patches: int, linear_bias: bool) -> None:
+        super().__init__()
+        ph, pw = patch_size
+        self.patch_size = (ph, pw)
+        widths = (32, 16, 8, 4, 1)
+        layers: list[nn.Module] = [nn.Conv2d(in_chans + 2, widths[0], (ph, pw), stride=(ph, pw)), nn.GELU()]
+        for cin, cout in zip(widths[:-1], widths[1:]):
+            layers += [nn.Conv2d(cin, cout, 5, stride=1, padding=2), nn.GELU()]
+        self.cnn = nn.Sequential(*layers)
+        self.norm = nn.BatchNorm2d(1)
+        self.head_kind = head
+        self.num_patches = num_patches
+        if head == "linear":
+            self.head = nn.Linear(num_patches, num_patches, bias=linear_bias)
+        else:
+            self.head = nn.Conv2d(2, 1, 1)  # [u, mean(u)] -> z, per patch
+
+    def forward(self, image: torch.Tensor, grid_hw: tuple[int, int]) -> torch.Tensor:
+        bsz, _, height, width = image.shape
+        h, w = grid_hw
+        ph, pw = self.patch_size
+        pad_h, pad_w = h * ph - height, w * pw - width
+        if pad_h < 0 or pad_w < 0:
+            image = image[..., : h * ph, : w * pw]
+        elif pad_h or pad_w:
+            image = F.pad(image, (0, pad_w, 0, pad_h))  # same bottom/right padding as timm's dynamic_img_pad
+        height, width = image.shape[-2:]
+        ys = torch.linspace(-1, 1, height, device=image.device, dtype=image.dtype)
+        xs = torch.linspace(-1, 1, width, device=image.device, dtype=image.dtype)
+        cy, cx = torch.meshgrid(ys, xs, indexing="ij")
+        coord = torch.stack([cx, cy])[None].expand(bsz, -1, -1, -1)
+        u = self.norm(self.cnn(torch.cat([coord, image], dim=1)))  # (B, 1, h, w)
+        if self.head_kind == "linear":
+            if h * w != self.num_patches:
+                raise ValueError(
+                    f"loope head='linear' is the paper's Linear(N, N) built for {self.num_patches} patches; this input has "
+                    f"{h}x{w}={h * w}. Use head='local' (size-agnostic) to change resolution."
+                )
+            z = self.head(u.flatten(1))
+        else:
+            z = self.head(torch.cat([u, u.mean(dim=(2, 3), keepdim=True).expand_as(u)], dim=1)).flatten(1)
+        return 2 * torch.sigmoid(z) - 1
+
+
+@register_encoding("loope")
+class LOOPE(TokenEncoding):
+    """Gilbert-order sinusoid + bounded image-conditioned offset (see the module docstring).
+
+    Args:
+        offset: learn the image-conditioned offset ``X_C`` (default True); False = fixed Gilbert order.
+        head: ``'local'`` (size-agnostic, default) or ``'linear'`` (paper's ``N x N`` head, fixed grid).
+        order_scale: ``'normalized'`` (default) or ``'index'`` (raw curve steps, paper).
+        linear_bias: bias on the ``'linear'`` head (paper: yes; released code: no; default False).
+        temperature: sinusoid base, default 10000.
+    """
+
+    grid_ndims = (2,)
+    supports_token_dropout = True
+    prefix_policy = "prefix tokens get their own learned vectors (zeros init); no curve position"
+
+    def __init__(
+        self,
+        dim: int,
+        grid_size: Sequence[int],
+        patch_size: Sequence[int] = (16, 16),
+        in_chans: int = 3,
+        num_prefix_tokens: int = 1,
+        offset: bool = True,
+        head: str = "local",
+        order_scale: str = "normalized",
+        linear_bias: bool = False,
+        temperature: float = 10000.0,
+    ) -> None:
+        super().__init__()
+        if dim % 2:
+            raise ValueError(f"loope's sinusoid needs an even embedding dim, got dim={dim}")
+        if head not in LOOPE_HEADS:
+            raise ValueError(f"unknown loope head {head!r}; choose one of {list(LOOPE_HEADS)}")
+        if order_scale not in LOOPE_ORDER_SCALES:
+            raise ValueError(f"unknown loope order_scale {order_scale!r}; choose one of {list(LOOPE_ORDER_SCALES)}")
+        self.dim = dim
+        self.grid_size = tuple(int(g) for g in grid_size)
+        self.order_scale = order_scale
+        self.temperature = temperature
+        self.context = (
+            LoopeContext(in_chans, tuple(patch_size), head, math.prod(self.grid_size), linear_bias) if offset else None
+        )
+        self.prefix_embed = nn.Parameter(torch.zeros(1, num_prefix_tokens, dim)) if num_prefix_tokens else None
+        self._order_cache: OrderedDict[Any, torch.Tensor] = OrderedDict()
+
+    def curve_positions(self, grid: PositionGrid, device: torch.device | None) -> torch.Tensor:
+        """``X_G`` for the lattice tokens in row-major order, float32 ``(N,)`` (scaled per ``order_scale``)."""
+        key = (grid.shape, str(device))
+        pos = self._order_cache.get(key)
+        if pos is None:
+            pos = gilbert_order(*grid.shape, device=device).float()
+            n, n_train = grid.num_patches, math.prod(self.grid_size)
+            if self.order_scale == "normalized" and n != n_train and n > 1:
+                pos = pos * ((n_train - 1) / (n - 1))
+            self._order_cache[key] = pos
+            while len(self._order_cache) > 8:
+                self._order_cache.popitem(last=False)
+        return pos
+
+    def positions(self, grid: PositionGrid, image: torch.Tensor | None, device: torch.device | None) -> torch.Tensor:
+        """``X = X_G + X_C``: ``(B, N)`` with an image, ``(1, N)`` for the fixed-order variant."""
+        pos = self.curve_positions(grid, device)[None]
+        if self.context is None:
+            return pos
+        if image is None:
+            raise ValueError("loope with offset=True needs the input image: the host model must call embed_tokens(..., image=x)")
+        return pos + self.context(image, grid.shape).float()
+
+    def embed_tokens(self, x, grid, state=None, image=None):
+        self.check_grid(grid)
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            pos = self.positions(grid, image, x.device)
+            pe = sinusoid_1d(pos, self.dim, self.temperature)  # (B or 1, N, D), float32
+        s = grid.num_prefix_tokens
+        patches = x[:, s:] + pe.to(x.dtype)
+        if s == 0:
+            return patches
+        prefix = x[:, :s]
+        if self.prefix_embed is not None:
+            if self.prefix_embed.shape[1] != s:
+                raise ValueError(f"loope has {self.prefix_embed.shape[1]} prefix vectors but the sequence has {s} prefix tokens")
+            prefix = prefix + self.prefix_embed.to(x.dtype)
+        return torch.cat([prefix, patches], dim=1)
+
+    def set_grid_size(self, grid_size: Sequence[int]) -> None:
+        new = tuple(int(g) for g in grid_size)
+        if self.context is not None and self.context.head_kind == "linear" and math.prod(new) != self.context.num_patches:
+            raise ValueError(f"loope head='linear' is tied to {self.context.num_patches} patches; cannot move to grid {new}")
+        self.grid_size = new
+        self._order_cache.clear()
+
+    def no_weight_decay(self) -> set[str]:
+        return {"prefix_embed"} if self.prefix_embed is not None else set()

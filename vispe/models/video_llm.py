@@ -1,0 +1,471 @@
+"""A small decoder-only video-LLM backbone with multimodal rotary position ids of any vispe scheme.
+
+``VideoLLM(vocab_size, dim, depth, num_heads, pos_scheme='mrope', position_kwargs=None,
+visual_dim=None, vision_encoder=None, spatial_merge_size=1, ...)``
+
+* Text tokens: ``nn.Embedding``; output head tied to it by default (``tie_embeddings``).
+* Visual tokens: features on a ``(T, H, W)`` lattice, either raw (``visual_dim`` wide, e.g. the
+  video ViT's ``forward_video_tokens`` or plain patch features) or pixels through an optional
+  ``vision_encoder`` (a :class:`vispe.models.video_vit.VispeVideoViT`). A projector merges
+  ``spatial_merge_size x spatial_merge_size`` neighbours (Qwen2-VL's patch merger: LayerNorm ->
+  Linear -> GELU -> Linear) into one LLM token; visual tokens enter the sequence in raster order
+  (t-major, then h, then w), as :mod:`vispe.positions` assumes.
+* Positions: ``pos_scheme`` is one of ``rope_1d, mrope, mrope_interleave, mhrope, vrope, hope, v2pe``
+  (a name, ``{'name': ..., 'theta': ..., 'mrope_section': ...}`` or ``(name, options)``: the
+  rotary options of :mod:`vispe.encodings.multimodal_rope`); ``position_kwargs`` are the scheme's
+  position options (``gamma``, ``delta``, ``fps``, ``spatial_reset``, ...). HoPE's ``gamma`` and
+  V2PE's ``delta`` are drawn per visual block while ``model.training`` (``training=True`` in the
+  position builder) and fixed (``position_kwargs``) in eval mode.
+* Blocks: pre-norm (RMSNorm) causal self-attention (SDPA, boolean causal + padding mask) and a
+  timm ``Mlp``; q and k are rotated by the encoding's ``rotate`` (= ``apply_rotary``, 'half' layout).
+* Generation: greedy, with a per-layer KV cache of rotated keys. After the prompt the cache stores
+  ``rope_delta`` (per sample, relative to the padded prompt length); the token at cache index ``j``
+  gets position ``j + rope_delta`` on every coordinate.
+
+Stable API:
+    ``pack(samples, padding_side='left') -> MultimodalBatch`` where a sample is a list of items:
+    a 1D ``LongTensor`` of token ids (text), a float tensor ``(T, H, W, C)`` of visual features
+    (``C = visual_dim``, or ``dim`` without a projector) or :class:`VisualFeatures`; pixels
+    ``(C, T, H, W)`` go through ``encode_video`` first.
+    ``forward(input_ids=None, inputs_embeds=None, position_ids=None, attention_mask=None,
+    cache=None, use_cache=False, labels=None) -> LLMOutput(logits, cache, loss)``;
+    ``forward_batch(batch, labels=None, use_cache=False)``;
+    ``generate(batch_or_samples, max_new_tokens, eos_token_id=None) -> (B, n) LongTensor``;
+    ``encode_video(video (B, C, T, H, W)) -> (B, T', H', W', visual_dim)``;
+    ``project_visual(features (B, T, H, W, C)) -> (B, T, H/m, W/m, dim)``.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from timm.layers import Mlp
+from torch import nn
+
+from ..encodings import EncodingContext, create_encoding
+from ..encodings.base import sdpa
+from ..encodings.multimodal_rope import MultimodalRotary
+from ..positions import (
+    NUM_COORDS,
+    Segment,
+    Text,
+    Visual,
+    build_positions_batch,
+    decode_positions,
+)
+from .vispe_vit import PosEncodingArg, parse_pos_encoding
+
+__all__ = ["DecoderBlock", "KVCache", "LLMOutput", "MultimodalBatch", "VideoLLM", "VisualFeatures", "VisualProjector"]
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class VisualFeatures:
+    """Visual features ``(T, H, W, C)`` of one video/image, with an optional ``seconds_per_grid`` (absolute-time M-RoPE)."""
+
+    features: torch.Tensor
+    seconds_per_grid: float | None = None
+
+
+@dataclass
+class MultimodalBatch:
+    """A packed, padded batch. ``token_ids`` holds the text ids and ``-100`` at visual and pad slots
+    (so it can serve as LM labels); ``visual_mask`` marks visual tokens."""
+
+    inputs_embeds: torch.Tensor  # (B, L, D)
+    position_ids: torch.Tensor  # (K, B, L)
+    attention_mask: torch.Tensor  # (B, L) bool
+    rope_delta: torch.Tensor  # (B,)
+    token_ids: torch.Tensor  # (B, L) long
+    visual_mask: torch.Tensor  # (B, L) bool
+    segments: list = field(default_factory=list)
+    padding_side: str = "left"
+
+
+@dataclass
+class KVCache:
+    """Rotated keys and values per layer, the key padding mask and the decode offset ``rope_delta``."""
+
+    keys: list
+    values: list
+    attention_mask: torch.Tensor  # (B, Lk) bool
+    rope_delta: torch.Tensor  # (B,)
+
+    @property
+    def length(self) -> int:
+        return self.attention_mask.shape[1]
+
+
+@dataclass
+class LLMOutput:
+    logits: torch.Tensor
+    cache: KVCache | None = None
+    loss: torch.Tensor | None = None
+
+
+class VisualProjector(nn.Module):
+    """Merge ``m x m`` neighbouring visual features and map them to the LLM width (LN -> Linear -> GELU -> Linear)."""
+
+    def __init__(self, visual_dim: int, dim: int, spatial_merge_size: int = 1) -> None:
+        super().__init__()
+        if not isinstance(spatial_merge_size, int) or spatial_merge_size < 1:
+            raise ValueError(f"spatial_merge_size must be an int >= 1, got {spatial_merge_size!r}")
+        self.merge = spatial_merge_size
+        self.visual_dim = visual_dim
+        hidden = visual_dim * spatial_merge_size**2
+        self.norm = nn.LayerNorm(visual_dim)
+        self.fc1 = nn.Linear(hidden, hidden)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, T, H, W, C) -> (B, T, H/m, W/m, dim)``."""
+        if x.ndim != 5 or x.shape[-1] != self.visual_dim:
+            raise ValueError(f"visual features must be (B, T, H, W, {self.visual_dim}), got {tuple(x.shape)}")
+        B, T, H, W, C = x.shape
+        m = self.merge
+        if H % m or W % m:
+            raise ValueError(f"visual grid {H}x{W} is not divisible by the spatial merge size {m}")
+        x = self.norm(x)
+        x = x.reshape(B, T, H // m, m, W // m, m, C).permute(0, 1, 2, 4, 3, 5, 6).reshape(B, T, H // m, W // m, m * m * C)
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, dim: int, num_heads: int, qkv_bias: bool = False) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        encoding: MultimodalRotary,
+        table: torch.Tensor,
+        mask: torch.Tensor,
+        past: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        B, L, C = x.shape
+        q, k, v = self.qkv(x).reshape(B, L, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        q = encoding.rotate(q, table)
+        k = encoding.rotate(k, table)
+        if past is not None:
+            k = torch.cat([past[0], k], dim=2)
+            v = torch.cat([past[1], v], dim=2)
+        out = sdpa(q, k, v, attn_mask=mask)
+        return self.proj(out.transpose(1, 2).reshape(B, L, C)), (k, v)
+
+
+class DecoderBlock(nn.Module):
+    """Pre-norm causal block: RMSNorm -> attention (rotary) -> residual; RMSNorm -> timm Mlp -> residual."""
+
+    def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0, qkv_bias: bool = False, norm_eps: float = 1e-6, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.norm1 = nn.RMSNorm(dim, eps=norm_eps)
+        self.attn = DecoderAttention(dim, num_heads, qkv_bias)
+        self.norm2 = nn.RMSNorm(dim, eps=norm_eps)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), drop=dropout)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x, encoding, table, mask, past=None):
+        h, kv = self.attn(self.norm1(x), encoding, table, mask, past)
+        x = x + self.drop(h)
+        x = x + self.mlp(self.norm2(x))
+        return x, kv
+
+
+class VideoLLM(nn.Module):
+    """Decoder-only causal transformer over text + visual tokens with multimodal RoPE.
+
+    Args:
+        vocab_size: text vocabulary size.
+        dim, depth, num_heads, mlp_ratio: transformer size (``dim / num_heads`` must be even).
+        pos_scheme: multimodal rotary scheme (name, mapping or ``(name, options)``).
+        position_kwargs: the scheme's position options (see :func:`vispe.positions.build_positions`).
+        visual_dim: width of incoming visual features (adds a projector); ``None`` with a
+            ``vision_encoder`` takes the encoder's ``embed_dim``; ``None`` without one means visual
+            features are already ``dim`` wide (then ``spatial_merge_size`` must be 1).
+        vision_encoder: optional video encoder with ``forward_video_tokens`` (e.g. ``VispeVideoViT``).
+        spatial_merge_size: ``m``: ``m x m`` visual features form one LLM token.
+        tie_embeddings: share the output head with the token embedding.
+        pad_token_id: id used for pad slots in ``generate``'s outputs after EOS.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 256,
+        dim: int = 128,
+        depth: int = 4,
+        num_heads: int = 4,
+        mlp_ratio: float = 4.0,
+        pos_scheme: PosEncodingArg = "mrope",
+        position_kwargs: dict[str, Any] | None = None,
+        visual_dim: int | None = None,
+        vision_encoder: nn.Module | None = None,
+        spatial_merge_size: int = 1,
+        qkv_bias: bool = False,
+        tie_embeddings: bool = True,
+        norm_eps: float = 1e-6,
+        dropout: float = 0.0,
+        pad_token_id: int = 0,
+    ) -> None:
+        super().__init__()
+        name, rope_kwargs = parse_pos_encoding(pos_scheme)
+        if name not in NUM_COORDS:
+            raise ValueError(f"pos_scheme {name!r} is not a multimodal scheme; choose one of {list(NUM_COORDS)}")
+        if dim % num_heads or (dim // num_heads) % 2:
+            raise ValueError(f"dim={dim} must split into num_heads={num_heads} heads of even width (got head_dim {dim / num_heads})")
+        self.vocab_size, self.dim, self.num_heads = vocab_size, dim, num_heads
+        self.pos_scheme = name
+        self.num_coords = NUM_COORDS[name]
+        self.position_kwargs = dict(position_kwargs or {})
+        self.pad_token_id = pad_token_id
+        self.spatial_merge_size = spatial_merge_size
+        self.pos_encoding: MultimodalRotary = create_encoding(  # type: ignore[assignment]
+            name, EncodingContext(dim=dim, num_heads=num_heads, depth=depth, grid_size=(1, 1, 1), num_prefix_tokens=0), **rope_kwargs
+        )
+        # fail at construction on bad position options (unknown names / invalid values)
+        build_positions_batch(name, [[Text(1)]], **self._pos_kwargs(False))
+
+        self.vision_encoder = vision_encoder
+        if visual_dim is None and vision_encoder is not None:
+            visual_dim = int(vision_encoder.embed_dim)
+        self.visual_dim = visual_dim
+        if visual_dim is not None:
+            self.projector: VisualProjector | None = VisualProjector(visual_dim, dim, spatial_merge_size)
+        else:
+            if spatial_merge_size != 1:
+                raise ValueError("spatial_merge_size > 1 needs a projector: pass visual_dim (or a vision_encoder)")
+            self.projector = None
+        self.tok_embed = nn.Embedding(vocab_size, dim)
+        self.blocks = nn.ModuleList([DecoderBlock(dim, num_heads, mlp_ratio, qkv_bias, norm_eps, dropout) for _ in range(depth)])
+        self.norm = nn.RMSNorm(dim, eps=norm_eps)
+        self.lm_head = nn.Linear(dim, vocab_size, bias=False)
+        self.apply(self._init_weights)
+        if tie_embeddings:
+            self.lm_head.weight = self.tok_embed.weight
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, std=0.02)
+
+    # ------------------------------------------------------------------------------------
+    # positions and packing
+    # ------------------------------------------------------------------------------------
+    def _pos_kwargs(self, training: bool) -> dict[str, Any]:
+        kw = dict(self.position_kwargs)
+        if self.pos_scheme in ("hope", "v2pe"):
+            kw.setdefault("training", training)
+        return kw
+
+    def build_positions(self, segments: Sequence[Sequence[Segment]], padding_side: str = "left"):
+        """``vispe.positions.build_positions_batch`` with this model's scheme and options (train-mode draws for HoPE/V2PE)."""
+        return build_positions_batch(self.pos_scheme, segments, padding_side=padding_side, **self._pos_kwargs(self.training))
+
+    def encode_video(self, video: torch.Tensor) -> torch.Tensor:
+        """Pixels ``(B, C, T, H, W)`` -> vision-encoder lattice features ``(B, T', H', W', visual_dim)``."""
+        if self.vision_encoder is None:
+            raise ValueError("this VideoLLM has no vision_encoder; pass visual features to pack() instead of pixels")
+        return self.vision_encoder.forward_video_tokens(video)
+
+    def project_visual(self, features: torch.Tensor) -> torch.Tensor:
+        """Visual features ``(B, T, H, W, C)`` -> LLM tokens ``(B, T, H/m, W/m, dim)``."""
+        if self.projector is None:
+            if features.ndim != 5 or features.shape[-1] != self.dim:
+                raise ValueError(f"without a projector visual features must be (B, T, H, W, dim={self.dim}), got {tuple(features.shape)}")
+            return features
+        return self.projector(features)
+
+    def pack(self, samples: Sequence[Sequence[Any]], padding_side: str = "left") -> MultimodalBatch:
+        """Embed and pad a batch of interleaved text / visual samples and build their position ids."""
+        if isinstance(samples, torch.Tensor) or not len(samples):
+            raise ValueError("pack() takes a non-empty list of samples, each a list of items (LongTensor ids or visual features)")
+        device = self.tok_embed.weight.device
+        seqs, segs, ids, vis = [], [], [], []
+        for si, sample in enumerate(samples):
+            if isinstance(sample, (torch.Tensor, VisualFeatures)):
+                raise TypeError(f"sample {si} must be a list of items, got a single {type(sample).__name__}")
+            parts, sseg, sids, svis = [], [], [], []
+            for ii, item in enumerate(sample):
+                spg = None
+                if isinstance(item, VisualFeatures):
+                    spg, item = item.seconds_per_grid, item.features
+                if not isinstance(item, torch.Tensor):
+                    raise TypeError(f"sample {si} item {ii}: expected a LongTensor of token ids or a visual feature tensor, got {type(item).__name__}")
+                if not item.is_floating_point():
+                    if item.ndim != 1:
+                        raise ValueError(f"sample {si} item {ii}: token ids must be 1D, got shape {tuple(item.shape)}")
+                    if item.numel() and (int(item.min()) < 0 or int(item.max()) >= self.vocab_size):
+                        raise ValueError(f"sample {si} item {ii}: token ids must lie in [0, {self.vocab_size})")
+                    if item.numel() == 0:
+                        continue
+                    parts.append(self.tok_embed(item.to(device)))
+                    sseg.append(Text(item.numel()))
+                    sids.append(item.to(device))
+                    svis.append(torch.zeros(item.numel(), dtype=torch.bool, device=device))
+                else:
+                    if item.ndim != 4 or min(item.shape[:3]) < 1:
+                        raise ValueError(
+                            f"sample {si} item {ii}: visual features must be (T, H, W, C) with every size >= 1, got {tuple(item.shape)}"
+                        )
+                    tok = self.project_visual(item[None].to(device))[0]  # (T, h, w, dim)
+                    T, h, w = tok.shape[:3]
+                    parts.append(tok.reshape(-1, self.dim))
+                    sseg.append(Visual(T, h, w, spg))
+                    sids.append(torch.full((T * h * w,), IGNORE_INDEX, dtype=torch.long, device=device))
+                    svis.append(torch.ones(T * h * w, dtype=torch.bool, device=device))
+            if not parts:
+                raise ValueError(f"sample {si} is empty")
+            seqs.append(torch.cat(parts))
+            segs.append(sseg)
+            ids.append(torch.cat(sids))
+            vis.append(torch.cat(svis))
+        bp = self.build_positions(segs, padding_side)
+        B, L = len(seqs), bp.attention_mask.shape[1]
+        emb = seqs[0].new_zeros(B, L, self.dim)
+        token_ids = torch.full((B, L), IGNORE_INDEX, dtype=torch.long, device=device)
+        visual_mask = torch.zeros(B, L, dtype=torch.bool, device=device)
+        for b in range(B):
+            n = seqs[b].shape[0]
+            sl = slice(L - n, L) if padding_side == "left" else slice(0, n)
+            emb[b, sl] = seqs[b]
+            token_ids[b, sl] = ids[b]
+            visual_mask[b, sl] = vis[b]
+        return MultimodalBatch(emb, bp.pos.to(device), bp.attention_mask.to(device), bp.rope_delta.to(device), token_ids, visual_mask, segs, padding_side)
+
+    # ------------------------------------------------------------------------------------
+    # forward
+    # ------------------------------------------------------------------------------------
+    def _text_positions(self, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        delta = pos.max(dim=-1).values + 1 - mask.shape[1]
+        return pos[None].expand(self.num_coords, -1, -1), delta
+
+    @staticmethod
+    def _attn_mask(key_mask: torch.Tensor, lq: int) -> torch.Tensor:
+        """Boolean ``(B, 1, Lq, Lk)``: causal over absolute indices, pads masked, each token sees itself."""
+        lk = key_mask.shape[1]
+        qi = torch.arange(lk - lq, lk, device=key_mask.device)[:, None]
+        ki = torch.arange(lk, device=key_mask.device)[None]
+        causal = ki <= qi
+        mask = causal[None] & key_mask[:, None, :]
+        mask = mask | (ki == qi)[None]  # fully padded rows would otherwise give NaN
+        return mask[:, None]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        use_cache: bool = False,
+        labels: torch.Tensor | None = None,
+        rope_delta: torch.Tensor | None = None,
+    ) -> LLMOutput:
+        """Logits ``(B, L, vocab)``.
+
+        Without ``position_ids``: a prefill gets text positions (cumulative mask), a step with
+        ``cache`` gets ``cache_index + rope_delta``. ``rope_delta`` (from :meth:`pack`) is stored in
+        the returned cache; ``labels`` (``-100`` = ignore) adds a next-token cross-entropy ``loss``.
+        """
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        x = self.tok_embed(input_ids) if inputs_embeds is None else inputs_embeds
+        B, L = x.shape[:2]
+        if attention_mask is None:
+            attention_mask = torch.ones(B, L, dtype=torch.bool, device=x.device)
+        attention_mask = attention_mask.bool()
+        if position_ids is None:
+            if cache is None:
+                position_ids, text_delta = self._text_positions(attention_mask)
+                rope_delta = text_delta if rope_delta is None else rope_delta
+            else:
+                position_ids = decode_positions(cache.rope_delta, cache.length, self.num_coords, L)
+        elif position_ids.ndim == 2:
+            position_ids = position_ids[None]
+        if position_ids.shape != (self.num_coords, B, L):
+            raise ValueError(f"position_ids must be ({self.num_coords}, B={B}, L={L}) for scheme {self.pos_scheme!r}, got {tuple(position_ids.shape)}")
+        if cache is not None:
+            key_mask = torch.cat([cache.attention_mask, attention_mask], dim=1)
+            rope_delta = cache.rope_delta
+        else:
+            key_mask = attention_mask
+            if rope_delta is None and use_cache:
+                # the next free position is scheme-specific (e.g. HoPE: last t + 1, reset: un-reset extent)
+                raise ValueError(
+                    "use_cache=True with explicit position_ids needs the rope_delta returned by the position builder "
+                    "(vispe.positions.build_positions / VideoLLM.pack)"
+                )
+        table = self.pos_encoding.table_from_positions(position_ids.to(x.device))
+        mask = self._attn_mask(key_mask, L)
+        new_k, new_v = [], []
+        for i, blk in enumerate(self.blocks):
+            past = (cache.keys[i], cache.values[i]) if cache is not None else None
+            x, (k, v) = blk(x, self.pos_encoding, table, mask, past)
+            new_k.append(k)
+            new_v.append(v)
+        logits = self.lm_head(self.norm(x))
+        out_cache = None
+        if use_cache:
+            out_cache = KVCache(new_k, new_v, key_mask, torch.as_tensor(rope_delta, device=x.device).reshape(-1).expand(B))
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1), ignore_index=IGNORE_INDEX)
+        return LLMOutput(logits, out_cache, loss)
+
+    def forward_batch(self, batch: MultimodalBatch, labels: torch.Tensor | None = None, use_cache: bool = False) -> LLMOutput:
+        """Forward over a :meth:`pack` result."""
+        return self(
+            inputs_embeds=batch.inputs_embeds, position_ids=batch.position_ids, attention_mask=batch.attention_mask,
+            rope_delta=batch.rope_delta, labels=labels, use_cache=use_cache,
+        )
+
+    @torch.no_grad()
+    def generate(
+        self,
+        batch: MultimodalBatch | Sequence[Sequence[Any]],
+        max_new_tokens: int = 16,
+        eos_token_id: int | None = None,
+    ) -> torch.Tensor:
+        """Greedy decoding with a KV cache; returns ``(B, max_new_tokens)`` ids (``pad_token_id`` after EOS)."""
+        if not isinstance(batch, MultimodalBatch):
+            batch = self.pack(batch, padding_side="left")
+        if batch.padding_side != "left" and not bool(batch.attention_mask.all()):
+            raise ValueError("generate() needs a left-padded batch (pack(..., padding_side='left'))")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        out = self.forward_batch(batch, use_cache=True)
+        cache = out.cache
+        nxt = out.logits[:, -1].argmax(-1)
+        B = nxt.shape[0]
+        done = torch.zeros(B, dtype=torch.bool, device=nxt.device)
+        tokens = []
+        for step in range(max_new_tokens):
+            nxt = torch.where(done, torch.full_like(nxt, self.pad_token_id), nxt)
+            tokens.append(nxt)
+            if eos_token_id is not None:
+                done = done | (nxt == eos_token_id)
+                if bool(done.all()):
+                    break
+            if step == max_new_tokens - 1:
+                break
+            step_mask = torch.ones(B, 1, dtype=torch.bool, device=nxt.device)
+            out = self(input_ids=nxt[:, None], attention_mask=step_mask, cache=cache, use_cache=True)
+            cache = out.cache
+            nxt = out.logits[:, -1].argmax(-1)
+        gen = torch.stack(tokens, dim=1)
+        if gen.shape[1] < max_new_tokens:
+            gen = F.pad(gen, (0, max_new_tokens - gen.shape[1]), value=self.pad_token_id)
+        return gen

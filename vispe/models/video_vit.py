@@ -1,0 +1,342 @@
+"""A video ViT with a pluggable 3D positional encoding, registered in timm as ``vispe_video_vit_*``.
+
+``VispeVideoViT(pos_encoding='rope_axial_3d', img_size=224, num_frames=16, tubelet_size=2, patch_size=16, ...)``
+
+* Input: ``(B, C, T, H, W)`` (PyTorch video layout). ``T`` must be divisible by ``tubelet_size``
+  and ``H, W`` by ``patch_size``; any number of frames and any resolution work at inference (the
+  token lattice is ``(T/t, H/p, W/p)``).
+* Tubelet embedding: a ``Conv3d`` with kernel = stride = ``(tubelet_size, patch_size, patch_size)``
+  (``tubelet_size=1`` gives per-frame patches).
+* Blocks: timm ``Block``/``Attention`` (:class:`vispe.models.layers.PEBlock` / ``PEAttention``, same
+  parameter names), driven exactly like :class:`vispe.models.VispeVisionTransformer`: the encoding's
+  ``prepare`` runs once per forward, each block gets ``LayerPE(encoding, state, i)``, then
+  ``after_block``; token encodings act in ``embed_tokens``. Any encoding registered for 3D grids
+  works (``vispe.list_encodings(grid_ndim=3)``: ``rope_axial_3d``, ``rope_mixed_3d``, ``sincos3d``,
+  ``learned_3d``, ``comrope_ld_3d``, ``none``, ...).
+* Prefix tokens: ``class_token=True`` (default) and ``reg_tokens`` registers; ``global_pool`` is
+  ``'token'`` (cls), ``'avg'`` (mean of lattice tokens) or ``''`` (no pooling).
+
+Stable API (used by the video-LLM and retrieval code):
+    ``embed(x) -> (tokens (B, S+N, D), grid)``; ``iter_blocks(x, grid)``;
+    ``forward_features(x) -> (B, S+N, D)`` (normed);
+    ``forward_video_tokens(x) -> (B, T', H', W', D)`` lattice tokens (normed, no prefix tokens);
+    ``forward_head(feats, pre_logits=False)``; ``forward(x) -> (B, num_classes)``;
+    ``embed_dim``, ``num_prefix_tokens``, ``grid_size`` (training lattice), ``no_weight_decay()``,
+    ``set_input_size(img_size=None, num_frames=None)``, ``reset_classifier(n)``.
+
+Registered: ``vispe_video_vit_tiny_patch16_224`` (192 wide, 12 blocks, 3 heads, tubelet 2x16x16,
+16 frames), ``vispe_video_vit_small_patch16_224`` (384/12/6, tubelet 2x16x16) and the CPU-sized
+``vispe_video_vit_nano_patch8_64`` (96 wide, 4 blocks, 3 heads, tubelet 2x8x8, 8 frames of 64x64).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+import torch
+from timm.layers import LayerNorm, trunc_normal_
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..encodings import (
+    EncodingContext,
+    PositionGrid,
+    create_encoding,
+    get_encoding_class,
+)
+from .layers import LayerPE, PEAttention, PEBlock
+from .vispe_vit import PosEncodingArg, parse_pos_encoding
+
+__all__ = ["TubeletEmbed", "VispeVideoViT"]
+
+
+def _triple(x: int | Sequence[int]) -> tuple[int, ...]:
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+class TubeletEmbed(nn.Module):
+    """``Conv3d`` tubelet embedding: ``(B, C, T, H, W) -> (B, T/t, H/p, W/p, D)``."""
+
+    def __init__(self, tubelet_size: int = 2, patch_size: int | Sequence[int] = 16, in_chans: int = 3, embed_dim: int = 768, bias: bool = True) -> None:
+        super().__init__()
+        ps = _triple(patch_size)
+        ps = ps * 2 if len(ps) == 1 else ps
+        if len(ps) != 2 or min(ps) < 1 or not isinstance(tubelet_size, int) or tubelet_size < 1:
+            raise ValueError(f"tubelet_size must be an int >= 1 and patch_size an int or (ph, pw), got {tubelet_size!r}, {patch_size!r}")
+        self.kernel = (tubelet_size, ps[0], ps[1])
+        self.in_chans = in_chans
+        self.proj = nn.Conv3d(in_chans, embed_dim, kernel_size=self.kernel, stride=self.kernel, bias=bias)
+
+    def grid_for(self, t: int, h: int, w: int) -> tuple[int, int, int]:
+        kt, kh, kw = self.kernel
+        if t % kt or h % kh or w % kw:
+            raise ValueError(
+                f"video of {t} frames at {h}x{w} is not divisible by the tubelet {kt}x{kh}x{kw}; use a frame count that is a "
+                f"multiple of {kt} and a resolution that is a multiple of {kh}x{kw}"
+            )
+        return t // kt, h // kh, w // kw
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.ndim != 5 or x.shape[1] != self.in_chans:
+            raise ValueError(f"expected a video of shape (B, C={self.in_chans}, T, H, W), got {tuple(x.shape)}")
+        self.grid_for(*x.shape[2:])
+        return self.proj(x).permute(0, 2, 3, 4, 1)
+
+
+class VispeVideoViT(nn.Module):
+    """Video ViT (joint space-time attention) whose positional encoding is any 3D vispe encoding.
+
+    Args:
+        pos_encoding: encoding name, ``{'name': ..., **options}`` or ``(name, options)``.
+        img_size: training resolution (sets the encoding's training grid; any size works later).
+        num_frames: training frame count (likewise).
+        tubelet_size: frames per tubelet; patch_size: spatial patch.
+        num_classes, global_pool, class_token, reg_tokens, embed_dim, depth, num_heads, mlp_ratio,
+        qkv_bias, qk_norm, init_values, drop_rate, pos_drop_rate, attn_drop_rate, proj_drop_rate,
+        drop_path_rate: as in timm's ``VisionTransformer``.
+    """
+
+    def __init__(
+        self,
+        pos_encoding: PosEncodingArg = "rope_axial_3d",
+        img_size: int | Sequence[int] = 224,
+        num_frames: int = 16,
+        tubelet_size: int = 2,
+        patch_size: int | Sequence[int] = 16,
+        in_chans: int = 3,
+        num_classes: int = 400,
+        global_pool: str = "token",
+        class_token: bool = True,
+        reg_tokens: int = 0,
+        embed_dim: int = 768,
+        depth: int = 12,
+        num_heads: int = 12,
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = True,
+        qk_norm: bool = False,
+        init_values: float | None = None,
+        drop_rate: float = 0.0,
+        pos_drop_rate: float = 0.0,
+        attn_drop_rate: float = 0.0,
+        proj_drop_rate: float = 0.0,
+        drop_path_rate: float = 0.0,
+        norm_layer: type[nn.Module] | None = None,
+    ) -> None:
+        super().__init__()
+        name, pe_kwargs = parse_pos_encoding(pos_encoding)
+        enc_cls = get_encoding_class(name)  # unknown names fail before any weight is built
+        if 3 not in enc_cls.grid_ndims:
+            raise ValueError(f"encoding {name!r} does not take 3D (t, h, w) grids; choose one of {_list_3d()}")
+        if global_pool not in ("token", "avg", ""):
+            raise ValueError(f"global_pool={global_pool!r}; choose 'token', 'avg' or ''")
+        if global_pool == "token" and not class_token:
+            raise ValueError("global_pool='token' needs class_token=True; use global_pool='avg' without a class token")
+        if embed_dim % num_heads:
+            raise ValueError(f"embed_dim={embed_dim} is not divisible by num_heads={num_heads}")
+        norm_layer = norm_layer or partial(LayerNorm, eps=1e-6)
+        img = _triple(img_size)
+        img = img * 2 if len(img) == 1 else img
+        self.num_classes = num_classes
+        self.global_pool = global_pool
+        self.embed_dim = self.num_features = self.head_hidden_size = embed_dim
+        self.num_prefix_tokens = int(class_token) + reg_tokens
+        self.has_class_token = class_token
+        self.grad_checkpointing = False
+
+        self.patch_embed = TubeletEmbed(tubelet_size, patch_size, in_chans, embed_dim)
+        self.grid_size = self.patch_embed.grid_for(num_frames, img[0], img[1])
+        self.img_size, self.num_frames = tuple(img), num_frames
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if class_token else None
+        self.reg_token = nn.Parameter(torch.zeros(1, reg_tokens, embed_dim)) if reg_tokens else None
+        self.pos_drop = nn.Dropout(pos_drop_rate)
+        dpr = [x.item() for x in torch.linspace(0, drop_path_rate, depth)]
+        self.blocks = nn.Sequential(
+            *[
+                PEBlock(
+                    dim=embed_dim, num_heads=num_heads, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, qk_norm=qk_norm,
+                    init_values=init_values, proj_drop=proj_drop_rate, attn_drop=attn_drop_rate, drop_path=dpr[i],
+                    norm_layer=norm_layer, attn_layer=PEAttention,
+                )
+                for i in range(depth)
+            ]
+        )
+        self.norm = norm_layer(embed_dim)
+        self.head_drop = nn.Dropout(drop_rate)
+        self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+
+        self.pos_encoding_name = name
+        self.pos_encoding_kwargs = dict(pe_kwargs)
+        context = EncodingContext(
+            dim=embed_dim, num_heads=num_heads, depth=depth, grid_size=self.grid_size,
+            num_prefix_tokens=self.num_prefix_tokens, in_chans=in_chans, patch_size=self.patch_embed.kernel,
+        )
+        self.pos_encoding = create_encoding(name, context, **pe_kwargs)
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        if self.cls_token is not None:
+            nn.init.normal_(self.cls_token, std=1e-6)
+        if self.reg_token is not None:
+            nn.init.normal_(self.reg_token, std=1e-6)
+        for name, m in self.named_modules():
+            if name.startswith("pos_encoding"):
+                continue  # encodings own their init
+            if isinstance(m, nn.Linear):
+                trunc_normal_(m.weight, std=0.02)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+        w = self.patch_embed.proj.weight
+        nn.init.xavier_uniform_(w.view(w.shape[0], -1))
+
+    # ------------------------------------------------------------------------------------
+    def embed(self, x: torch.Tensor) -> tuple[torch.Tensor, PositionGrid]:
+        """Tubelet-embed, prepend prefix tokens, apply token encodings. Returns tokens and their grid."""
+        video = x
+        x = self.patch_embed(x)  # (B, t, h, w, D)
+        B = x.shape[0]
+        grid = PositionGrid(tuple(x.shape[1:4]), self.num_prefix_tokens)
+        x = x.flatten(1, 3)
+        prefix = []
+        if self.cls_token is not None:
+            prefix.append(self.cls_token.expand(B, -1, -1))
+        if self.reg_token is not None:
+            prefix.append(self.reg_token.expand(B, -1, -1))
+        if prefix:
+            x = torch.cat(prefix + [x], dim=1)
+        x = self.pos_encoding.embed_tokens(x, grid, None, image=video)
+        return self.pos_drop(x), grid
+
+    def iter_blocks(self, x: torch.Tensor, grid: PositionGrid, attn_mask: torch.Tensor | None = None):
+        """Run the blocks, yielding ``(index, tokens)`` after each (position-only work done once)."""
+        enc = self.pos_encoding
+        state = enc.prepare(grid, x.device)
+        use_ckpt = self.grad_checkpointing and torch.is_grad_enabled()
+        for i, blk in enumerate(self.blocks):
+            pe = LayerPE(enc, state, i)
+            if use_ckpt:
+                x = checkpoint(blk, x, attn_mask, False, pe, use_reentrant=False)
+            else:
+                x = blk(x, attn_mask=attn_mask, pe=pe)
+            x = enc.after_block(i, x, grid, state)
+            yield i, x
+
+    def forward_features_grid(self, x: torch.Tensor) -> tuple[torch.Tensor, PositionGrid]:
+        tokens, grid = self.embed(x)
+        for _, tokens in self.iter_blocks(tokens, grid):  # noqa: B007,B020
+            pass
+        return self.norm(tokens), grid
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_features_grid(x)[0]
+
+    def forward_video_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """Normed lattice tokens ``(B, T', H', W', D)`` in raster order (prefix tokens dropped)."""
+        feats, grid = self.forward_features_grid(x)
+        return feats[:, self.num_prefix_tokens :].reshape(feats.shape[0], *grid.shape, -1)
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        if self.global_pool == "token":
+            x = x[:, 0]
+        elif self.global_pool == "avg":
+            x = x[:, self.num_prefix_tokens :].mean(dim=1)
+        x = self.head_drop(x)
+        return x if pre_logits else self.head(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
+    # ------------------------------------------------------------------------------------
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        self.num_classes = num_classes
+        if global_pool is not None:
+            self.global_pool = global_pool
+        self.head = nn.Linear(self.embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+
+    def set_input_size(self, img_size: int | Sequence[int] | None = None, num_frames: int | None = None) -> None:
+        """Change the training lattice (e.g. before fine-tuning at another size); encodings adapt their tables."""
+        img = self.img_size if img_size is None else _triple(img_size)
+        img = img * 2 if len(img) == 1 else img
+        frames = self.num_frames if num_frames is None else num_frames
+        self.grid_size = self.patch_embed.grid_for(frames, img[0], img[1])
+        self.img_size, self.num_frames = tuple(img), frames
+        self.pos_encoding.set_grid_size(self.grid_size)
+
+    def get_classifier(self) -> nn.Module:
+        return self.head
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        self.grad_checkpointing = enable
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> set[str]:
+        names = {"cls_token", "reg_token"}
+        names |= {f"pos_encoding.{n}" for n in self.pos_encoding.no_weight_decay()}
+        return names
+
+
+def _list_3d() -> list[str]:
+    from ..encodings import list_encodings
+
+    return list_encodings(grid_ndim=3)
+
+
+# ----------------------------------------------------------------------------------------
+# timm registration
+# ----------------------------------------------------------------------------------------
+
+KINETICS_MEAN, KINETICS_STD = (0.45, 0.45, 0.45), (0.225, 0.225, 0.225)
+
+
+def _cfg(**kwargs: Any) -> dict[str, Any]:
+    return {
+        "url": "",
+        "num_classes": 400,
+        "input_size": (3, 224, 224),  # per frame; timm's cfg holds (C, H, W) only
+        "pool_size": None,
+        "crop_pct": 1.0,
+        "interpolation": "bilinear",
+        "fixed_input_size": False,
+        "mean": KINETICS_MEAN,
+        "std": KINETICS_STD,
+        "first_conv": "patch_embed.proj",
+        "classifier": "head",
+        "license": "apache-2.0",
+        **kwargs,
+    }
+
+
+default_cfgs = generate_default_cfgs(
+    {
+        "vispe_video_vit_tiny_patch16_224.untrained": _cfg(),
+        "vispe_video_vit_small_patch16_224.untrained": _cfg(),
+        "vispe_video_vit_nano_patch8_64.untrained": _cfg(num_classes=10, input_size=(3, 64, 64)),
+    }
+)
+
+
+def _create_video_vit(variant: str, pretrained: bool = False, **kwargs: Any) -> VispeVideoViT:
+    return build_model_with_cfg(VispeVideoViT, variant, pretrained, pretrained_strict=kwargs.pop("pretrained_strict", False), **kwargs)
+
+
+@register_model
+def vispe_video_vit_tiny_patch16_224(pretrained: bool = False, **kwargs: Any) -> VispeVideoViT:
+    """Video ViT-Ti: 192 wide, 12 blocks, 3 heads, tubelet 2x16x16, 16 frames at 224."""
+    args = dict(img_size=224, num_frames=16, tubelet_size=2, patch_size=16, embed_dim=192, depth=12, num_heads=3)
+    return _create_video_vit("vispe_video_vit_tiny_patch16_224", pretrained, **dict(args, **kwargs))
+
+
+@register_model
+def vispe_video_vit_small_patch16_224(pretrained: bool = False, **kwargs: Any) -> VispeVideoViT:
+    """Video ViT-S: 384 wide, 12 blocks, 6 heads, tubelet 2x16x16, 16 frames at 224."""
+    args = dict(img_size=224, num_frames=16, tubelet_size=2, patch_size=16, embed_dim=384, depth=12, num_heads=6)
+    return _create_video_vit("vispe_video_vit_small_patch16_224", pretrained, **dict(args, **kwargs))
+
+
+@register_model
+def vispe_video_vit_nano_patch8_64(pretrained: bool = False, **kwargs: Any) -> VispeVideoViT:
+    """CPU-sized video ViT: 96 wide, 4 blocks, 3 heads (head_dim 32), tubelet 2x8x8, 8 frames at 64x64."""
+    args = dict(img_size=64, num_frames=8, tubelet_size=2, patch_size=8, embed_dim=96, depth=4, num_heads=3)
+    return _create_video_vit("vispe_video_vit_nano_patch8_64", pretrained, **dict(args, **kwargs))

@@ -1,0 +1,460 @@
+"""Multimodal position ids for text + image/video sequences (pure functions, no model).
+
+A sample is a list of segments, :class:`Text` ``(n)`` or :class:`Visual` ``(T, H, W)`` (an image is
+``T = 1``). :func:`build_positions` turns it into coordinates per token, ``pos`` of shape ``(K, L)``,
+plus ``rope_delta`` for cached decoding:
+
+=====================  ===  =============================================================
+scheme                  K   positions
+=====================  ===  =============================================================
+``rope_1d``             1   ``0..L-1``; a visual block uses ``T*H*W`` consecutive indices
+``mrope``               3   Qwen2-VL ``(t, h, w)``; optional absolute time (Qwen2.5-VL:
+                            ``fps`` or ``seconds_per_grid`` and ``tokens_per_second``)
+``mrope_interleave``    3   as ``mrope`` with ``temporal_stride`` and spatial-reset (h, w
+                            local to the block; default on, the paper's proposal)
+``mhrope``              3   same positions as ``mrope_interleave`` (per-head axis is a
+                            frequency-allocation matter, see :mod:`vispe.encodings.multimodal_rope`)
+``vrope``               4   four corner-origin diagonals, frames tiled along the text axis
+``hope``                3   VideoRoPE layout (spatial rows centred on ``t``), ``t`` stride
+                            ``gamma`` (sampled per block at training, fixed at inference)
+``v2pe``                1   text steps by 1, visual tokens by ``delta``
+=====================  ===  =============================================================
+
+Text tokens carry the same value on every coordinate. ``rope_delta = next_free_position - L``: a
+token generated at cache index ``j`` gets position ``j + rope_delta`` on every coordinate.
+``next_free_position`` is where a text token following the sequence would be placed by the
+scheme's own rule, so decoding continues exactly as a longer prefill would.
+
+Positions are int64 when a scheme's options can only produce integers and float32 otherwise
+(``hope``, ``v2pe``, absolute-time ``mrope`` without the floor, fractional temporal strides).
+Visual tokens must be fed in raster order (t-major, then h, then w), with ``H, W`` the LLM-side
+grid; ``spatial_merge_size=m`` lets ``Visual`` carry the ViT grid instead (``H, W`` divisible by
+``m``).
+"""
+from __future__ import annotations
+
+import math
+import numbers
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Union
+
+import torch
+
+__all__ = [
+    "HOPE_TRAIN_GAMMAS",
+    "NUM_COORDS",
+    "POSITION_SCHEMES",
+    "V2PE_TRAIN_DELTAS",
+    "BatchPositions",
+    "Segment",
+    "Text",
+    "Visual",
+    "build_positions",
+    "build_positions_batch",
+    "decode_positions",
+    "num_tokens",
+    "validate_segments",
+]
+
+
+@dataclass(frozen=True)
+class Text:
+    """``n`` text tokens."""
+
+    n: int
+
+
+@dataclass(frozen=True)
+class Visual:
+    """A visual block of ``T x H x W`` tokens in raster order (an image is ``T = 1``).
+
+    ``seconds_per_grid`` optionally gives this video's duration of one temporal grid step
+    (absolute-time M-RoPE); it overrides the scheme-level ``fps`` / ``seconds_per_grid``.
+    """
+
+    T: int
+    H: int
+    W: int
+    seconds_per_grid: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.T * self.H * self.W
+
+
+Segment = Union[Text, Visual]
+
+#: Coordinates per token for each scheme.
+NUM_COORDS = {"rope_1d": 1, "mrope": 3, "mrope_interleave": 3, "mhrope": 3, "vrope": 4, "hope": 3, "v2pe": 1}
+POSITION_SCHEMES = tuple(NUM_COORDS)
+
+#: HoPE's dynamic temporal scaling set used at training (one draw per visual block).
+HOPE_TRAIN_GAMMAS = (0.5, 0.75, 1.0, 1.25, 1.5)
+#: V2PE's training deltas ``S / 256`` for ``S`` in 1, 2, 4, ..., 256 (one draw per visual block).
+V2PE_TRAIN_DELTAS = tuple(2**i / 256 for i in range(9))
+
+
+# ---------------------------------------------------------------------------------------------
+# validation
+# ---------------------------------------------------------------------------------------------
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def validate_segments(segments: Sequence[Segment], spatial_merge_size: int = 1) -> list[Segment]:
+    """Check a segment list and return it with ``Visual`` sizes on the LLM grid.
+
+    Raises ``ValueError``/``TypeError`` for an empty list, a non-segment, negative or zero sizes
+    (an empty visual block) and ViT grids not divisible by ``spatial_merge_size``.
+    """
+    if not _is_int(spatial_merge_size) or spatial_merge_size < 1:
+        raise ValueError(f"spatial_merge_size must be a positive int, got {spatial_merge_size!r}")
+    if isinstance(segments, (Text, Visual)):
+        segments = [segments]
+    segments = list(segments)
+    if not segments:
+        raise ValueError("a sample needs at least one segment (Text(n) or Visual(T, H, W)); got an empty list")
+    out: list[Segment] = []
+    for i, seg in enumerate(segments):
+        if isinstance(seg, Text):
+            if not _is_int(seg.n) or seg.n < 0:
+                raise ValueError(f"segment {i}: Text(n) needs an int n >= 0, got n={seg.n!r}")
+            if seg.n:
+                out.append(Text(int(seg.n)))
+        elif isinstance(seg, Visual):
+            sizes = dict(T=seg.T, H=seg.H, W=seg.W)
+            for k, v in sizes.items():
+                if not _is_int(v):
+                    raise TypeError(f"segment {i}: Visual {k} must be an int, got {v!r}")
+            bad = {k: v for k, v in sizes.items() if v <= 0}
+            if bad:
+                raise ValueError(
+                    f"segment {i}: Visual(T={seg.T}, H={seg.H}, W={seg.W}) is an empty or negative visual block "
+                    f"({', '.join(f'{k}={v}' for k, v in bad.items())}); every size must be >= 1"
+                )
+            if seg.seconds_per_grid is not None and not (seg.seconds_per_grid > 0):
+                raise ValueError(f"segment {i}: seconds_per_grid must be > 0, got {seg.seconds_per_grid!r}")
+            m = spatial_merge_size
+            seg = Visual(int(seg.T), int(seg.H), int(seg.W), seg.seconds_per_grid)
+            if m > 1:
+                if seg.H % m or seg.W % m:
+                    raise ValueError(
+                        f"segment {i}: Visual(T={seg.T}, H={seg.H}, W={seg.W}) has H/W not divisible by the spatial merge "
+                        f"size {m}; the ViT grid must be a multiple of {m} on both spatial axes"
+                    )
+                seg = Visual(seg.T, seg.H // m, seg.W // m, seg.seconds_per_grid)
+            out.append(seg)
+        else:
+            raise TypeError(f"segment {i} is {seg!r}; use vispe.positions.Text(n) or Visual(T, H, W)")
+    if not out:
+        raise ValueError("the sample has no tokens (all Text segments have n=0)")
+    return out
+
+
+def num_tokens(segments: Sequence[Segment], spatial_merge_size: int = 1) -> int:
+    """Sequence length ``L`` of a segment list (visual blocks counted on the LLM grid)."""
+    return sum(s.n if isinstance(s, Text) else s.num_tokens for s in validate_segments(segments, spatial_merge_size))
+
+
+def _check_positive(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value):
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+    return float(value)
+
+
+def _draw(choices: Sequence[float], rng: random.Random | None) -> float:
+    return (rng or random).choice(list(choices))
+
+
+# ---------------------------------------------------------------------------------------------
+# per-scheme builders: each returns (list of (K, n) float64 columns, next free position)
+# float64 internally so that large offsets plus fractional steps stay exact before the final cast
+# ---------------------------------------------------------------------------------------------
+
+_F = torch.float64
+
+
+def _text(nxt: float, n: int, k: int) -> torch.Tensor:
+    return (nxt + torch.arange(n, dtype=_F)).expand(k, n)
+
+
+def _mesh(T: int, H: int, W: int, t: torch.Tensor | None = None):
+    t = torch.arange(T, dtype=_F) if t is None else t
+    tt, hh, ww = torch.meshgrid(t, torch.arange(H, dtype=_F), torch.arange(W, dtype=_F), indexing="ij")
+    return tt.reshape(-1), hh.reshape(-1), ww.reshape(-1)
+
+
+def _rope_1d(segments: Sequence[Segment]) -> tuple[list[torch.Tensor], float]:
+    cols, nxt = [], 0.0
+    for seg in segments:
+        n = seg.n if isinstance(seg, Text) else seg.num_tokens
+        cols.append(_text(nxt, n, 1))
+        nxt += n
+    return cols, nxt
+
+
+def _mrope(
+    segments: Sequence[Segment],
+    fps: float | None = None,
+    seconds_per_grid: float | None = None,
+    tokens_per_second: float = 2.0,
+    temporal_patch_size: int = 2,
+    time_floor: bool = True,
+) -> tuple[list[torch.Tensor], float]:
+    default_spg = None
+    if fps is not None and seconds_per_grid is not None:
+        raise ValueError("give either fps or seconds_per_grid for absolute-time M-RoPE, not both")
+    if fps is not None:
+        default_spg = temporal_patch_size / _check_positive("fps", fps)
+    elif seconds_per_grid is not None:
+        default_spg = _check_positive("seconds_per_grid", seconds_per_grid)
+    tokens_per_second = _check_positive("tokens_per_second", tokens_per_second)
+    cols, nxt = [], 0.0
+    for seg in segments:
+        if isinstance(seg, Text):
+            cols.append(_text(nxt, seg.n, 3))
+            nxt += seg.n
+            continue
+        spg = seg.seconds_per_grid if seg.seconds_per_grid is not None else default_spg
+        t = None
+        if spg is not None:
+            # multiply in float and floor only at the end (an integer cast of spg zeroes t above 2 fps)
+            t = torch.arange(seg.T, dtype=_F) * (spg * tokens_per_second)
+            if time_floor:
+                t = torch.floor(t)
+        tt, hh, ww = _mesh(seg.T, seg.H, seg.W, t)
+        blk = torch.stack([tt, hh, ww]) + nxt
+        cols.append(blk)
+        nxt = float(blk.max()) + 1.0  # max over all three rows, not t_last + 1
+    return cols, nxt
+
+
+def _reset(segments: Sequence[Segment], temporal_stride: float = 1.0, spatial_reset: bool = True) -> tuple[list[torch.Tensor], float]:
+    stride = _check_positive("temporal_stride", temporal_stride)
+    cols, nxt = [], 0.0
+    for seg in segments:
+        if isinstance(seg, Text):
+            cols.append(_text(nxt, seg.n, 3))
+            nxt += seg.n
+            continue
+        tt, hh, ww = _mesh(seg.T, seg.H, seg.W, stride * torch.arange(seg.T, dtype=_F))
+        if spatial_reset:
+            blk = torch.stack([tt + nxt, hh, ww])  # h, w local to the block; t keeps the global offset
+        else:
+            blk = torch.stack([tt, hh, ww]) + nxt
+        cols.append(blk)
+        # the next token sits where un-reset M-RoPE would put it (never a max over reset rows)
+        nxt = nxt + max(stride * (seg.T - 1), seg.H - 1, seg.W - 1) + 1
+    return cols, nxt
+
+
+def _vrope(segments: Sequence[Segment]) -> tuple[list[torch.Tensor], float]:
+    cols, nxt = [], 0.0
+    for seg in segments:
+        if isinstance(seg, Text):
+            cols.append(_text(nxt, seg.n, 4))
+            nxt += seg.n
+            continue
+        T, H, W = seg.T, seg.H, seg.W
+        span = H + W - 1  # each frame occupies one slot of H + W - 1 indices on the text axis
+        tt, hh, ww = _mesh(T, H, W)
+        o = nxt + tt * span
+        # code order [h+w, h+(W-1-w), (H-1-h)+w, (H-1-h)+(W-1-w)] = paper (v1, v4, v2, v3)
+        cols.append(torch.stack([o + hh + ww, o + hh + (W - 1 - ww), o + (H - 1 - hh) + ww, o + (H - 1 - hh) + (W - 1 - ww)]))
+        nxt = nxt + T * span  # = last frame's max + 1: the following text continues without a jump
+    return cols, nxt
+
+
+def _hope(
+    segments: Sequence[Segment],
+    gamma: float = 1.0,
+    training: bool = False,
+    gamma_choices: Sequence[float] = HOPE_TRAIN_GAMMAS,
+    rng: random.Random | None = None,
+) -> tuple[list[torch.Tensor], float]:
+    if not training:
+        gamma = _check_positive("gamma", gamma)
+    else:
+        if not gamma_choices:
+            raise ValueError("gamma_choices must be a non-empty sequence of positive scales")
+        for g in gamma_choices:
+            _check_positive("gamma_choices entry", g)
+    cols, nxt = [], 0.0
+    for seg in segments:
+        if isinstance(seg, Text):
+            cols.append(_text(nxt, seg.n, 3))
+            nxt += seg.n
+            continue
+        g = float(_draw(gamma_choices, rng)) if training else gamma
+        T, H, W = seg.T, seg.H, seg.W
+        tt, hh, ww = _mesh(T, H, W)
+        t = nxt + g * tt
+        cols.append(torch.stack([t, t + hh - (H - 1) // 2, t + ww - (W - 1) // 2]))
+        nxt = nxt + g * (T - 1) + 1  # last t + 1 on the t row (spatial rows may overlap the next text)
+    return cols, nxt
+
+
+def _v2pe(
+    segments: Sequence[Segment],
+    delta: float = 1.0,
+    training: bool = False,
+    delta_choices: Sequence[float] = V2PE_TRAIN_DELTAS,
+    rng: random.Random | None = None,
+) -> tuple[list[torch.Tensor], float]:
+    if not training:
+        delta = _check_positive("delta", delta)
+    else:
+        if not delta_choices:
+            raise ValueError("delta_choices must be a non-empty sequence of positive steps")
+        for d in delta_choices:
+            _check_positive("delta_choices entry", d)
+    cols, nxt = [], 0.0
+    for seg in segments:
+        if isinstance(seg, Text):
+            cols.append(_text(nxt, seg.n, 1))
+            nxt += seg.n
+            continue
+        d = float(_draw(delta_choices, rng)) if training else delta
+        p = (nxt - 1) + d * torch.arange(1, seg.num_tokens + 1, dtype=_F)
+        cols.append(p[None])
+        nxt = math.ceil(float(p[-1])) + 1  # next text at ceil(last visual) + 1 (training's rounding rule)
+    return cols, nxt
+
+
+_BUILDERS: dict[str, Callable[..., tuple[list[torch.Tensor], float]]] = {
+    "rope_1d": _rope_1d,
+    "mrope": _mrope,
+    "mrope_interleave": _reset,
+    "mhrope": _reset,
+    "vrope": _vrope,
+    "hope": _hope,
+    "v2pe": _v2pe,
+}
+
+
+def _integer_valued(scheme: str, kw: dict[str, Any]) -> bool:
+    """Whether the scheme's options can only give integer positions (decides the output dtype)."""
+    if scheme in ("rope_1d", "vrope"):
+        return True
+    if scheme == "mrope":
+        timed = kw.get("fps") is not None or kw.get("seconds_per_grid") is not None or kw.get("_any_block_time", False)
+        return not timed or kw.get("time_floor", True)
+    if scheme in ("mrope_interleave", "mhrope"):
+        return float(kw.get("temporal_stride", 1.0)).is_integer()
+    return False  # hope, v2pe: fractional scales by design
+
+
+def _check_scheme(scheme: str) -> None:
+    if scheme not in _BUILDERS:
+        raise ValueError(f"unknown position scheme {scheme!r}; choose one of {list(POSITION_SCHEMES)}")
+
+
+def _scheme_kwargs(scheme: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    import inspect
+
+    allowed = [p for p in inspect.signature(_BUILDERS[scheme]).parameters if p != "segments"]
+    unknown = [k for k in kwargs if k not in allowed]
+    if unknown:
+        raise TypeError(f"position scheme {scheme!r} got unknown option(s) {unknown}; valid options: {allowed}")
+    if scheme in ("mrope_interleave", "mhrope") and "spatial_reset" in kwargs and not isinstance(kwargs["spatial_reset"], bool):
+        raise TypeError(f"spatial_reset must be a bool, got {kwargs['spatial_reset']!r}")
+    return kwargs
+
+
+def build_positions(
+    scheme: str, segments: Sequence[Segment], *, spatial_merge_size: int = 1, **scheme_kwargs: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Position ids of one sample.
+
+    Args:
+        scheme: one of :data:`POSITION_SCHEMES`.
+        segments: ``[Text(n) | Visual(T, H, W), ...]``.
+        spatial_merge_size: ``Visual`` sizes are ViT-grid sizes merged ``m x m`` into one LLM token
+            (``H, W`` must be divisible by ``m``); 1 means they already are LLM-grid sizes.
+        **scheme_kwargs: the scheme's options (papers' names):
+            ``mrope``: ``fps`` or ``seconds_per_grid``, ``tokens_per_second=2``, ``temporal_patch_size=2``,
+            ``time_floor=True``; ``mrope_interleave``/``mhrope``: ``temporal_stride=1``, ``spatial_reset=True``;
+            ``hope``: ``gamma=1.0`` (inference), ``training=False``, ``gamma_choices``, ``rng``;
+            ``v2pe``: ``delta=1.0`` (inference), ``training=False``, ``delta_choices``, ``rng``.
+
+    Returns:
+        ``(pos, rope_delta)``: ``pos`` of shape ``(K, L)`` (int64, or float32 for fractional schemes)
+        and a 0-d tensor ``rope_delta = next_free_position - L`` of the same dtype.
+    """
+    _check_scheme(scheme)
+    segs = validate_segments(segments, spatial_merge_size)
+    kw = _scheme_kwargs(scheme, dict(scheme_kwargs))
+    cols, nxt = _BUILDERS[scheme](segs, **kw)
+    pos = torch.cat(cols, dim=1)
+    L = pos.shape[1]
+    if scheme == "mrope" and any(isinstance(s, Visual) and s.seconds_per_grid is not None for s in segs):
+        kw = dict(kw, _any_block_time=True)
+    dtype = torch.int64 if _integer_valued(scheme, kw) else torch.float32
+    return pos.to(dtype), torch.tensor(nxt - L, dtype=torch.float64).to(dtype)
+
+
+@dataclass
+class BatchPositions:
+    """Padded batch: ``pos (K, B, L)``, ``rope_delta (B,)``, ``attention_mask (B, L)`` (bool, True = real),
+    ``lengths (B,)``. ``rope_delta`` is relative to the padded length ``L``: the token appended at cache
+    index ``j >= L`` of row ``b`` gets position ``j + rope_delta[b]``."""
+
+    pos: torch.Tensor
+    rope_delta: torch.Tensor
+    attention_mask: torch.Tensor
+    lengths: torch.Tensor
+
+    def __iter__(self):  # allows ``pos, rope_delta, mask, lengths = build_positions_batch(...)``
+        return iter((self.pos, self.rope_delta, self.attention_mask, self.lengths))
+
+
+def build_positions_batch(
+    scheme: str,
+    batch: Sequence[Sequence[Segment]],
+    *,
+    padding_side: str = "left",
+    pad_position: int = 0,
+    spatial_merge_size: int = 1,
+    **scheme_kwargs: Any,
+) -> BatchPositions:
+    """Position ids for a batch of samples, padded to the longest one.
+
+    ``padding_side='left'`` (generation) puts pads before the tokens, ``'right'`` after. Pad slots get
+    ``pad_position`` on every coordinate (they must be masked with ``attention_mask``). Random draws
+    (HoPE/V2PE at training) are independent per visual block.
+    """
+    if padding_side not in ("left", "right"):
+        raise ValueError(f"padding_side={padding_side!r}; choose 'left' or 'right'")
+    if isinstance(batch, (Text, Visual)) or not len(batch):
+        raise ValueError("build_positions_batch needs a non-empty list of samples (each a list of segments)")
+    if all(isinstance(s, (Text, Visual)) for s in batch):
+        raise ValueError("build_positions_batch got one sample (a list of segments); wrap it in a list or use build_positions")
+    built = [build_positions(scheme, s, spatial_merge_size=spatial_merge_size, **scheme_kwargs) for s in batch]
+    dtype = torch.float32 if any(p.dtype.is_floating_point for p, _ in built) else torch.int64
+    K = built[0][0].shape[0]
+    lengths = torch.tensor([p.shape[1] for p, _ in built])
+    L = int(lengths.max())
+    pos = torch.full((K, len(built), L), pad_position, dtype=dtype)
+    mask = torch.zeros(len(built), L, dtype=torch.bool)
+    deltas = torch.empty(len(built), dtype=torch.float64)
+    for b, (p, d) in enumerate(built):
+        n = p.shape[1]
+        sl = slice(L - n, L) if padding_side == "left" else slice(0, n)
+        pos[:, b, sl] = p.to(dtype)
+        mask[b, sl] = True
+        deltas[b] = float(d) + n - L  # next_free - L_padded
+    return BatchPositions(pos, deltas.to(dtype), mask, lengths)
+
+
+def decode_positions(rope_delta: torch.Tensor, cache_index: int, num_coords: int, num_new: int = 1) -> torch.Tensor:
+    """Positions ``(K, B, num_new)`` of tokens generated at cache indices ``cache_index ..`` (all coordinates equal)."""
+    rope_delta = torch.as_tensor(rope_delta)
+    if rope_delta.ndim == 0:
+        rope_delta = rope_delta[None]
+    steps = torch.arange(cache_index, cache_index + num_new, device=rope_delta.device)
+    p = steps[None, :].to(rope_delta.dtype) + rope_delta[:, None]
+    return p[None].expand(num_coords, -1, -1)
