@@ -146,6 +146,17 @@ def test_every_2d_encoding_trains_at_train_larger_and_nonsquare_grids(name):
     assert all(p.grad is not None for p in enc_params), f"{name}: an encoding parameter got no gradient"
 
 
+@pytest.mark.parametrize("name", list_encodings(grid_ndim=2))
+def test_validate_then_train_at_the_same_grid(name):
+    """Tables cached during an inference_mode pass must still serve a training step (Lightning validates first)."""
+    model = _tiny(name)
+    model.eval()
+    with torch.inference_mode():
+        model(torch.randn(2, 3, 32, 32))
+    model.train()
+    model(torch.randn(2, 3, 32, 32)).sum().backward()
+
+
 def test_timm_registration_and_create_model():
     names = timm.list_models("vispe_*")
     for n in [

@@ -187,3 +187,14 @@ def test_bad_inputs_raise():
         VispeVideoViT(pos_encoding={"name": "rope_axial_3d", "bogus": 1}, **TINY)
     with pytest.raises(ValueError, match="sections"):
         VispeVideoViT(pos_encoding={"name": "rope_axial_3d", "sections": (1, 1, 1)}, **TINY)
+
+
+@pytest.mark.parametrize("name", VIDEO_ENCODINGS)
+def test_validate_then_train_at_the_same_grid(name):
+    """Tables cached during an inference_mode pass must still serve a training step."""
+    _need(name)
+    m = VispeVideoViT(pos_encoding=name, **TINY)
+    x = torch.randn(1, 3, 4, 32, 32)
+    with torch.inference_mode():
+        m.eval()(x)
+    m.train()(x).sum().backward()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from typing import Any, Sequence
 
 import torch
@@ -63,6 +64,7 @@ class LearnedAbsolute(TokenEncoding):
         rows = self.num_prefix_rows + math.prod(self.grid_size)
         self.pos_embed = nn.Parameter(torch.zeros(1, rows, dim))
         trunc_normal_(self.pos_embed, std=0.02)
+        self._resample_cache: OrderedDict[Any, torch.Tensor] = OrderedDict()
 
     def resample(self, table: torch.Tensor, old: tuple[int, ...], new: tuple[int, ...]) -> torch.Tensor:
         return resample_abs_pos_embed(
@@ -74,7 +76,21 @@ class LearnedAbsolute(TokenEncoding):
         self.check_grid(grid)
         if grid.shape == self.grid_size:
             return self.pos_embed
-        return self.resample(self.pos_embed, self.grid_size, grid.shape)
+        if torch.is_grad_enabled() and self.pos_embed.requires_grad:
+            return self.resample(self.pos_embed, self.grid_size, grid.shape)
+        # no gradient flows into the table: resample once per (grid, table version), not per call
+        p = self.pos_embed
+        key = (grid.shape, p.data_ptr(), p._version, p.device, p.dtype)
+        table = self._resample_cache.get(key)
+        if table is None:
+            with torch.inference_mode(False), torch.no_grad():  # a plain tensor, reusable when training resumes
+                table = self.resample(p, self.grid_size, grid.shape)
+            self._resample_cache[key] = table
+            while len(self._resample_cache) > 8:
+                self._resample_cache.popitem(last=False)
+        else:
+            self._resample_cache.move_to_end(key)
+        return table
 
     def embed_tokens(self, x, grid, state=None, image=None):
         if self.embed_prefix and grid.num_prefix_tokens != self.num_prefix_rows:
@@ -84,8 +100,13 @@ class LearnedAbsolute(TokenEncoding):
         pe = self.table_for(grid)
         if self.embed_prefix or grid.num_prefix_tokens == 0:
             return x + pe
+        # zero rows for the prefix tokens: one add over the sequence instead of slice + add + cat
         s = grid.num_prefix_tokens
-        return torch.cat([x[:, :s], x[:, s:] + pe], dim=1)
+        return x + torch.cat([pe.new_zeros(1, s, pe.shape[-1]), pe], dim=1)
+
+    def _apply(self, fn, *args, **kwargs):  # device/dtype moves invalidate resampled tables
+        self._resample_cache.clear()
+        return super()._apply(fn, *args, **kwargs)
 
     @torch.no_grad()
     def set_grid_size(self, grid_size: Sequence[int]) -> None:
@@ -95,6 +116,7 @@ class LearnedAbsolute(TokenEncoding):
                 self.resample(self.pos_embed.data, self.grid_size, new), requires_grad=self.pos_embed.requires_grad
             )
             self.grid_size = new
+            self._resample_cache.clear()
 
     def no_weight_decay(self) -> set[str]:
         return {"pos_embed"}
@@ -147,23 +169,34 @@ class SinCos2d(TokenEncoding):
         key = (grid.shape, str(device))
         table = self._cache.get(key)
         if table is None:
-            if self.extrapolation == "extend" or grid.shape == self.grid_size:
-                table = build_sincos2d_pos_embed(list(grid.shape), dim=self.dim, temperature=self.temperature, device=device)
-            else:
-                base = build_sincos2d_pos_embed(list(self.grid_size), dim=self.dim, temperature=self.temperature, device=device)
-                table = resample_abs_pos_embed(base[None], list(grid.shape), list(self.grid_size), num_prefix_tokens=0)[0]
-            table = table[None]
+            with torch.inference_mode(False), torch.no_grad():  # cached: a plain tensor, usable later in training
+                if self.extrapolation == "extend" or grid.shape == self.grid_size:
+                    table = build_sincos2d_pos_embed(list(grid.shape), dim=self.dim, temperature=self.temperature, device=device)
+                else:
+                    base = build_sincos2d_pos_embed(list(self.grid_size), dim=self.dim, temperature=self.temperature, device=device)
+                    table = resample_abs_pos_embed(base[None], list(grid.shape), list(self.grid_size), num_prefix_tokens=0)[0]
+                table = table[None]
+            if len(self._cache) > 16:
+                self._cache.clear()
+            self._cache[key] = table
+        return table
+
+    def sequence_table(self, grid: PositionGrid, device: torch.device | None, dtype: torch.dtype) -> torch.Tensor:
+        """``(1, S + N, D)``: zero rows for the prefix tokens, then the lattice table, in ``dtype`` (cached)."""
+        key = ("seq", grid.shape, grid.num_prefix_tokens, str(device), dtype)
+        table = self._cache.get(key)
+        if table is None:
+            lattice = self.table_for(grid, device)
+            with torch.inference_mode(False), torch.no_grad():
+                table = torch.cat([lattice.new_zeros(1, grid.num_prefix_tokens, self.dim), lattice], dim=1).to(dtype)
             if len(self._cache) > 16:
                 self._cache.clear()
             self._cache[key] = table
         return table
 
     def embed_tokens(self, x, grid, state=None, image=None):
-        pe = self.table_for(grid, x.device).to(x.dtype)
-        s = grid.num_prefix_tokens
-        if s == 0:
-            return x + pe
-        return torch.cat([x[:, :s], x[:, s:] + pe], dim=1)
+        # one add over the whole sequence (prefix rows add 0) instead of slice + add + cat
+        return x + self.sequence_table(grid, x.device, x.dtype)
 
     def set_grid_size(self, grid_size: Sequence[int]) -> None:
         self.grid_size = tuple(int(g) for g in grid_size)

@@ -77,7 +77,8 @@ class SinCos3d(TokenEncoding):
         table = self._cache.get(key)
         if table is None:
             train = self.grid_size if self.extrapolation == "interpolate" else None
-            table = sincos3d_table(grid_thw(grid, device, train), self.dim, self.temperature)[None]
+            with torch.inference_mode(False), torch.no_grad():  # cached beyond this call
+                table = sincos3d_table(grid_thw(grid, device, train), self.dim, self.temperature)[None]
             if len(self._cache) > 16:
                 self._cache.clear()
             self._cache[key] = table

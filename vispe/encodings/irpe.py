@@ -220,10 +220,13 @@ class IRPE(PositionalEncoding):
         key = (grid.shape, grid.num_prefix_tokens, str(device))
         state = self._ids_cache.get(key)
         if state is None:
-            ids, per_table = irpe_bucket_ids(grid, self.method, self.ratio, self.prefix_bucket, device)
-            offsets = torch.arange(ids.shape[0], device=ids.device)[:, None, None] * per_table
-            ids = ids + offsets
-            state = IRPEState(ids.contiguous(), ids.transpose(-1, -2).contiguous(), per_table * ids.shape[0])
+            # the cached ids outlive this call: build them as normal tensors even under inference_mode,
+            # or a later training step could not save them (gather indices) for backward
+            with torch.inference_mode(False), torch.no_grad():
+                ids, per_table = irpe_bucket_ids(grid, self.method, self.ratio, self.prefix_bucket, device)
+                offsets = torch.arange(ids.shape[0], device=ids.device)[:, None, None] * per_table
+                ids = ids + offsets
+                state = IRPEState(ids.contiguous(), ids.transpose(-1, -2).contiguous(), per_table * ids.shape[0])
             self._ids_cache[key] = state
             while len(self._ids_cache) > self.cache_size:
                 self._ids_cache.popitem(last=False)

@@ -151,10 +151,12 @@ class LOOPE(TokenEncoding):
         key = (grid.shape, str(device))
         pos = self._order_cache.get(key)
         if pos is None:
-            pos = gilbert_order(*grid.shape, device=device).float()
+            with torch.inference_mode(False):  # cached beyond this call: never an inference tensor
+                pos = gilbert_order(*grid.shape, device=device).float()
             n, n_train = grid.num_patches, math.prod(self.grid_size)
             if self.order_scale == "normalized" and n != n_train and n > 1:
-                pos = pos * ((n_train - 1) / (n - 1))
+                with torch.inference_mode(False):
+                    pos = pos * ((n_train - 1) / (n - 1))
             self._order_cache[key] = pos
             while len(self._order_cache) > 8:
                 self._order_cache.popitem(last=False)

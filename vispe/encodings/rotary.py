@@ -46,6 +46,9 @@ def apply_rotary(x: torch.Tensor, table: torch.Tensor, layout: str = "interleave
     if d != 2 * p:
         raise ValueError(f"rotary table has {p} pairs but the head dimension is {d} (needs {2 * p})")
     xf = x.float()
+    if torch.compiler.is_compiling():
+        # inductor generates no code for complex ops: the same rotation on real tensors fuses into one kernel
+        return _apply_rotary_real(xf, torch.view_as_real(table), layout).type_as(x)
     if layout == "interleaved":
         xc = torch.view_as_complex(xf.reshape(*xf.shape[:-1], p, 2))
         out = torch.view_as_real(xc * table).flatten(-2)
@@ -56,6 +59,20 @@ def apply_rotary(x: torch.Tensor, table: torch.Tensor, layout: str = "interleave
     else:
         raise ValueError(f"unknown rotary layout {layout!r}; choose one of {ROTARY_LAYOUTS}")
     return out.type_as(x)
+
+
+def _apply_rotary_real(xf: torch.Tensor, table_ri: torch.Tensor, layout: str) -> torch.Tensor:
+    """``apply_rotary`` on real tensors: ``xf`` float32 ``(..., L, 2P)``, ``table_ri`` = ``view_as_real(table)`` ``(..., L, P, 2)``."""
+    p = table_ri.shape[-2]
+    c, s = table_ri[..., 0], table_ri[..., 1]
+    if layout == "interleaved":
+        x2 = xf.unflatten(-1, (p, 2))
+        a, b = x2[..., 0], x2[..., 1]
+        return torch.stack([a * c - b * s, a * s + b * c], dim=-1).flatten(-2)
+    if layout == "half":
+        a, b = xf[..., :p], xf[..., p:]
+        return torch.cat([a * c - b * s, a * s + b * c], dim=-1)
+    raise ValueError(f"unknown rotary layout {layout!r}; choose one of {ROTARY_LAYOUTS}")
 
 
 @dataclass
@@ -128,7 +145,10 @@ class RotaryEncoding(PositionalEncoding):
         key = self._cache_key(grid, device)
         state = self._table_cache.get(key)
         if state is None:
-            state = self.build_state(grid, device)
+            # a cached table outlives this call: build it as a plain tensor even under
+            # inference_mode, or a later training step could not save it for backward
+            with torch.inference_mode(False), torch.no_grad():
+                state = self.build_state(grid, device)
             self._table_cache[key] = state
             while len(self._table_cache) > self.cache_size:
                 self._table_cache.popitem(last=False)

@@ -1,0 +1,185 @@
+"""``vispe bench speed``: the command runs end to end on a tiny model (it checks the command, not the
+speed), its options fail early, and the caches behind the speed work (a second call at a grid
+already seen recomputes no position-only quantity)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import timm
+import torch
+
+import vispe
+from vispe.benchmarks.speed import TARGETS, format_table, main, parse_encoding_specs
+from vispe.cli import main as cli_main
+from vispe.encodings import PositionGrid, apply_rotary, rotary_table
+
+
+def test_bench_speed_command_runs_one_iteration(tmp_path, capsys):
+    rc = cli_main(
+        [
+            "bench", "speed", "--models", "vit_s4_32", "--depth", "1", "--batch-size", "2",
+            "--iters", "1", "--warmup", "0", "--timm-refs", "ape,rope_axial",
+            "--encodings", "learned,rope_mixed[theta=10.0]", "--out-dir", str(tmp_path), "--tag", "t",
+        ]
+    )
+    assert rc == 0
+    printed = capsys.readouterr().out
+    data = json.loads((tmp_path / "t.json").read_text())
+    rows = {r["model"]: r for r in data["results"]}
+    assert set(rows) == {"timm:ape", "timm:rope_axial", "vispe:learned", "vispe:rope_mixed[theta=10.0]"}
+    for label, row in rows.items():
+        assert row["error"] is None, (label, row["error"])
+        assert row["train_step_ms"] > 0 and row["infer_samples_per_sec"] > 0
+        assert row["train_peak_mb"] > 0 and row["infer_peak_mb"] > 0
+        assert len(row["train_cpu_ms_all"]) == 1 and len(row["infer_wall_ms_all"]) == 1
+        assert label in printed
+    # the reference is its own denominator; every other row is measured against it
+    assert rows["timm:ape"]["train_ratio"] == 1.0 and rows["timm:ape"]["infer_mem_ratio"] == 1.0
+    assert rows["vispe:learned"]["target"]["time"] == TARGETS["learned"][0]
+    # the learned model has the same weights as timm's APE ViT (plus nothing): same resident memory order
+    assert 0.5 < rows["vispe:learned"]["train_mem_ratio"] < 2.0
+    assert data["meta"]["threads"] == 1 and data["meta"]["wall_s"] > 0
+    assert "timm:ape" in (tmp_path / "t.md").read_text()
+
+
+def test_train_step_peak_memory_sees_activations(tmp_path):
+    """The CPU peak-memory method is not blind: a deeper model reports a larger training peak."""
+    peaks = {}
+    for depth in (1, 3):
+        tag = f"d{depth}"
+        main(["speed", "--models", "vit_s4_32", "--depth", str(depth), "--batch-size", "4", "--iters", "1", "--warmup", "0",
+              "--timm-refs", "ape", "--encodings", "", "--bench", "memory,train", "--out-dir", str(tmp_path), "--tag", tag])
+        row = json.loads((tmp_path / f"{tag}.json").read_text())["results"][0]
+        peaks[depth] = row["train_peak_mb"]
+    # 2 more blocks: ~1.8M params each (weights + grads + momentum, 4 bytes) plus their activations
+    assert peaks[3] - peaks[1] > 2 * 1.77e6 * 4 * 3 / 2**20
+
+
+def test_encoding_spec_parser():
+    specs = parse_encoding_specs("learned, irpe[mode=bias,sides=qk], rope_mixed[theta=10.0]")
+    assert specs == [
+        ("learned", "learned", {}),
+        ("irpe[mode=bias,sides=qk]", "irpe", {"mode": "bias", "sides": "qk"}),
+        ("rope_mixed[theta=10.0]", "rope_mixed", {"theta": 10.0}),
+    ]
+    assert parse_encoding_specs("") == []
+    with pytest.raises(ValueError, match="unbalanced"):
+        parse_encoding_specs("irpe[mode=bias")
+    with pytest.raises(ValueError, match="key=value"):
+        parse_encoding_specs("irpe[bias]")
+
+
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["--models", "vit_huge"], r"unknown model size 'vit_huge'.*vit_s16"),
+        (["--encodings", "ropee"], r"unknown positional encoding 'ropee'"),
+        (["--modes", "jit"], r"unknown mode 'jit'"),
+        (["--bench", "flops"], r"unknown measurement 'flops'"),
+        (["--iters", "0"], r"--iters must be >= 1"),
+    ],
+)
+def test_bad_options_fail_before_any_model_is_built(argv, match):
+    with pytest.raises(ValueError, match=match):
+        main(["speed", *argv])
+
+
+def test_unknown_benchmark_name():
+    assert main(["sped"]) == 2
+
+
+def test_table_formats_missing_values():
+    row = {"config": "c", "mode": "eager", "model": "vispe:x", "train_step_ms": 1.0, "error": "boom"}
+    assert "vispe:x [error]" in format_table([row])
+
+
+# ---- the caches behind the speed -----------------------------------------------------------------
+
+
+def _count_calls(obj, name):
+    calls = []
+    orig = getattr(obj, name)
+
+    def wrapped(*a, **k):
+        calls.append(1)
+        return orig(*a, **k)
+
+    setattr(obj, name, wrapped)
+    return calls
+
+
+@pytest.mark.parametrize("pe", ["rope_axial", "rope_mixed", "sincos2d", "learned"])
+def test_second_call_at_a_seen_resolution_recomputes_nothing(pe, monkeypatch):
+    """Position-only work (angles, tables, resampling) runs once per new grid, not once per call."""
+    import vispe.encodings.absolute as absolute
+
+    model = timm.create_model("vispe_vit_tiny_patch4_32", pos_encoding=pe, depth=2, embed_dim=64, num_heads=4).eval()
+    enc = model.pos_encoding
+    if pe == "sincos2d":
+        calls = []
+        build = absolute.build_sincos2d_pos_embed
+        monkeypatch.setattr(absolute, "build_sincos2d_pos_embed", lambda *a, **k: calls.append(1) or build(*a, **k))
+    else:
+        calls = _count_calls(enc, "resample" if pe == "learned" else "angles")
+    sizes = [(32, 32), (48, 40), (24, 24)]
+    with torch.inference_mode():
+        for s in sizes:
+            model(torch.randn(1, 3, *s))
+        first = len(calls)
+        for s in sizes:
+            model(torch.randn(1, 3, *s))
+    # the learned table needs no resampling at its own grid (32 px)
+    assert first == (2 if pe == "learned" else 3) and len(calls) == first, (pe, first, len(calls))
+
+
+def test_rotary_tables_cached_in_training_when_parameter_free():
+    """rope_axial has no parameters: its tables are reused even while training."""
+    model = timm.create_model("vispe_vit_tiny_patch4_32", pos_encoding="rope_axial", depth=2, embed_dim=64, num_heads=4).train()
+    calls = _count_calls(model.pos_encoding, "angles")
+    for _ in range(2):
+        model(torch.randn(2, 3, 32, 32)).sum().backward()
+    assert len(calls) == 1
+
+
+def test_apply_rotary_matches_naive_pairwise_rotation():
+    """The shared rotation equals the textbook 2x2 rotation per pair, in both layouts, for strided input."""
+    torch.manual_seed(0)
+    qkv = torch.randn(2, 7, 3, 3, 8)  # (B, L, 3, H, dh) as timm's fused qkv
+    x = qkv.permute(2, 0, 3, 1, 4)[0]  # non-contiguous (B, H, L, dh)
+    ang = torch.randn(7, 4) * 50
+    c, s = ang.cos(), ang.sin()
+    for layout, (i0, i1) in {"interleaved": (slice(0, None, 2), slice(1, None, 2)), "half": (slice(0, 4), slice(4, 8))}.items():
+        out = apply_rotary(x, rotary_table(ang), layout)
+        a, b = x[..., i0], x[..., i1]
+        assert torch.allclose(out[..., i0], a * c - b * s, atol=1e-5)
+        assert torch.allclose(out[..., i1], a * s + b * c, atol=1e-5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert apply_rotary(x.bfloat16(), rotary_table(ang)).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("pe", ["rope_axial", "rope_mixed", "sincos2d", "learned"])
+def test_tables_cached_under_inference_mode_still_train(pe):
+    """Validation under inference_mode, then training at the same grids: cached tables are plain tensors."""
+    model = timm.create_model("vispe_vit_tiny_patch4_32", pos_encoding=pe, depth=1, embed_dim=64, num_heads=4).eval()
+    sizes = [(32, 32), (40, 48)]
+    with torch.inference_mode():
+        for s in sizes:
+            model(torch.randn(1, 3, *s))
+    model.train()
+    for s in sizes:
+        model(torch.randn(2, 3, *s)).sum().backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_real_valued_rotation_used_under_compile_matches_complex_one():
+    """torch.compile takes a real-valued form of the rotation (inductor has no complex codegen); it must agree."""
+    from vispe.encodings.rotary import _apply_rotary_real
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 7, 3, 3, 8).permute(2, 0, 3, 1, 4)[0]  # strided (B, H, L, dh) as from a fused qkv
+    table = rotary_table(torch.randn(7, 4) * 30)
+    for layout in ("interleaved", "half"):
+        ref = apply_rotary(x, table, layout)
+        out = _apply_rotary_real(x.float(), torch.view_as_real(table), layout)
+        assert torch.allclose(out, ref, atol=1e-6), layout

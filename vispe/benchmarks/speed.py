@@ -1,0 +1,684 @@
+"""``vispe bench speed``: train-step time, inference throughput and peak memory of every encoding vs timm.
+
+All models of one configuration live in ONE process and are measured round-robin (the order
+rotates every round), so a machine whose load drifts -- a shared CPU -- slows every model alike;
+each encoding's ratio to timm's APE ViT is the median of per-round ratios (paired with the APE
+measurement of the same round), next to the ratio of medians.
+
+Conventions follow timm's ``benchmark.py``: random ``randn`` inputs, a train step is
+``zero_grad -> forward -> CrossEntropyLoss(random targets) -> backward -> SGD step`` with
+``create_optimizer_v2(model, 'sgd', lr=1e-4)``, inference runs under ``torch.inference_mode()``,
+``time.perf_counter`` (with a device synchronize on accelerators).
+
+Peak memory: on CUDA, ``torch.cuda.max_memory_allocated`` around one step. On CPU there is no
+allocator counter, so one extra (untimed) step runs under ``torch.profiler`` with
+``profile_memory=True``; every allocation/free the CPU allocator reports is replayed in time
+order and the running maximum is the step's peak *above* what was live before it. The reported
+peak adds the bytes that stay resident (parameters, buffers and -- for training -- optimizer
+state). Gradients are set to ``None`` before each step, so they count in the step's peak.
+Memory that bypasses the PyTorch allocator (oneDNN scratch pads, the Python heap) is not seen;
+it is the same kind of memory for every model.
+
+Usage::
+
+    vispe bench speed                         # every registered 2D encoding + timm refs, eager
+    vispe bench speed --models vit_s16 --encodings learned,rope_axial --iters 10
+    vispe bench speed --modes eager,compile   # also torch.compile (slow to warm up on CPU)
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["main", "parse_encoding_specs", "BENCH_CONFIGS", "TARGETS"]
+
+# ----------------------------------------------------------------------------------------------
+# What is measured
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One model size: the vispe model name and the timm reference models built at the same size."""
+
+    vispe_model: str
+    img_size: int
+    cpu_batch: int
+    gpu_batch: int
+    num_classes: int
+    timm_refs: dict[str, tuple[str, dict[str, Any]]]
+
+
+_TIMM_S16 = {
+    "ape": ("vit_small_patch16_224", {}),
+    "rope_axial": ("vit_small_patch16_rope_224", {}),
+    "rope_mixed": ("vit_small_patch16_rope_mixed_224", {}),
+}
+_SMALL_IMG = dict(img_size=32, patch_size=4, num_classes=10)
+
+BENCH_CONFIGS: dict[str, BenchConfig] = {
+    "vit_s16": BenchConfig("vispe_vit_small_patch16_224", 224, 8, 128, 1000, _TIMM_S16),
+    "vit_s4_32": BenchConfig(
+        "vispe_vit_small_patch4_32", 32, 16, 512, 10, {k: (n, dict(_SMALL_IMG)) for k, (n, _) in _TIMM_S16.items()}
+    ),
+}
+
+#: Targets from issue 8: (max time ratio to timm APE, max peak-memory ratio), CPU eager.
+TARGETS: dict[str, tuple[float, float]] = {
+    "rope_axial": (1.05, 1.10),
+    "rope_mixed": (1.05, 1.10),
+    "comrope_ap": (1.10, 1.10),
+    "comrope_ld": (1.10, 1.10),
+    "irpe": (1.20, 1.10),
+    "cpe": (1.03, 1.10),
+    "lff": (1.03, 1.10),
+    "sincos2d": (1.03, 1.10),
+    "learned": (1.03, 1.10),
+    "loope": (1.10, 1.10),
+}
+
+
+def parse_encoding_specs(text: str) -> list[tuple[str, str, dict[str, Any]]]:
+    """``'learned,irpe[mode=contextual,skip=1],rope_mixed'`` -> ``[(label, name, kwargs), ...]``.
+
+    Commas inside ``[...]`` separate options; values are Python literals or bare strings.
+    """
+    specs, depth, cur = [], 0, ""
+    for ch in text:
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+            if depth < 0:
+                raise ValueError(f"unbalanced ']' in --encodings {text!r}")
+        if ch == "," and depth == 0:
+            specs.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    if depth:
+        raise ValueError(f"unbalanced '[' in --encodings {text!r}")
+    specs.append(cur)
+    out = []
+    for spec in (s.strip() for s in specs):
+        if not spec:
+            continue
+        name, kwargs = spec, {}
+        if "[" in spec:
+            if not spec.endswith("]"):
+                raise ValueError(f"encoding spec {spec!r}: options go in a trailing [key=value,...]")
+            name, opts = spec[:-1].split("[", 1)
+            for item in filter(None, (o.strip() for o in opts.split(","))):
+                if "=" not in item:
+                    raise ValueError(f"encoding spec {spec!r}: option {item!r} is not key=value")
+                k, v = item.split("=", 1)
+                try:
+                    kwargs[k.strip()] = ast.literal_eval(v.strip())
+                except (ValueError, SyntaxError):
+                    kwargs[k.strip()] = v.strip()
+        out.append((spec, name.strip(), kwargs))
+    return out
+
+
+#: The image-encoding family benchmarked by default (those registered are used, each under its defaults,
+#: e.g. iRPE = contextual/product/key side as in the DeiT release).
+DEFAULT_ENCODINGS = (
+    "none", "learned", "sincos2d", "rope_axial", "rope_mixed", "comrope_ap", "comrope_ld", "irpe", "cpe", "lff", "loope",
+)
+
+
+def default_encoding_specs(every_2d: bool = False) -> str:
+    """The default image encodings that are registered (``every_2d``: every encoding that takes 2D grids)."""
+    import vispe  # noqa: F401  (registers the encodings)
+    from vispe.encodings import list_encodings
+
+    names = list_encodings(grid_ndim=2)
+    return ",".join(names if every_2d else [n for n in DEFAULT_ENCODINGS if n in names])
+
+
+# ----------------------------------------------------------------------------------------------
+# One benchmarked model
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Entry:
+    config: str
+    label: str  # 'timm:ape', 'vispe:rope_axial', ...
+    family: str  # 'timm' | 'vispe'
+    encoding: str  # encoding name ('ape' for timm's APE)
+    mode: str  # 'eager' | 'compile'
+    model: nn.Module
+    runner: nn.Module | Callable
+    optimizer: torch.optim.Optimizer
+    param_count: int
+    build_s: float
+    inner_train: int = 1
+    inner_infer: int = 1
+    train_s: list[float] = field(default_factory=list)  # per-step wall seconds, one value per round
+    infer_s: list[float] = field(default_factory=list)
+    train_cpu_s: list[float] = field(default_factory=list)  # per-step process CPU seconds
+    infer_cpu_s: list[float] = field(default_factory=list)
+    train_peak: float | None = None  # bytes
+    infer_peak: float | None = None
+    error: str | None = None
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train_step(entry: Entry, x: torch.Tensor, y: torch.Tensor) -> None:
+    entry.model.train()
+    entry.optimizer.zero_grad(set_to_none=True)
+    out = entry.runner(x)
+    loss = F.cross_entropy(out, y)
+    loss.backward()
+    entry.optimizer.step()
+    # free the gradients now: all models of a run live in one process, and each would otherwise
+    # hold a full set of gradients between its steps
+    entry.optimizer.zero_grad(set_to_none=True)
+
+
+def infer_step(entry: Entry, x: torch.Tensor) -> None:
+    entry.model.eval()
+    with torch.inference_mode():
+        entry.runner(x)
+
+
+def _timed(fn: Callable[[], None], n: int, device: torch.device) -> tuple[float, float]:
+    """Seconds per call of ``fn``: (wall clock, CPU time of this process)."""
+    _sync(device)
+    t0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(n):
+        fn()
+    _sync(device)
+    return (time.perf_counter() - t0) / n, (time.process_time() - c0) / n
+
+
+def _resident_bytes(entry: Entry, with_optimizer: bool) -> int:
+    seen: set[int] = set()
+    total = 0
+
+    def add(t: torch.Tensor) -> None:
+        nonlocal total
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in seen:
+            seen.add(ptr)
+            total += t.untyped_storage().nbytes()
+
+    for t in list(entry.model.parameters()) + list(entry.model.buffers()):
+        add(t)
+    if with_optimizer:
+        for st in entry.optimizer.state.values():
+            for v in st.values():
+                if torch.is_tensor(v):
+                    add(v)
+    return total
+
+
+def _cpu_step_peak(fn: Callable[[], None]) -> int:
+    """Peak bytes allocated above the starting level during ``fn``, from the profiler's allocator events."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events: list[tuple[int, int]] = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        ev = stack.pop()
+        if ev.tag == _EventType.Allocation:
+            events.append((ev.start_time_ns, ev.extra_fields.alloc_size))
+        stack.extend(ev.children)
+    events.sort()
+    cur = peak = 0
+    for _, nbytes in events:
+        cur += nbytes
+        peak = max(peak, cur)
+    return peak
+
+
+def measure_peak(entry: Entry, fn: Callable[[], None], device: torch.device, train: bool) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return float(torch.cuda.max_memory_allocated(device))
+    if train:
+        entry.optimizer.zero_grad(set_to_none=True)  # grads are allocated inside the step
+    return float(_resident_bytes(entry, with_optimizer=train) + _cpu_step_peak(fn))
+
+
+# ----------------------------------------------------------------------------------------------
+# Building
+# ----------------------------------------------------------------------------------------------
+
+
+def build_entries(
+    config_name: str,
+    cfg: BenchConfig,
+    specs: Sequence[tuple[str, str, dict[str, Any]]],
+    timm_refs: Sequence[str],
+    modes: Sequence[str],
+    device: torch.device,
+    depth: int | None,
+    log: Callable[[str], None],
+) -> list[Entry]:
+    import timm
+    from timm.optim import create_optimizer_v2
+
+    import vispe  # noqa: F401
+
+    extra = {} if depth is None else {"depth": depth}
+    builders: list[tuple[str, str, str, Callable[[], nn.Module]]] = []
+    for ref in timm_refs:
+        if ref not in cfg.timm_refs:
+            raise ValueError(f"unknown timm reference {ref!r}; choose from {sorted(cfg.timm_refs)}")
+        name, kw = cfg.timm_refs[ref]
+        builders.append((f"timm:{ref}", "timm", ref, lambda n=name, k=kw: timm.create_model(n, pretrained=False, **k, **extra)))
+    for label, enc_name, enc_kwargs in specs:
+        spec = {"name": enc_name, **enc_kwargs}
+        builders.append(
+            (
+                f"vispe:{label}",
+                "vispe",
+                enc_name,
+                lambda s=spec: timm.create_model(cfg.vispe_model, pretrained=False, pos_encoding=s, num_classes=cfg.num_classes, **extra),
+            )
+        )
+    entries = []
+    for mode in modes:
+        for label, family, enc, build in builders:
+            torch.manual_seed(0)
+            t0 = time.perf_counter()
+            try:
+                model = build().to(device)
+            except Exception as err:  # a broken encoding must not sink the whole run
+                log(f"  ! {config_name}/{mode}/{label}: build failed: {type(err).__name__}: {err}")
+                dummy = nn.Linear(1, 1)
+                entries.append(
+                    Entry(config_name, label, family, enc, mode, dummy, dummy, torch.optim.SGD(dummy.parameters(), lr=0.0), 0, 0.0,
+                          error=f"build: {type(err).__name__}: {err}")
+                )
+                continue
+            runner: Any = torch.compile(model) if mode == "compile" else model
+            opt = create_optimizer_v2(model, opt="sgd", lr=1e-4)
+            n_params = sum(p.numel() for p in model.parameters())
+            entries.append(Entry(config_name, label, family, enc, mode, model, runner, opt, n_params, time.perf_counter() - t0))
+    return entries
+
+
+# ----------------------------------------------------------------------------------------------
+# Running
+# ----------------------------------------------------------------------------------------------
+
+
+def _guard(entry: Entry, what: str, fn: Callable[[], Any], log: Callable[[str], None]) -> Any:
+    if entry.error:
+        return None
+    try:
+        return fn()
+    except Exception as err:
+        entry.error = f"{what}: {type(err).__name__}: {err}"
+        log(f"  ! {entry.config}/{entry.mode}/{entry.label}: {entry.error}")
+        return None
+
+
+def run_config(
+    entries: list[Entry],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    device: torch.device,
+    iters: int,
+    warmup: int,
+    min_run_s: float,
+    benches: Sequence[str],
+    log: Callable[[str], None],
+) -> None:
+    do_train, do_infer, do_mem = "train" in benches, "infer" in benches, "memory" in benches
+    # warm-up (also compiles) round-robin, and calibrate how many steps make one timed run
+    n_warm = max(warmup, 1 if min_run_s > 0 else 0)
+    for w in range(n_warm):
+        for e in entries:
+            if e.mode == "compile" and w == 0:
+                # compile, then recompile for the cached-table path (first call fills the caches)
+                for _ in range(2):
+                    if do_train:
+                        _guard(e, "train compile", lambda: train_step(e, x, y), log)
+                    if do_infer:
+                        _guard(e, "infer compile", lambda: infer_step(e, x), log)
+            if do_train:
+                t = _guard(e, "train warm-up", lambda: _timed(lambda: train_step(e, x, y), 1, device), log)
+                if t is not None and w == n_warm - 1:
+                    e.inner_train = max(1, math.ceil(min_run_s / max(t[0], 1e-9)))
+            if do_infer:
+                t = _guard(e, "infer warm-up", lambda: _timed(lambda: infer_step(e, x), 1, device), log)
+                if t is not None and w == n_warm - 1:
+                    e.inner_infer = max(1, math.ceil(min_run_s / max(t[0], 1e-9)))
+        log(f"  warm-up round {w + 1}/{n_warm} done")
+    for r in range(iters):
+        k = r % len(entries)
+        order = entries[k:] + entries[:k]  # rotate so no model always runs first after a slow one
+        for e in order:
+            if do_train:
+                t = _guard(e, "train", lambda: _timed(lambda: train_step(e, x, y), e.inner_train, device), log)
+                if t is not None:
+                    e.train_s.append(t[0])
+                    e.train_cpu_s.append(t[1])
+            if do_infer:
+                t = _guard(e, "infer", lambda: _timed(lambda: infer_step(e, x), e.inner_infer, device), log)
+                if t is not None:
+                    e.infer_s.append(t[0])
+                    e.infer_cpu_s.append(t[1])
+        log(f"  round {r + 1}/{iters} done")
+    if do_mem:
+        for e in entries:
+            if do_train:
+                e.train_peak = _guard(e, "train memory", lambda: measure_peak(e, lambda: train_step(e, x, y), device, True), log)
+            if do_infer:
+                e.infer_peak = _guard(e, "infer memory", lambda: measure_peak(e, lambda: infer_step(e, x), device, False), log)
+
+
+def _median(v: Sequence[float]) -> float | None:
+    return statistics.median(v) if v else None
+
+
+def _paired_ratio(a: Sequence[float], ref: Sequence[float]) -> float | None:
+    n = min(len(a), len(ref))
+    return statistics.median([a[i] / ref[i] for i in range(n)]) if n else None
+
+
+def summarise(entries: list[Entry], batch: int, img_size: int, clock: str, ref_label: str = "timm:ape") -> list[dict[str, Any]]:
+    """Rows for the table/JSON. ``clock='cpu'`` headlines process CPU time, ``'wall'`` wall time; both are kept."""
+    rows = []
+    refs = {(e.config, e.mode): e for e in entries if e.label == ref_label and not e.error}
+
+    def series(e: Entry, what: str) -> list[float]:
+        return getattr(e, f"{what}_cpu_s" if clock == "cpu" else f"{what}_s")
+
+    for e in entries:
+        ref = refs.get((e.config, e.mode))
+        tr, inf = _median(series(e, "train")), _median(series(e, "infer"))
+        row: dict[str, Any] = {
+            "config": e.config,
+            "mode": e.mode,
+            "model": e.label,
+            "family": e.family,
+            "encoding": e.encoding,
+            "batch_size": batch,
+            "img_size": img_size,
+            "param_count_m": round(e.param_count / 1e6, 3),
+            "clock": clock,
+            "rounds": len(e.train_s) or len(e.infer_s),
+            "steps_per_run": {"train": e.inner_train, "infer": e.inner_infer},
+            "train_step_ms": None if tr is None else 1e3 * tr,
+            "train_samples_per_sec": None if tr is None else batch / tr,
+            "infer_step_ms": None if inf is None else 1e3 * inf,
+            "infer_samples_per_sec": None if inf is None else batch / inf,
+            "train_wall_ms_all": [1e3 * t for t in e.train_s],
+            "train_cpu_ms_all": [1e3 * t for t in e.train_cpu_s],
+            "infer_wall_ms_all": [1e3 * t for t in e.infer_s],
+            "infer_cpu_ms_all": [1e3 * t for t in e.infer_cpu_s],
+            "train_peak_mb": None if e.train_peak is None else e.train_peak / 2**20,
+            "infer_peak_mb": None if e.infer_peak is None else e.infer_peak / 2**20,
+            "error": e.error,
+        }
+        if ref is not None and not e.error:
+            row["train_ratio"] = _paired_ratio(series(e, "train"), series(ref, "train"))
+            row["infer_ratio"] = _paired_ratio(series(e, "infer"), series(ref, "infer"))
+            row["train_ratio_wall"] = _paired_ratio(e.train_s, ref.train_s)
+            row["infer_ratio_wall"] = _paired_ratio(e.infer_s, ref.infer_s)
+            rt, ri = _median(series(ref, "train")), _median(series(ref, "infer"))
+            row["train_ratio_of_medians"] = tr / rt if tr and rt else None
+            row["infer_ratio_of_medians"] = inf / ri if inf and ri else None
+            row["train_mem_ratio"] = e.train_peak / ref.train_peak if e.train_peak and ref.train_peak else None
+            row["infer_mem_ratio"] = e.infer_peak / ref.infer_peak if e.infer_peak and ref.infer_peak else None
+            tgt = TARGETS.get(e.encoding) if e.family == "vispe" else None
+            if tgt is not None:
+                checks = [row[k] is None or row[k] <= tgt[0] for k in ("train_ratio", "infer_ratio")]
+                checks += [row[k] is None or row[k] <= tgt[1] for k in ("train_mem_ratio", "infer_mem_ratio")]
+                row["target"] = {"time": tgt[0], "memory": tgt[1], "met": all(checks)}
+        rows.append(row)
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# Output
+# ----------------------------------------------------------------------------------------------
+
+
+def _f(v: Any, fmt: str) -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+_COLUMNS = [
+    ("config", "config", None),
+    ("mode", "mode", None),
+    ("model", "model", None),
+    ("train ms", "train_step_ms", ".1f"),
+    ("train x", "train_ratio", ".3f"),
+    ("infer img/s", "infer_samples_per_sec", ".1f"),
+    ("infer x", "infer_ratio", ".3f"),
+    ("train MB", "train_peak_mb", ".0f"),
+    ("mem x", "train_mem_ratio", ".3f"),
+    ("infer MB", "infer_peak_mb", ".0f"),
+    ("imem x", "infer_mem_ratio", ".3f"),
+    ("target", "target", None),
+]
+
+
+def _cells(row: dict[str, Any]) -> list[str]:
+    out = []
+    for _, key, fmt in _COLUMNS:
+        v = row.get(key)
+        if key == "target":
+            out.append("-" if v is None else f"{'met' if v['met'] else 'MISSED'} (<={v['time']}x)")
+        elif key == "model" and row.get("error"):
+            out.append(f"{v} [error]")
+        elif fmt is None:
+            out.append(str(v))
+        else:
+            out.append(_f(v, fmt))
+    return out
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    head = [c[0] for c in _COLUMNS]
+    body = [_cells(r) for r in rows]
+    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
+    line = lambda cells: "  ".join(c.rjust(w) if i >= 3 else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
+    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(b) for b in body])
+
+
+def format_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    head = [c[0] for c in _COLUMNS]
+    lines = [
+        "| " + " | ".join(head) + " |",
+        "|" + "|".join("---" if i < 3 else "---:" for i in range(len(head))) + "|",
+    ]
+    lines += ["| " + " | ".join(_cells(r)) + " |" for r in rows]
+    errors = [f"- `{r['config']}/{r['mode']}/{r['model']}`: {r['error']}" for r in rows if r.get("error")]
+    text = (
+        f"Machine: {meta['machine']}; torch {meta['torch']}, timm {meta['timm']}, {meta['threads']} threads, device `{meta['device']}`.\n"
+        f"Command: `{meta['command']}`; wall time {meta['wall_s']:.0f} s (process CPU {meta['process_cpu_s']:.0f} s)"
+        f"{'' if meta['complete'] else ' -- INCOMPLETE (partial results)'}; load average start/end {meta['loadavg_start']} / {meta['loadavg_end']}.\n\n"
+        + "\n".join(lines)
+        + f"\n\nTimes are {'process CPU time' if meta['clock'] == 'cpu' else 'wall clock'} per step (median over rounds); "
+        "`x` = median over rounds of (this model's time / timm APE's time in the same round); memory `x` = peak / timm APE's peak. "
+        f"Peak memory: {meta['memory_method']}.\n"
+    )
+    if errors:
+        text += "\nErrors:\n" + "\n".join(errors) + "\n"
+    return text
+
+
+def _machine(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for ln in fh:
+                if ln.startswith("model name"):
+                    cpu = ln.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{os.cpu_count()}-core CPU ({cpu})"
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI
+# ----------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="vispe bench speed",
+        description="Train-step time, inference throughput and peak memory of every encoding vs timm's own ViTs "
+        "(one process, models interleaved round-robin).",
+    )
+    p.add_argument("--models", default="vit_s16,vit_s4_32", help=f"model sizes, comma-separated from {sorted(BENCH_CONFIGS)}")
+    p.add_argument("--encodings", default=None,
+                   help="vispe encodings, e.g. 'learned,rope_axial,irpe[mode=bias]' (default: the image encodings "
+                   f"{','.join(DEFAULT_ENCODINGS)}); 'all2d' = every registered 2D encoding; '' = none")
+    p.add_argument("--timm-refs", default="ape,rope_axial,rope_mixed",
+                   help="timm reference models: ape (vit_small_patch16_224, the ratio denominator), rope_axial, rope_mixed")
+    p.add_argument("--modes", default="eager", help="'eager', 'compile' or 'eager,compile' (torch.compile warm-up is slow on CPU)")
+    p.add_argument("--bench", default="train,infer,memory", help="what to measure: any of train, infer, memory")
+    p.add_argument("--iters", type=int, default=3, help="timed rounds (each model measured once per round)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed rounds before timing")
+    p.add_argument("--min-run-s", type=float, default=0.0,
+                   help="repeat a step inside one timed run until it lasts about this long (0: one step per run)")
+    p.add_argument("--batch-size", type=int, default=None, help="override the batch size of every model size")
+    p.add_argument("--depth", type=int, default=None, help="override the depth of every model (quick checks only)")
+    p.add_argument("--device", default="cpu", help="'cpu' or 'cuda'")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads on CPU (default 1: on a CPU shared with other jobs every multi-threaded op "
+                   "waits for a scheduler slice, which would be measured instead of the kernels; 0 = torch's default)")
+    p.add_argument("--out-dir", default="outputs/bench_speed", help="where speed.json and speed.md go")
+    p.add_argument("--tag", default="speed", help="file stem of the JSON / Markdown outputs")
+    p.add_argument("--clock", default=None, choices=("cpu", "wall"),
+                   help="headline timer: 'cpu' = process CPU time (default on CPU: robust when other jobs share the cores), "
+                   "'wall' = wall clock (default on CUDA); both are written to the JSON")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "speed":  # 'vispe bench speed ...' arrives as ['speed', ...]
+        argv = argv[1:]
+    elif argv and not argv[0].startswith("-"):
+        print(f"vispe bench: unknown benchmark {argv[0]!r}; choose 'speed'", file=sys.stderr)
+        return 2
+    args = build_parser().parse_args(argv)
+    t_start = time.perf_counter()
+    load_start = tuple(round(v, 2) for v in os.getloadavg())
+
+    configs = [c.strip() for c in args.models.split(",") if c.strip()]
+    for c in configs:
+        if c not in BENCH_CONFIGS:
+            raise ValueError(f"--models: unknown model size {c!r}; choose from {sorted(BENCH_CONFIGS)}")
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    for m in modes:
+        if m not in ("eager", "compile"):
+            raise ValueError(f"--modes: unknown mode {m!r}; choose 'eager' and/or 'compile'")
+    benches = [b.strip() for b in args.bench.split(",") if b.strip()]
+    for b in benches:
+        if b not in ("train", "infer", "memory"):
+            raise ValueError(f"--bench: unknown measurement {b!r}; choose from train, infer, memory")
+    refs = [r.strip() for r in args.timm_refs.split(",") if r.strip()]
+    if args.encodings is None or args.encodings == "all2d":
+        specs = parse_encoding_specs(default_encoding_specs(every_2d=args.encodings == "all2d"))
+    else:
+        specs = parse_encoding_specs(args.encodings)
+    from vispe.encodings import get_encoding_class
+
+    for _, name, _ in specs:
+        get_encoding_class(name)  # unknown names fail before anything is built
+    if args.iters < 1:
+        raise ValueError(f"--iters must be >= 1, got {args.iters}")
+    device = torch.device(args.device)
+    clock = args.clock or ("wall" if device.type == "cuda" else "cpu")
+    if args.threads < 0:
+        raise ValueError(f"--threads must be >= 0, got {args.threads}")
+    if args.threads and device.type == "cpu":
+        torch.set_num_threads(args.threads)
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    import timm
+
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cpu_start = time.process_time()
+
+    def write(rows: list[dict[str, Any]], done: bool) -> dict[str, Any]:
+        meta = {
+            "machine": _machine(device),
+            "device": str(device),
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "timm": timm.__version__,
+            "command": "vispe bench speed " + " ".join(argv),
+            "complete": done,
+            "iters": args.iters,
+            "warmup": args.warmup,
+            "modes": modes,
+            "wall_s": time.perf_counter() - t_start,
+            "process_cpu_s": time.process_time() - cpu_start,
+            "loadavg_start": load_start,
+            "loadavg_end": tuple(round(v, 2) for v in os.getloadavg()),
+            "memory_method": "cuda max_memory_allocated" if device.type == "cuda"
+            else "resident params/buffers(/optimizer state) + peak of torch.profiler CPU allocator events over one step",
+            "clock": clock,
+            "ratio_method": "median over rounds of time / timm APE time in the same round",
+        }
+        (out / f"{args.tag}.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
+        (out / f"{args.tag}.md").write_text(format_markdown(rows, meta))
+        return meta
+
+    rows: list[dict[str, Any]] = []
+    for c in configs:
+        cfg = BENCH_CONFIGS[c]
+        batch = args.batch_size or (cfg.gpu_batch if device.type == "cuda" else cfg.cpu_batch)
+        log(f"[{c}] building {len(refs) + len(specs)} models x {modes} (batch {batch}, {cfg.img_size}px)")
+        entries = build_entries(c, cfg, specs, refs, modes, device, args.depth, log)
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(batch, 3, cfg.img_size, cfg.img_size, generator=g).to(device)
+        y = torch.randint(0, cfg.num_classes, (batch,), generator=g).to(device)
+        run_config(entries, x, y, device, args.iters, args.warmup, args.min_run_s, benches, log)
+        rows += summarise(entries, batch, cfg.img_size, clock)
+        del entries
+        write(rows, done=False)  # partial results survive an interrupted run
+
+    meta = write(rows, done=True)
+    print(format_table(rows))
+    print(
+        f"\nwall time {meta['wall_s']:.0f} s (process CPU {meta['process_cpu_s']:.0f} s) on {meta['machine']}, "
+        f"{meta['threads']} threads; load average {load_start} -> {meta['loadavg_end']}"
+    )
+    print(f"wrote {out / (args.tag + '.json')} and {out / (args.tag + '.md')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
