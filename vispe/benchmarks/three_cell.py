@@ -1,0 +1,357 @@
+"""``vispe three-cell``: the Three Cell Experiment leaderboard (LOOPE's benchmark, our generator).
+
+Trains one small ViT per positional encoding with one recipe on generated Three Cell data and
+prints a table of test accuracy per group (distance, orientation, area, vector sum), their
+average and the wall time; writes ``results.json``, ``results.md`` and ``results.png`` to
+``--out``. ``vispe three-cell --quick`` is the first command to run after installing: no files,
+no downloads, a few encodings including ``none``, a few minutes on a 2-core CPU.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Sequence
+
+__all__ = ["main", "build_parser", "run_leaderboard", "format_table", "plot_results", "QUICK_ENCODINGS", "DEFAULTS"]
+
+#: ``--quick``: no PE, fixed 2D sin-cos, RoPE-Mixed (the learned table needs more steps than --quick gives)
+QUICK_ENCODINGS: tuple[str, ...] = ("none", "sincos2d", "rope_mixed")
+GROUP_TITLES: dict[str, str] = {"distance": "Distance", "orientation": "Orientation", "area": "Area", "vector_sum": "Vector Sum"}
+
+#: the default (CPU) recipe; see docs/three-cell.md for how it was chosen
+DEFAULTS: dict[str, Any] = dict(
+    model="vispe_vit_tiny_patch16_224",
+    grid=8,
+    cell_size=2,
+    embed_dim=64,
+    depth=2,
+    num_heads=4,
+    mlp_ratio=2.0,
+    num_samples=10_000,
+    epochs=10,
+    batch_size=32,
+    lr=3e-3,
+    min_lr=2.5e-5,
+    weight_decay=0.05,
+    warmup=0.05,
+    seed=0,
+    vector_sum="and",
+)
+#: ``--quick`` overrides (smaller budget; every other default unchanged)
+QUICK: dict[str, Any] = dict(epochs=6)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="vispe three-cell",
+        description="Three Cell Experiment leaderboard: one tiny ViT per positional encoding, same recipe, generated data.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--quick", action="store_true", help=f"a few-minute CPU run of {', '.join(QUICK_ENCODINGS)} (writes nothing unless --out)")
+    p.add_argument("--encodings", default=None, help="comma-separated encoding names, or 'all' (every 2D encoding registered)")
+    p.add_argument("--pe-options", default="{}", help='JSON {encoding: {option: value}} passed to the encodings, e.g. \'{"irpe": {"mode": "bias"}}\'')
+    p.add_argument("--out", default=None, help="output folder for results.json/.md/.png (default: outputs/three-cell; none with --quick)")
+    p.add_argument("--append", action="store_true", help="keep results already in --out/results.json for encodings not rerun")
+    p.add_argument("--merge", nargs="+", default=None, metavar="DIR",
+                   help="train nothing: merge the results.json of these folders (runs split over processes/machines) into --out")
+    g = p.add_argument_group("data")
+    g.add_argument("--grid", type=int, default=DEFAULTS["grid"], help="cells per side (14 in the paper; 8 keeps a CPU run to minutes)")
+    g.add_argument("--cell-size", type=int, default=DEFAULTS["cell_size"], help="pixels per cell = ViT patch size (16 in the paper)")
+    g.add_argument("--num-samples", type=int, default=DEFAULTS["num_samples"], help="whole dataset, split 80/10/10")
+    g.add_argument("--vector-sum", choices=("and", "or"), default=DEFAULTS["vector_sum"], help="reading of the vector-sum bit")
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=DEFAULTS["model"], help="timm model name taking pos_encoding=")
+    g.add_argument("--embed-dim", type=int, default=DEFAULTS["embed_dim"])
+    g.add_argument("--depth", type=int, default=DEFAULTS["depth"])
+    g.add_argument("--num-heads", type=int, default=DEFAULTS["num_heads"])
+    g.add_argument("--mlp-ratio", type=float, default=DEFAULTS["mlp_ratio"])
+    g = p.add_argument_group("recipe")
+    g.add_argument("--epochs", type=int, default=None, help=f"default {DEFAULTS['epochs']} ({QUICK['epochs']} with --quick)")
+    g.add_argument("--max-steps", type=int, default=-1, help="stop after this many steps (overrides --epochs when > 0)")
+    g.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"])
+    g.add_argument("--lr", type=float, default=DEFAULTS["lr"])
+    g.add_argument("--min-lr", type=float, default=DEFAULTS["min_lr"])
+    g.add_argument("--weight-decay", type=float, default=DEFAULTS["weight_decay"])
+    g.add_argument("--warmup", type=float, default=DEFAULTS["warmup"], help="warm-up steps, or a fraction of all steps when < 1")
+    g.add_argument("--seed", type=int, default=DEFAULTS["seed"], help="data and initialisation seed")
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    g.add_argument("--no-val", action="store_true", help="skip the per-epoch validation pass")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--no-pesi", action="store_true", help="skip the PESI metrics / similarity maps of the trained encodings")
+    return p
+
+
+def _resolve_encodings(spec: str | None, quick: bool) -> list[str]:
+    import vispe
+
+    available = [n for n in vispe.list_encodings(grid_ndim=2)]
+    if spec is None:
+        spec = ",".join(QUICK_ENCODINGS) if quick else "all"
+    if spec.strip() == "all":
+        return available
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    bad = [n for n in names if n not in available]
+    if bad or not names:
+        raise ValueError(f"unknown or non-2D encoding(s) {bad or spec!r}; choose from {available} or 'all'")
+    return names
+
+
+def _count_params(module: Any) -> int:
+    return int(sum(p.numel() for p in module.parameters() if p.requires_grad))
+
+
+def _epoch_printer_cls():
+    import lightning.pytorch as pl
+
+    class EpochPrinter(pl.Callback):
+        """One line per validation epoch (readable in logs, unlike a progress bar)."""
+
+        def __init__(self, name: str) -> None:
+            self.name = name
+            self.start = time.perf_counter()
+
+        # on_validation_end runs after the module's on_validation_epoch_end has logged this epoch's values
+        def on_validation_end(self, trainer, pl_module) -> None:
+            m = trainer.callback_metrics
+            if "val/avg" not in m or trainer.sanity_checking:
+                return
+            parts = " ".join(f"{g} {100 * float(m[f'val/{g}']):.1f}" for g in (*GROUP_TITLES, "avg") if f"val/{g}" in m)
+            print(f"  {self.name} epoch {trainer.current_epoch} step {trainer.global_step}: val {parts} "
+                  f"({time.perf_counter() - self.start:.0f} s)", flush=True)
+
+    return EpochPrinter
+
+
+def _EpochPrinter(name: str):  # noqa: N802  (built lazily: Lightning is imported only when training)
+    return _epoch_printer_cls()(name)
+
+
+def run_one(name: str, args: argparse.Namespace, pe_options: dict[str, Any], datamodule: Any) -> dict[str, Any]:
+    """Train and test one encoding; returns its row of the table (accuracies in percent)."""
+    import lightning.pytorch as pl
+
+    from vispe.tasks.three_cell import GROUPS, ThreeCellTask
+
+    pl.seed_everything(args.seed, workers=True, verbose=False)
+    pos_encoding: Any = {"name": name, **pe_options.get(name, {})} if pe_options.get(name) else name
+    model_kwargs = dict(
+        patch_size=args.cell_size, embed_dim=args.embed_dim, depth=args.depth, num_heads=args.num_heads, mlp_ratio=args.mlp_ratio,
+    )
+    task = ThreeCellTask(
+        args.model, model_kwargs, pos_encoding=pos_encoding, img_size=args.grid * args.cell_size, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay, warmup_steps=args.warmup,
+    )
+    trainer = pl.Trainer(
+        callbacks=[_EpochPrinter(name)],
+        accelerator="cpu", devices=1, max_epochs=args.epochs, max_steps=args.max_steps, logger=False,
+        enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=not args.no_progress,
+        num_sanity_val_steps=0, limit_val_batches=0 if args.no_val else None, deterministic=False,
+    )
+    start, cpu_start = time.perf_counter(), time.process_time()
+    trainer.fit(task, datamodule=datamodule)
+    train_s = time.perf_counter() - start
+    (metrics,) = trainer.test(task, datamodule=datamodule, verbose=False)
+    wall_s = time.perf_counter() - start
+    cpu_s = time.process_time() - cpu_start
+    row: dict[str, Any] = {"encoding": name, "kind": task.model.pos_encoding.kind if hasattr(task.model, "pos_encoding") else "?"}
+    row["options"] = pe_options.get(name, {})
+    row["params"] = _count_params(task.model)
+    row["pe_params"] = _count_params(task.model.pos_encoding) if hasattr(task.model, "pos_encoding") else 0
+    for g in (*GROUPS, "avg"):
+        row[g] = round(100.0 * float(metrics[f"test/{g}"]), 2)
+    row["pesi"] = None
+    if not args.no_pesi:
+        row["pesi"] = _pesi_of(task.model, name, args.out)
+    row["steps"] = int(trainer.global_step)
+    row["train_s"] = round(train_s, 1)
+    row["wall_s"] = round(wall_s, 1)
+    # CPU seconds of this process (all threads): on a shared machine wall time depends on the load, this does not
+    row["cpu_s"] = round(cpu_s, 1)
+    return row
+
+
+def _pesi_of(model: Any, name: str, out: str | None) -> dict[str, float] | None:
+    """PESI metrics of the trained encoding (None when it cannot be materialised), plus its similarity maps."""
+    from vispe.analysis.pesi import pesi_from_similarity, plot_similarity_maps, similarity_maps
+
+    model.eval()
+    try:
+        sim = similarity_maps(model)
+    except (ValueError, TypeError):
+        return None
+    metrics = {k: round(v, 4) for k, v in pesi_from_similarity(sim).items()}
+    if out is not None:
+        plot_similarity_maps(model, Path(out) / "similarity" / f"{name}.png", title=f"{name} (trained): cosine similarity")
+    return metrics
+
+
+def format_pesi_table(rows: Sequence[dict[str, Any]]) -> str:
+    """Markdown table of the PESI metrics of the trained encodings that can be materialised."""
+    lines = ["| PE | M_U (ideal 2) | M_D (ideal 2) | A_SU (ideal 0) |", "|---|---:|---:|---:|"]
+    for r in sorted(rows, key=lambda r: -r["avg"]):
+        p = r.get("pesi")
+        if p:
+            lines.append(f"| {r['encoding']} | {p['M_U']:.3f} | {p['M_D']:.3f} | {p['A_SU']:.3f} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
+def format_table(rows: Sequence[dict[str, Any]]) -> str:
+    """Markdown table, best average first."""
+    head = "| PE | kind | PE params | Distance | Orientation | Area | Vector Sum | **Avg** | wall (s) | CPU (s) |"
+    sep = "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+    lines = [head, sep]
+    for r in sorted(rows, key=lambda r: -r["avg"]):
+        lines.append(
+            f"| {r['encoding']} | {r['kind']} | {r['pe_params']:,} | {r['distance']:.1f} | {r['orientation']:.1f} | "
+            f"{r['area']:.1f} | {r['vector_sum']:.1f} | **{r['avg']:.1f}** | {r['wall_s']:.0f} | {r.get('cpu_s', float('nan')):.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot_results(rows: Sequence[dict[str, Any]], path: str | Path, title: str = "Three Cell Experiment") -> Path:
+    """Grouped bar plot: one group of bars per encoding (4 groups + average)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    rows = sorted(rows, key=lambda r: -r["avg"])
+    keys = [*GROUP_TITLES, "avg"]
+    labels = [*GROUP_TITLES.values(), "Average"]
+    x = np.arange(len(rows))
+    width = 0.8 / len(keys)
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(rows) + 2), 4.0))
+    for i, (k, lab) in enumerate(zip(keys, labels)):
+        ax.bar(x + (i - (len(keys) - 1) / 2) * width, [r[k] for r in rows], width, label=lab,
+               edgecolor="black" if k == "avg" else None, linewidth=0.8)
+    ax.set_xticks(x, [r["encoding"] for r in rows], rotation=30, ha="right")
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_ylim(40, 100)
+    ax.axhline(50, color="grey", linewidth=0.5, linestyle=":")
+    ax.set_title(title)
+    ax.legend(ncol=5, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.28))
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _recipe(args: argparse.Namespace) -> dict[str, Any]:
+    keys = ["model", "grid", "cell_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "num_samples", "epochs", "max_steps",
+            "batch_size", "lr", "min_lr", "weight_decay", "warmup", "seed", "vector_sum", "threads"]
+    return {k: getattr(args, k) for k in keys}
+
+
+def run_leaderboard(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from vispe.data.three_cell import ThreeCellDataModule
+
+    encodings = _resolve_encodings(args.encodings, args.quick)
+    try:
+        pe_options = json.loads(args.pe_options)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--pe-options is not valid JSON ({e}): {args.pe_options!r}") from None
+    if not isinstance(pe_options, dict) or not all(isinstance(v, dict) for v in pe_options.values()):
+        raise ValueError(f"--pe-options must be a JSON object {{encoding: {{option: value}}}}, got {args.pe_options!r}")
+    out = Path(args.out) if args.out else None
+    previous: dict[str, dict[str, Any]] = {}
+    if out is not None and args.append and (out / "results.json").exists():
+        previous = {r["encoding"]: r for r in json.loads((out / "results.json").read_text())["results"]}
+    datamodule = ThreeCellDataModule(
+        num_samples=args.num_samples, grid_size=args.grid, cell_size=args.cell_size, seed=args.seed,
+        vector_sum=args.vector_sum, batch_size=args.batch_size, eval_batch_size=max(256, args.batch_size),
+    )
+    t0 = time.perf_counter()
+    datamodule.setup()
+    print(f"generated {args.num_samples} Three Cell samples ({args.grid}x{args.grid} cells of {args.cell_size} px) "
+          f"in {time.perf_counter() - t0:.1f} s; training {len(encodings)} encodings: {', '.join(encodings)}", flush=True)
+    rows = dict(previous)
+    for i, name in enumerate(encodings, 1):
+        print(f"\n[{i}/{len(encodings)}] {name}", flush=True)
+        row = run_one(name, args, pe_options, datamodule)
+        rows[name] = row
+        print(f"[{i}/{len(encodings)}] {name}: avg {row['avg']:.1f}  (distance {row['distance']:.1f}, orientation "
+              f"{row['orientation']:.1f}, area {row['area']:.1f}, vector sum {row['vector_sum']:.1f}; {row['wall_s']:.0f} s)", flush=True)
+        if out is not None:
+            _write(out, list(rows.values()), args, plot=False)
+    result = list(rows.values())
+    if out is not None:
+        _write(out, result, args, plot=True)
+    return result
+
+
+def _write(out: Path, rows: list[dict[str, Any]], args: argparse.Namespace, plot: bool) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"recipe": _recipe(args), "results": rows}, indent=2))
+    (out / "results.md").write_text(
+        f"# Three Cell Experiment\n\nrecipe: `{json.dumps(_recipe(args))}`\n\n{format_table(rows)}\n\n{format_pesi_table(rows)}\n"
+    )
+    if plot:
+        plot_results(rows, out / "results.png")
+
+
+def merge_results(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Combine the results of several runs of the same recipe (later folders win on duplicates)."""
+    rows: dict[str, dict[str, Any]] = {}
+    recipe: dict[str, Any] | None = None
+    for folder in args.merge:
+        path = Path(folder) / "results.json"
+        if not path.exists():
+            raise ValueError(f"--merge: {path} does not exist")
+        data = json.loads(path.read_text())
+        other = {k: v for k, v in data["recipe"].items() if k != "threads"}
+        if recipe is not None and other != recipe:
+            diff = sorted(k for k in set(other) | set(recipe) if other.get(k) != recipe.get(k))
+            raise ValueError(f"--merge: {path} was run with a different recipe (differs in {diff})")
+        recipe = other
+        rows.update({r["encoding"]: r for r in data["results"]})
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = list(rows.values())
+    (out / "results.json").write_text(json.dumps({"recipe": recipe, "results": result}, indent=2))
+    (out / "results.md").write_text(
+        f"# Three Cell Experiment\n\nrecipe: `{json.dumps(recipe)}`\n\n{format_table(result)}\n\n{format_pesi_table(result)}\n"
+    )
+    plot_results(result, out / "results.png")
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.epochs is None:
+        args.epochs = QUICK["epochs"] if args.quick else DEFAULTS["epochs"]
+    for name in ("grid", "cell_size", "num_samples", "embed_dim", "depth", "num_heads", "batch_size", "epochs"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.out is None and not args.quick:
+        args.out = os.path.join("outputs", "three-cell")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    warnings.filterwarnings("ignore", message=".*GPU available but not used.*")
+    try:
+        rows = merge_results(args) if args.merge else run_leaderboard(args)
+    except ValueError as e:
+        print(f"vispe three-cell: {e}", file=sys.stderr)
+        return 2
+    print("\nThree Cell Experiment, test accuracy (%):\n")
+    print(format_table(rows))
+    pesi = format_pesi_table(rows)
+    if pesi:
+        print(f"\nPESI of the trained encodings (LOOPE's metrics):\n\n{pesi}")
+    if args.out:
+        print(f"\nwrote {Path(args.out) / 'results.json'}, results.md, results.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

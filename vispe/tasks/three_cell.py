@@ -1,0 +1,160 @@
+"""LightningModule for the Three Cell Experiment: BCE over the 6 bits, accuracy per group.
+
+The model is any timm model name (vispe models included) plus keyword arguments, e.g.
+``ThreeCellTask('vispe_vit_tiny_patch16_224', {'patch_size': 2, 'embed_dim': 64, 'depth': 2,
+'num_heads': 4}, pos_encoding='rope_mixed', img_size=16)``: the positional encoding is only
+ever chosen through the model's own ``pos_encoding`` argument. The signature follows
+:class:`vispe.tasks.classification.ImageClassification` (``model``, ``model_kwargs``,
+``pos_encoding``, ``img_size``), so ``vispe fit`` fills ``img_size`` from the DataModule.
+
+Metrics (val/test), as in the LOOPE paper: accuracy of each group at threshold 0.5 --
+``distance`` (bits 0-1), ``orientation`` (bit 2), ``area`` (bits 3-4), ``vector_sum`` (bit 5);
+the accuracy of a two-bit group is the mean of its bit accuracies -- and ``avg``, the mean of the
+four group accuracies. Values are fractions in [0, 1] (the benchmark prints percentages).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import timm
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from torchmetrics import MetricCollection
+from torchmetrics.classification import BinaryAccuracy, MultilabelAccuracy
+
+from vispe.data.three_cell import LABEL_GROUPS, LABEL_NAMES
+
+__all__ = ["ThreeCellTask", "GROUPS"]
+
+GROUPS: tuple[str, ...] = tuple(LABEL_GROUPS)
+
+
+def _group_metrics() -> MetricCollection:
+    # micro average over a group's bits = mean bit accuracy of the group
+    return MetricCollection(
+        {
+            g: MultilabelAccuracy(num_labels=len(idx), threshold=0.5, average="micro") if len(idx) > 1 else BinaryAccuracy(threshold=0.5)
+            for g, idx in LABEL_GROUPS.items()
+        }
+    )
+
+
+class ThreeCellTask(LightningModule):
+    """Multi-label (6-bit) Three Cell training around a timm model.
+
+    Args:
+        model: a timm model name (``timm.list_models('vispe_*')`` for vispe's ViTs).
+        model_kwargs: passed to ``timm.create_model`` (``patch_size`` = the cell size,
+            ``embed_dim``, ``depth``, ...); ``num_classes`` is always 6.
+        pos_encoding: the model's ``pos_encoding`` (name, ``{'name': ..., **options}``); None
+            leaves the model's default (or ``model_kwargs['pos_encoding']``).
+        img_size: input size in pixels (grid x cell size); None leaves the model's default.
+        lr: peak learning rate (AdamW).
+        min_lr: final learning rate of the cosine schedule.
+        weight_decay: AdamW weight decay (not applied to biases, norms, the model's
+            ``no_weight_decay()`` names).
+        warmup_steps: linear warm-up steps, or a fraction of all steps when < 1.
+        betas: AdamW betas.
+    """
+
+    def __init__(
+        self,
+        model: str = "vispe_vit_tiny_patch16_224",
+        model_kwargs: Mapping[str, Any] | None = None,
+        pos_encoding: str | Mapping[str, Any] | None = None,
+        img_size: int | tuple[int, int] | None = None,
+        lr: float = 1e-3,
+        min_lr: float = 2.5e-5,
+        weight_decay: float = 0.05,
+        warmup_steps: float = 0.05,
+        betas: tuple[float, float] = (0.9, 0.999),
+    ) -> None:
+        super().__init__()
+        if not isinstance(model, str) or not timm.is_model(model):
+            raise ValueError(
+                f"model={model!r} is not a timm model; see timm.list_models() (vispe's: timm.list_models('vispe_*'))"
+            )
+        if lr <= 0 or min_lr < 0 or min_lr > lr:
+            raise ValueError(f"need 0 <= min_lr <= lr and lr > 0, got lr={lr!r}, min_lr={min_lr!r}")
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps!r}")
+        model_kwargs = dict(model_kwargs or {})
+        if "num_classes" in model_kwargs and model_kwargs["num_classes"] != len(LABEL_NAMES):
+            raise ValueError(f"the Three Cell target has {len(LABEL_NAMES)} bits; got num_classes={model_kwargs['num_classes']}")
+        model_kwargs["num_classes"] = len(LABEL_NAMES)
+        if pos_encoding is not None:
+            model_kwargs["pos_encoding"] = pos_encoding
+        if img_size is not None:
+            model_kwargs["img_size"] = img_size
+        self.save_hyperparameters()
+        self.model: nn.Module = timm.create_model(model, **model_kwargs)
+        self.val_metrics = _group_metrics()
+        self.test_metrics = _group_metrics()
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.model(images)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        images, target = batch
+        loss = F.binary_cross_entropy_with_logits(self(images), target)
+        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False)
+        return loss
+
+    def _eval_step(self, batch: tuple[torch.Tensor, torch.Tensor], metrics: MetricCollection, stage: str) -> None:
+        images, target = batch
+        logits = self(images)
+        self.log(f"{stage}/loss", F.binary_cross_entropy_with_logits(logits, target), on_epoch=True, batch_size=len(images))
+        probs, target = torch.sigmoid(logits), target.long()
+        for group, idx in LABEL_GROUPS.items():
+            cols = list(idx)
+            if len(cols) == 1:
+                metrics[group].update(probs[:, cols[0]], target[:, cols[0]])
+            else:
+                metrics[group].update(probs[:, cols], target[:, cols])
+
+    def _eval_epoch_end(self, metrics: MetricCollection, stage: str) -> None:
+        values = {g: metrics[g].compute() for g in GROUPS}
+        for g, v in values.items():
+            self.log(f"{stage}/{g}", v)
+        self.log(f"{stage}/avg", torch.stack(list(values.values())).mean(), prog_bar=True)
+        metrics.reset()
+
+    def validation_step(self, batch, batch_idx):
+        self._eval_step(batch, self.val_metrics, "val")
+
+    def on_validation_epoch_end(self) -> None:
+        self._eval_epoch_end(self.val_metrics, "val")
+
+    def test_step(self, batch, batch_idx):
+        self._eval_step(batch, self.test_metrics, "test")
+
+    def on_test_epoch_end(self) -> None:
+        self._eval_epoch_end(self.test_metrics, "test")
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        skip = set(getattr(self.model, "no_weight_decay", lambda: set())())
+        decay, no_decay = [], []
+        for name, p in self.model.named_parameters():
+            if not p.requires_grad:
+                continue
+            (no_decay if p.ndim <= 1 or name in skip else decay).append(p)
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=hp.lr, betas=tuple(hp.betas),
+        )
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+        warmup = int(hp.warmup_steps * total) if hp.warmup_steps < 1 else int(hp.warmup_steps)
+        floor = hp.min_lr / hp.lr
+
+        def factor(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / (warmup + 1)
+            t = min(1.0, (step - warmup) / max(1, total - warmup))
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * t))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
