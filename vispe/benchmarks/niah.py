@@ -1,0 +1,322 @@
+"""``vispe niah``: video needle-in-a-haystack for the small video-LLM, one row per multimodal scheme.
+
+For each position scheme a small video-LLM trains with one recipe on NIAH episodes with a
+haystack of ``--train-frames`` frames (needle at a random depth), then is scored on haystacks of
+every length in ``--eval-lengths`` (up to 16x the training length by default) at every depth in
+``--depths``. Writes ``results.json``, ``results.md``, ``heatmaps.png`` (one row per scheme:
+depth x length accuracy, training length marked) and ``accuracy_vs_length.png`` to ``--out``.
+
+A scheme "extrapolates to k x" when its mean accuracy over depths stays within ``--keep`` (90 %)
+of its training-length accuracy at every length up to k times the training length.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Sequence
+
+__all__ = ["main", "build_parser", "run_one", "run_benchmark", "format_table", "plot_heatmaps", "plot_lines", "extrapolation_ratio", "DEFAULTS", "DEFAULT_SCHEMES"]
+
+DEFAULT_SCHEMES: tuple[str, ...] = ("rope_1d", "mrope", "mrope_interleave", "mhrope", "vrope", "hope", "v2pe")
+SCHEME_TITLES = {
+    "rope_1d": "1D RoPE", "mrope": "M-RoPE", "mrope_interleave": "MRoPE-I", "mhrope": "MHRoPE",
+    "vrope": "VRoPE", "hope": "HoPE", "v2pe": "V2PE",
+}
+
+#: the default CPU recipe (see docs/video-retrieval.md)
+DEFAULTS: dict[str, Any] = dict(
+    train_frames=8,
+    eval_lengths="4,8,16,32,64,128",
+    depths="0,0.25,0.5,0.75,1",
+    episodes_per_cell=16,
+    frame_size=8,
+    patch=4,
+    dim=64,
+    depth=2,
+    num_heads=4,
+    theta=10000.0,
+    steps=200,
+    batch_size=32,
+    lr=2e-3,
+    weight_decay=0.05,
+    warmup=20,
+    seed=0,
+    hope_gamma=0.75,
+    v2pe_delta=0.25,
+    keep=0.9,
+)
+
+
+def _floats(text: str, what: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--{what} must be comma-separated numbers, got {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="vispe niah",
+        description="Video needle-in-a-haystack: train a small video-LLM per position scheme at one length, score lengths x depths.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    d = DEFAULTS
+    p.add_argument("--schemes", default=",".join(DEFAULT_SCHEMES), help="comma-separated multimodal schemes")
+    p.add_argument("--out", default="outputs/niah", help="output folder")
+    p.add_argument("--quick", action="store_true", help="tiny smoke run (numbers are meaningless)")
+    g = p.add_argument_group("episodes")
+    g.add_argument("--train-frames", type=int, default=d["train_frames"], help="haystack frames at training")
+    g.add_argument("--eval-lengths", default=d["eval_lengths"], help="haystack frames at evaluation, comma-separated")
+    g.add_argument("--depths", default=d["depths"], help="needle depths in [0, 1], comma-separated")
+    g.add_argument("--episodes-per-cell", type=int, default=d["episodes_per_cell"])
+    g.add_argument("--frame-size", type=int, default=d["frame_size"])
+    g.add_argument("--patch", type=int, default=d["patch"], help="pixels per visual token side")
+    g.add_argument("--haystack-videos", default=None, help="comma-separated video files to use as haystack instead of generated frames")
+    m = p.add_argument_group("model")
+    for k in ("dim", "depth", "num_heads"):
+        m.add_argument(f"--{k.replace('_', '-')}", type=int, default=d[k])
+    m.add_argument("--theta", type=float, default=d["theta"], help="rotary base")
+    m.add_argument("--hope-gamma", type=float, default=d["hope_gamma"], help="HoPE's temporal scale at evaluation")
+    m.add_argument("--v2pe-delta", type=float, default=d["v2pe_delta"], help="V2PE's visual step at evaluation")
+    o = p.add_argument_group("optimisation")
+    o.add_argument("--steps", type=int, default=d["steps"])
+    o.add_argument("--batch-size", type=int, default=d["batch_size"])
+    o.add_argument("--lr", type=float, default=d["lr"])
+    o.add_argument("--weight-decay", type=float, default=d["weight_decay"])
+    o.add_argument("--warmup", type=int, default=d["warmup"])
+    o.add_argument("--seeds", default=str(d["seed"]), help="comma-separated seeds; each scheme trains once per seed and the grids are averaged")
+    o.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave torch's default)")
+    o.add_argument("--accelerator", default="cpu")
+    o.add_argument("--keep", type=float, default=d["keep"], help="fraction of training-length accuracy that counts as 'kept'")
+    return p
+
+
+def _datamodule(args: argparse.Namespace, seed: int = 0):
+    from vispe.data.niah import NIAHDataModule
+
+    lengths = sorted({int(x) for x in _floats(args.eval_lengths, "eval-lengths")} | {args.train_frames})
+    videos = [v for v in (args.haystack_videos or "").split(",") if v]
+    return NIAHDataModule(
+        train_frames=args.train_frames, train_episodes=args.steps * args.batch_size, eval_lengths=lengths,
+        eval_depths=_floats(args.depths, "depths"), episodes_per_cell=args.episodes_per_cell, frame_size=args.frame_size,
+        patch=args.patch, batch_size=args.batch_size, eval_batch_size=32, seed=seed, haystack_videos=videos or None,
+    )
+
+
+def extrapolation_ratio(by_length: dict[int, float], train_frames: int, keep: float) -> float:
+    """Largest ``L / train_frames`` such that every length up to ``L`` keeps ``keep`` x the training accuracy."""
+    base = by_length[train_frames]
+    ratio = 1.0
+    for f in sorted(k for k in by_length if k > train_frames):
+        if by_length[f] >= keep * base:
+            ratio = f / train_frames
+        else:
+            break
+    return ratio
+
+
+def run_one(scheme: str, args: argparse.Namespace, datamodule: Any, seed: int = 0) -> dict[str, Any]:
+    """Train and score one scheme with one seed (model init and episodes both follow ``seed``)."""
+    import lightning.pytorch as pl
+
+    from vispe.tasks.niah import VideoNIAH
+
+    pl.seed_everything(seed, workers=True, verbose=False)
+    pos_kwargs = {"hope": {"gamma": args.hope_gamma}, "v2pe": {"delta": args.v2pe_delta}}.get(scheme, {})
+    task = VideoNIAH(
+        pos_scheme={"name": scheme, "theta": args.theta}, position_kwargs=pos_kwargs, visual_dim=datamodule.visual_dim,
+        dim=args.dim, depth=args.depth, num_heads=args.num_heads, lr=args.lr, weight_decay=args.weight_decay,
+        warmup_steps=args.warmup,
+    )
+    trainer = pl.Trainer(
+        accelerator=args.accelerator, devices=1, max_steps=args.steps, max_epochs=-1, logger=False, enable_checkpointing=False,
+        enable_model_summary=False, enable_progress_bar=False, num_sanity_val_steps=0, limit_val_batches=0,
+    )
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*does not have many workers.*")
+        trainer.fit(task, datamodule=datamodule)
+        train_s = time.perf_counter() - start
+        evaluator = pl.Trainer(accelerator=args.accelerator, devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False)
+        evaluator.validate(task, datamodule=datamodule, verbose=False)
+    return {
+        "scheme": scheme,
+        "seed": seed,
+        "position_kwargs": pos_kwargs,
+        "grid": task.last_grid,
+        "steps": int(trainer.global_step),
+        "train_s": round(train_s, 1),
+        "wall_s": round(time.perf_counter() - start, 1),
+    }
+
+
+def merge_runs(runs: Sequence[dict[str, Any]], args: argparse.Namespace, tokens_per_frame: int) -> dict[str, Any]:
+    """Average the accuracy grids of one scheme's runs (one per seed) into its table row."""
+    first = runs[0]
+    lengths = sorted(first["grid"])
+    grid = {f: {d: sum(r["grid"][f][d] for r in runs) / len(runs) for d in first["grid"][f]} for f in lengths}
+    by_length = {f: sum(row.values()) / len(row) for f, row in grid.items()}
+    per_seed = {str(r["seed"]): {str(f): round(sum(row.values()) / len(row), 2) for f, row in r["grid"].items()} for r in runs}
+    return {
+        "scheme": first["scheme"],
+        "title": SCHEME_TITLES.get(first["scheme"], first["scheme"]),
+        "position_kwargs": first["position_kwargs"],
+        "seeds": [r["seed"] for r in runs],
+        "grid": {str(f): {str(d): round(a, 2) for d, a in row.items()} for f, row in grid.items()},
+        "by_length": {str(f): round(a, 2) for f, a in by_length.items()},
+        "by_length_per_seed": per_seed,
+        "tokens_by_length": {str(f): (f + 1) * tokens_per_frame + 1 + 6 for f in lengths},
+        "mean": round(sum(by_length.values()) / len(by_length), 2),
+        "extrapolation_ratio": extrapolation_ratio(by_length, args.train_frames, args.keep),
+        "steps": first["steps"],
+        "train_s": round(sum(r["train_s"] for r in runs) / len(runs), 1),
+        "wall_s": round(sum(r["wall_s"] for r in runs), 1),
+    }
+
+
+def format_table(rows: Sequence[dict[str, Any]], train_frames: int, keep: float) -> str:
+    if not rows:
+        return "(no results)"
+    lengths = list(rows[0]["by_length"])
+    tokens = rows[0]["tokens_by_length"]
+    head = "| scheme | " + " | ".join(f"{f} fr ({tokens[f]} tok){' (train)' if int(f) == train_frames else ''}" for f in lengths) + " | mean | kept up to | train (s) |"
+    sep = "|---|" + "---:|" * (len(lengths) + 3)
+    lines = [head, sep]
+    for r in rows:
+        cells = [f"{r['by_length'][f]:.1f}" for f in lengths]
+        lines.append(f"| {r['title']} | " + " | ".join(cells) + f" | {r['mean']:.1f} | {r['extrapolation_ratio']:g}x | {r['train_s']:.0f} |")
+    lines.append("")
+    lines.append(
+        f"Accuracy (%) averaged over needle depths and {len(rows[0].get('seeds', [0]))} seed(s); chance 25 %. "
+        f"'kept up to': the longest haystack (as a multiple of the "
+        f"{train_frames}-frame training haystack) up to which accuracy stays >= {keep:.0%} of the training-length accuracy."
+    )
+    return "\n".join(lines)
+
+
+def plot_heatmaps(rows: Sequence[dict[str, Any]], path: str | Path, train_frames: int) -> Path:
+    """One row per scheme: depth (y) x haystack frames (x) accuracy, training length outlined."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    lengths = list(rows[0]["grid"])
+    depths = list(rows[0]["grid"][lengths[0]])
+    fig, axes = plt.subplots(len(rows), 1, figsize=(1.0 * len(lengths) + 2.5, 1.25 * len(rows) * max(1, len(depths) / 4) + 0.8), squeeze=False)
+    for ax, r in zip(axes[:, 0], rows):
+        a = np.array([[r["grid"][f][d] for f in lengths] for d in depths])
+        im = ax.imshow(a, vmin=0, vmax=100, cmap="RdYlGn", aspect="auto")
+        for i in range(a.shape[0]):
+            for j in range(a.shape[1]):
+                ax.text(j, i, f"{a[i, j]:.0f}", ha="center", va="center", fontsize=7)
+        ax.set_yticks(range(len(depths)), [f"{float(d):g}" for d in depths], fontsize=7)
+        ax.set_xticks(range(len(lengths)), lengths, fontsize=7)
+        ax.set_ylabel(f"{r['title']}\ndepth", fontsize=8)
+        if str(train_frames) in lengths:
+            j = lengths.index(str(train_frames))
+            ax.add_patch(plt.Rectangle((j - 0.5, -0.5), 1, len(depths), fill=False, edgecolor="black", linewidth=2))
+    axes[-1, 0].set_xlabel("haystack frames (black box: training length)")
+    fig.colorbar(im, ax=axes[:, 0].tolist(), shrink=0.6, label="accuracy (%)")
+    fig.suptitle("Video NIAH accuracy", fontsize=10)
+    path = Path(path)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def plot_lines(rows: Sequence[dict[str, Any]], path: str | Path, train_frames: int) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in rows:
+        xs = [int(f) for f in r["by_length"]]
+        ax.plot(xs, list(r["by_length"].values()), marker="o", label=r["title"])
+    ax.axvline(train_frames, color="black", linestyle=":", label="training length")
+    ax.axhline(25, color="grey", linestyle="--", label="chance")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("haystack frames")
+    ax.set_ylabel("accuracy (%), mean over depths")
+    ax.set_ylim(0, 102)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def run_benchmark(args: argparse.Namespace, partial: Any = None) -> list[dict[str, Any]]:
+    import torch
+
+    from vispe.positions import NUM_COORDS
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    names = [s.strip() for s in args.schemes.split(",") if s.strip()]
+    bad = [s for s in names if s not in NUM_COORDS]
+    if bad:
+        raise ValueError(f"unknown scheme(s) {bad}; choose from {list(NUM_COORDS)}")
+    seeds = [int(x) for x in str(args.seeds).split(",") if x.strip()]
+    dms = {seed: _datamodule(args, seed) for seed in seeds}
+    for dm in dms.values():
+        dm.setup("fit")
+    from vispe.tasks.niah import VideoNIAH
+
+    visual_dim = dms[seeds[0]].visual_dim
+    for s in names:  # every model must build (e.g. mhrope needs >= 3 heads) before any training starts
+        VideoNIAH({"name": s, "theta": args.theta}, visual_dim=visual_dim, dim=args.dim, depth=args.depth, num_heads=args.num_heads)
+    rows = []
+    for s in names:
+        runs = [run_one(s, args, dms[seed], seed) for seed in seeds]
+        row = merge_runs(runs, args, dms[seeds[0]].tokens_per_frame)
+        rows.append(row)
+        if partial is not None:
+            partial(rows)
+        print(f"{row['title']:>8}: " + "  ".join(f"{f}:{a:5.1f}" for f, a in row["by_length"].items()) + f"  ({row['wall_s']:.0f} s)", flush=True)
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.quick:
+        args.steps, args.episodes_per_cell, args.eval_lengths, args.depths, args.warmup = 3, 2, "4,16", "0,1", 1
+    try:
+        _floats(args.eval_lengths, "eval-lengths")
+        _floats(args.depths, "depths")
+    except ValueError as err:
+        print(f"vispe niah: {err}", file=sys.stderr)
+        return 2
+    start = time.perf_counter()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    recipe = {k: v for k, v in vars(args).items() if k not in ("out", "quick", "schemes")}
+
+    def write(rows: list[dict[str, Any]], total_s: float | None = None) -> str:
+        table = format_table(rows, args.train_frames, args.keep)
+        total = {} if total_s is None else {"total_s": round(total_s, 1)}
+        (out / "results.json").write_text(json.dumps({"recipe": recipe, "chance": 25.0, **total, "results": rows}, indent=2))
+        tail = f"total wall time {total_s:.0f} s" if total_s is not None else "(partial: run in progress)"
+        (out / "results.md").write_text(f"# Video needle-in-a-haystack\n\nrecipe: `{json.dumps(recipe)}`\n\n{table}\n\n{tail}\n")
+        return table
+
+    rows = run_benchmark(args, partial=write)
+    total_s = time.perf_counter() - start
+    table = write(rows, total_s)
+    print("\n" + table)
+    plot_heatmaps(rows, out / "heatmaps.png", args.train_frames)
+    plot_lines(rows, out / "accuracy_vs_length.png", args.train_frames)
+    print(f"\nwrote {out / 'results.json'}, results.md, heatmaps.png, accuracy_vs_length.png ({total_s:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
