@@ -1,0 +1,168 @@
+"""DataModules: synthetic set, samplers, batch augmentation, path errors, real data (skipped when absent)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from vispe.data import (
+    CIFAR10JpegDataModule,
+    DigitsDataModule,
+    EpochSeededRandomSampler,
+    FashionMNISTDataModule,
+    ImageFolderDataModule,
+    SyntheticDataModule,
+    TorchvisionDataModule,
+    load_cifar10_zip,
+    random_crop_flip,
+    read_idx,
+    resolve_data_path,
+)
+
+
+def _data_root() -> Path | None:
+    env = os.environ.get("VISPE_TEST_DATA")
+    root = Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "data"
+    return root if root.is_dir() else None
+
+
+DATA = _data_root()
+needs_data = pytest.mark.skipif(DATA is None, reason="real data folder (../shared/data or $VISPE_TEST_DATA) not present")
+
+
+# -- synthetic ---------------------------------------------------------------------------------
+def test_synthetic_deterministic_balanced_and_learnable():
+    a = SyntheticDataModule(num_classes=4, image_size=16, train_size=200, val_size=100, seed=3)
+    b = SyntheticDataModule(num_classes=4, image_size=16, train_size=200, val_size=100, seed=3)
+    a.setup(), b.setup()
+    assert torch.equal(a.train_set.images, b.train_set.images) and torch.equal(a.train_set.labels, b.train_set.labels)
+    assert a.train_set.images.dtype == torch.uint8 and a.train_set.images.shape == (200, 3, 16, 16)
+    assert torch.bincount(a.train_set.labels).tolist() == [50] * 4
+    c = SyntheticDataModule(num_classes=4, image_size=16, train_size=200, val_size=100, seed=4)
+    c.setup()
+    assert not torch.equal(a.train_set.images, c.train_set.images)
+    # learnable: an independent nearest-class-mean classifier on raw pixels separates held-out samples
+    xtr, ytr = a.train_set.images.float().flatten(1), a.train_set.labels
+    means = torch.stack([xtr[ytr == k].mean(0) for k in range(4)])
+    xva, yva = a.val_set.images.float().flatten(1), a.val_set.labels
+    acc = (torch.cdist(xva, means).argmin(1) == yva).float().mean().item()
+    assert acc > 0.9, acc
+
+
+def test_subset_is_class_balanced_and_seeded():
+    dm = SyntheticDataModule(num_classes=4, train_size=400, val_size=80, train_subset=40, eval_subset=20, seed=1)
+    dm.setup()
+    assert len(dm.train_set) == 40 and torch.bincount(dm.train_set.labels).tolist() == [10] * 4
+    assert len(dm.val_set) == 20 and torch.bincount(dm.val_set.labels).tolist() == [5] * 4
+    dm2 = SyntheticDataModule(num_classes=4, train_size=400, val_size=80, train_subset=40, eval_subset=20, seed=1)
+    dm2.setup()
+    assert torch.equal(dm.train_set.images, dm2.train_set.images)
+
+
+def test_normalize_matches_manual():
+    dm = SyntheticDataModule(image_size=8)
+    x = torch.randint(0, 256, (2, 3, 8, 8), dtype=torch.uint8)
+    want = (x.float() / 255 - 0.5) / 0.25
+    assert torch.allclose(dm.normalize(x), want, atol=1e-6)
+
+
+# -- sampler and augmentation ------------------------------------------------------------------
+def test_epoch_seeded_sampler_depends_only_on_seed_and_epoch():
+    data = list(range(50))
+    s1, s2 = EpochSeededRandomSampler(data, seed=7), EpochSeededRandomSampler(data, seed=7)
+    s1.set_epoch(3), s2.set_epoch(3)
+    o1 = list(iter(s1))
+    list(iter(s2))  # consuming an epoch does not change the next draw for the same epoch
+    s2.set_epoch(3)
+    assert o1 == list(iter(s2)) and sorted(o1) == data
+    s2.set_epoch(4)
+    assert list(iter(s2)) != o1
+
+
+def test_random_crop_flip_is_a_window_of_the_padded_image():
+    torch.manual_seed(0)
+    x = torch.arange(4 * 2 * 6 * 6, dtype=torch.float32).view(4, 2, 6, 6)
+    pad = 2
+    y = random_crop_flip(x, pad=pad, flip=True)
+    assert y.shape == x.shape
+    xp = torch.nn.functional.pad(x, (pad,) * 4)
+    for b in range(4):  # naive search over every window and flip
+        hits = [
+            (oy, ox, f)
+            for oy in range(2 * pad + 1)
+            for ox in range(2 * pad + 1)
+            for f in (False, True)
+            if torch.equal(y[b], (lambda w: w.flip(-1) if f else w)(xp[b, :, oy:oy + 6, ox:ox + 6]))
+        ]
+        assert hits, f"sample {b} is not a (flipped) window of the padded input"
+    z = random_crop_flip(x, pad=0, flip=True)
+    assert all(torch.equal(z[b], x[b]) or torch.equal(z[b], x[b].flip(-1)) for b in range(4))
+
+
+# -- paths and bad input -----------------------------------------------------------------------
+def test_missing_paths_fail_at_construction_naming_the_path(tmp_path, monkeypatch):
+    missing = tmp_path / "nope" / "cifar10-jpeg"
+    with pytest.raises(FileNotFoundError, match="nope"):
+        CIFAR10JpegDataModule(data_dir=str(missing))
+    monkeypatch.delenv("VISPE_DATA_ROOT", raising=False)
+    with pytest.raises(FileNotFoundError, match="VISPE_DATA_ROOT"):
+        resolve_data_path(None, "cifar10-jpeg", "CIFAR-10")
+    monkeypatch.setenv("VISPE_DATA_ROOT", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match=str(tmp_path / "fashion-mnist")):
+        FashionMNISTDataModule()
+    with pytest.raises(ValueError, match="augment"):
+        SyntheticDataModule(augment="bogus")
+    with pytest.raises(ValueError, match="unknown torchvision dataset 'NotADataset'"):
+        TorchvisionDataModule("NotADataset", root=str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="torchvision CIFAR10 not found"):
+        dm = TorchvisionDataModule("CIFAR10", root=str(tmp_path))
+        dm.setup()
+
+
+def test_image_folder(tmp_path):
+    from PIL import Image
+
+    for split in ("train", "val"):
+        for k, colour in enumerate([(255, 0, 0), (0, 0, 255)]):
+            d = tmp_path / split / f"class{k}"
+            d.mkdir(parents=True)
+            for i in range(3):
+                Image.new("RGB", (20, 14), colour).save(d / f"{i}.png")
+    dm = ImageFolderDataModule(str(tmp_path / "train"), str(tmp_path / "val"), image_size=8, batch_size=4)
+    assert dm.num_classes == 2
+    dm.setup()
+    x, y = next(iter(dm.val_dataloader()))
+    assert x.dtype == torch.uint8 and x.shape == (4, 3, 8, 8)
+    # red images are class 0, blue ones class 1
+    assert torch.equal(y, (x[:, 2, 4, 4] > x[:, 0, 4, 4]).long())
+
+
+# -- real data (skipped without ../shared) -----------------------------------------------------
+@needs_data
+def test_cifar10_zip_members_decode_with_folder_labels():
+    x, y = load_cifar10_zip(DATA / "cifar10-jpeg" / "cifar10_test_jpeg.zip", limit_per_class=2)
+    assert x.shape == (20, 3, 32, 32) and x.dtype == torch.uint8
+    assert torch.bincount(y).tolist() == [2] * 10
+    assert x.float().std() > 20  # real pictures, not blank
+
+
+@needs_data
+def test_cifar10_datamodule_from_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("VISPE_DATA_ROOT", str(DATA))
+    dm = CIFAR10JpegDataModule(batch_size=8, train_subset=20, eval_subset=10)
+    assert (dm.num_classes, dm.in_chans, dm.image_size) == (10, 3, 32)
+
+
+@needs_data
+def test_fashion_mnist_idx_and_digits():
+    labels = read_idx(DATA / "fashion-mnist" / "t10k-labels-idx1-ubyte.gz")
+    assert labels.shape == (10000,) and (torch.bincount(torch.from_numpy(labels.astype("int64"))) == 1000).all()
+    dm = DigitsDataModule(data_path=str(DATA / "sklearn-digits" / "digits.csv.gz"), image_size=16)
+    dm.setup()
+    assert len(dm.train_set) + len(dm.val_set) == 1797
+    assert abs(len(dm.val_set) / 1797 - 0.2) < 0.01
+    assert dm.train_set.images.max() == 255  # 0..16 counts scaled to 0..255
+    x, _ = next(iter(dm.val_dataloader()))
+    assert dm.normalize(x).shape[-2:] == (16, 16)

@@ -1,0 +1,220 @@
+"""Training CLI: plain python / vispe / fabric run (one DDP job), SIGKILL + resume, config errors, task pieces."""
+from __future__ import annotations
+
+import csv
+import os
+import pickle
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from vispe.tasks import ImageClassification, param_groups_no_decay, warmup_cosine
+from vispe.train_cli import AtomicCheckpointIO, launcher_trainer_settings, main
+
+REPO = Path(__file__).resolve().parents[1]
+SMOKE = REPO / "configs" / "smoke.yaml"
+BIN = Path(sys.executable).parent
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    for k in [k for k in env if k.startswith(("LT_", "PL_")) or k in ("WORLD_SIZE", "RANK", "LOCAL_RANK")]:
+        env.pop(k)
+    return env
+
+
+def _run(cmd: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def _ckpt(save_dir: Path, name: str = "rope_mixed") -> dict:
+    return torch.load(save_dir / name / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+
+
+def _last_val(save_dir: Path, version: str) -> dict[str, float]:
+    rows = list(csv.DictReader(open(save_dir / "rope_mixed" / version / "metrics.csv")))
+    val = [r for r in rows if r.get("val/acc")]
+    return {k: float(val[-1][k]) for k in ("epoch", "val/acc", "val/loss")}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- end-to-end runs ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    """`python train/fit.py -c smoke` for 3 epochs."""
+    out = tmp_path_factory.mktemp("plain")
+    r = _run([sys.executable, "train/fit.py", "-c", str(SMOKE), "--trainer.max_epochs", "3",
+              "--trainer.logger.init_args.save_dir", str(out), "--trainer.enable_progress_bar", "false"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+def test_plain_python_fit_trains_and_checkpoints(uninterrupted):
+    ck = _ckpt(uninterrupted)
+    assert ck["epoch"] == 2 and ck["global_step"] == 3 * 4  # 128 samples / batch 32 = 4 steps per epoch
+    assert "vispe_datamodule" in ck and ck["vispe_datamodule"]["class_path"] == "vispe.data.image.SyntheticDataModule"
+    assert 0.0 <= _last_val(uninterrupted, "version_0")["val/acc"] <= 1.0
+
+
+def test_sigkill_then_resume_matches_uninterrupted(uninterrupted, tmp_path):
+    """`vispe fit` killed by SIGKILL at the start of epoch 3, then `--ckpt_path last` -> identical result."""
+    (tmp_path / "killer.py").write_text(textwrap.dedent("""
+        import os, signal
+        from lightning.pytorch.callbacks import Callback
+        class KillAtEpoch(Callback):
+            def __init__(self, epoch: int = 2):
+                self.epoch = epoch
+            def on_train_epoch_start(self, trainer, pl_module):
+                if trainer.current_epoch == self.epoch:
+                    os.kill(os.getpid(), signal.SIGKILL)
+    """))
+    (tmp_path / "kill.yaml").write_text("trainer:\n  callbacks:\n    - class_path: killer.KillAtEpoch\n      init_args: {epoch: 2}\n")
+    out = tmp_path / "runs"
+    common = ["-c", str(SMOKE), "--trainer.max_epochs", "3", "--trainer.logger.init_args.save_dir", str(out),
+              "--trainer.enable_progress_bar", "false"]
+    env = _env()
+    env["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{env['PYTHONPATH']}"
+    killed = subprocess.run([str(BIN / "vispe"), "fit", *common, "-c", str(tmp_path / "kill.yaml")],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    partial = _ckpt(out)
+    assert partial["epoch"] == 1 and partial["global_step"] == 8  # the checkpoint written before the kill
+    assert not [p for p in (out / "rope_mixed" / "checkpoints").iterdir() if p.name.endswith(".tmp")]
+
+    resumed = _run([sys.executable, "train/fit.py", *common, "--ckpt_path", "last"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a, b = _ckpt(uninterrupted), _ckpt(out)
+    assert b["global_step"] == a["global_step"] == 12
+    for k, v in a["state_dict"].items():
+        torch.testing.assert_close(b["state_dict"][k], v, rtol=0, atol=1e-6, msg=f"weights differ at {k}")
+    assert _last_val(out, "version_1") == pytest.approx(_last_val(uninterrupted, "version_0"), abs=1e-6)
+
+
+@pytest.mark.skipif(not (BIN / "fabric").exists(), reason="lightning's fabric launcher not installed")
+def test_fabric_run_is_one_ddp_job_with_world_size_2(tmp_path):
+    r = _run([str(BIN / "fabric"), "run", "--accelerator", "cpu", "--devices", "2", "--main-port", str(_free_port()),
+              "train/fit.py", "-c", str(SMOKE), "--trainer.logger.init_args.save_dir", str(tmp_path),
+              "--trainer.enable_progress_bar", "false"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    versions = sorted(p.name for p in (tmp_path / "rope_mixed").iterdir() if p.name.startswith("version_"))
+    assert versions == ["version_0"], versions  # one job, not two independent ones
+    hparams = (tmp_path / "rope_mixed" / "version_0" / "hparams.yaml").read_text()
+    assert "world_size: 2" in hparams
+    # each rank sees half of the 128 samples: 2 steps per epoch instead of 4
+    assert _ckpt(tmp_path)["global_step"] == 2 * 2
+
+
+# -- launcher mapping and guards (in-process, nothing trains) ----------------------------------
+def test_launcher_settings_from_fabric_and_torchrun_env():
+    fab = launcher_trainer_settings({"LT_CLI_USED": "1", "LT_DEVICES": "2", "LT_NUM_NODES": "1", "LT_ACCELERATOR": "cpu", "WORLD_SIZE": "2"})
+    assert {k: v for k, (v, _) in fab.items()} == {"devices": 2, "num_nodes": 1, "accelerator": "cpu", "strategy": "ddp"}
+    tr = launcher_trainer_settings({"TORCHELASTIC_RUN_ID": "x", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "4"})
+    assert {k: v for k, (v, _) in tr.items()} == {"devices": 2, "num_nodes": 2, "strategy": "ddp"}
+    assert launcher_trainer_settings({}) == {}
+
+
+def test_config_conflicting_with_fabric_run_fails_before_training(monkeypatch, tmp_path):
+    for k, v in {"LT_CLI_USED": "1", "LT_DEVICES": "2", "LT_NUM_NODES": "1", "LT_ACCELERATOR": "cpu"}.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValueError, match=r"trainer.devices='?1'? conflicts with the process launcher \(LT_DEVICES=2\)"):
+        main(["fit", "-c", str(SMOKE), "--trainer.devices", "1", "--trainer.logger.init_args.save_dir", str(tmp_path)])
+    assert not any(tmp_path.iterdir())
+
+
+def test_world_size_guard_catches_duplicated_training(monkeypatch, tmp_path):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as if a launcher had started 2 processes
+    with pytest.raises(RuntimeError, match="WORLD_SIZE=2 .* world size is 1"):
+        main(["fit", "-c", str(SMOKE), "--trainer.devices", "1", "--trainer.logger.init_args.save_dir", str(tmp_path)])
+
+
+@pytest.mark.parametrize(
+    "args, error, message",
+    [
+        (["--model.init_args.pos_encoding", "no_such_pe"], ValueError, "unknown positional encoding 'no_such_pe'; choose one of"),
+        (["--model.init_args.model", "vispe_vit_no_such"], ValueError, "unknown model 'vispe_vit_no_such'"),
+        (["--data", "vispe.data.CIFAR10JpegDataModule", "--data.init_args.data_dir", "/no/such/cifar10-jpeg"],
+         FileNotFoundError, "not found at '/no/such/cifar10-jpeg'"),
+    ],
+)
+def test_config_errors_fail_before_training(tmp_path, args, error, message):
+    with pytest.raises(error, match=message):
+        main(["fit", "-c", str(SMOKE), "--trainer.logger.init_args.save_dir", str(tmp_path), *args])
+    assert not any(tmp_path.iterdir())  # no log dir, no checkpoint: nothing started
+
+
+# -- task pieces -------------------------------------------------------------------------------
+def test_atomic_checkpoint_io_leaves_old_file_on_failure(tmp_path):
+    io = AtomicCheckpointIO()
+    path = tmp_path / "ck" / "last.ckpt"
+    io.save_checkpoint({"a": torch.ones(3)}, path)
+    assert torch.equal(torch.load(path)["a"], torch.ones(3))
+
+    class Unpicklable:
+        def __reduce__(self):
+            raise pickle.PicklingError("boom")
+
+    with pytest.raises(pickle.PicklingError):
+        io.save_checkpoint({"a": torch.zeros(3), "b": Unpicklable()}, path)
+    assert torch.equal(torch.load(path)["a"], torch.ones(3))  # previous checkpoint intact
+    assert sorted(p.name for p in path.parent.iterdir()) == ["last.ckpt"]  # no temp file left
+
+
+def test_warmup_cosine_shape():
+    total, warm = 100, 10
+    lr = [warmup_cosine(s, total, warm, 0.01) for s in range(total + 1)]
+    assert lr[0] == pytest.approx(0.1) and lr[warm - 1] == pytest.approx(1.0) and lr[warm] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(lr[warm:], lr[warm + 1:]))
+    assert lr[-1] == pytest.approx(0.01)
+
+
+def test_no_weight_decay_groups():
+    task = ImageClassification("vispe_vit_tiny_patch4_32", {"embed_dim": 32, "depth": 2, "num_heads": 2}, "rope_mixed", num_classes=4)
+    decay, no_decay = param_groups_no_decay(task.model, 0.05)
+    names = {id(p): n for n, p in task.model.named_parameters()}
+    nd = {names[id(p)] for p in no_decay["params"]}
+    d = {names[id(p)] for p in decay["params"]}
+    assert {"pos_encoding.freqs", "cls_token", "blocks.0.norm1.weight", "blocks.0.attn.qkv.bias"} <= nd
+    assert {"blocks.0.attn.qkv.weight", "head.weight"} <= d
+    assert no_decay["weight_decay"] == 0.0 and decay["weight_decay"] == 0.05
+
+
+@pytest.mark.parametrize("backend", ["timm", "torchvision"])
+def test_mixing_gives_soft_labels(backend):
+    task = ImageClassification("vispe_vit_tiny_patch4_32", {"embed_dim": 32, "depth": 1, "num_heads": 2}, "learned",
+                               num_classes=4, img_size=16, mixup_alpha=0.8, cutmix_alpha=1.0, mix_backend=backend)
+    x, y = torch.randn(6, 3, 16, 16), torch.tensor([0, 1, 2, 3, 0, 1])
+    xm, soft = task._mix(x, y)
+    assert xm.shape == x.shape and soft.shape == (6, 4)
+    torch.testing.assert_close(soft.sum(-1), torch.ones(6))
+
+
+def test_pos_encoding_on_plain_timm_model_is_rejected():
+    with pytest.raises(ValueError, match="pos_encoding is an option of vispe_\\* models"):
+        ImageClassification("vit_tiny_patch16_224", pos_encoding="rope_axial")
+
+
+@pytest.mark.parametrize("config", sorted((REPO / "configs" / "cifar10").glob("*.yaml")), ids=lambda p: p.stem)
+def test_cifar10_configs_build_their_model(config):
+    import yaml
+
+    from vispe.tasks import build_model
+
+    cfg = yaml.safe_load(config.read_text())
+    init = cfg["model"]["init_args"]
+    assert init["pos_encoding"] == config.stem and init["model"].startswith("vispe_")
+    assert cfg["data"]["class_path"] == "vispe.data.CIFAR10JpegDataModule"
+    model = build_model(init["model"], init.get("model_kwargs"), init["pos_encoding"], num_classes=10, img_size=32)
+    assert model.patch_embed.patch_size == (4, 4) and model.embed_dim == 192  # ViT-Tiny class, patch 4
+    assert model(torch.randn(1, 3, 32, 32)).shape == (1, 10)

@@ -1,0 +1,22 @@
+"""Train with a YAML config: ``python train/fit.py -c configs/smoke.yaml`` (same as ``vispe fit -c ...``).
+
+Also runs under ``fabric run --accelerator cpu --devices 2 train/fit.py -c ...`` (one DDP job) and
+``torchrun``. A first argument of ``fit|validate|test|predict`` selects another subcommand.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+try:
+    import vispe  # noqa: F401
+except ModuleNotFoundError:  # running from a source checkout without installing
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from vispe.train_cli import main
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    if not args or args[0] not in ("fit", "validate", "test", "predict"):
+        args = ["fit", *args]
+    sys.exit(main(args))

@@ -1,0 +1,77 @@
+"""LightningDataModules for vispe (image classification here; other modules add three-cell and video data).
+
+Every DataModule takes its data location from an argument or ``$VISPE_DATA_ROOT`` and fails at
+construction, naming the missing path, when the files are not there.
+"""
+from .base import (
+    AUGMENTATIONS,
+    DATA_ROOT_ENV,
+    EpochSeededRandomSampler,
+    ImageDataModule,
+    TensorImageDataset,
+    random_crop_flip,
+    resize_images,
+    resolve_data_path,
+)
+from .image import (
+    CIFAR10_CLASSES,
+    CIFAR10JpegDataModule,
+    DigitsDataModule,
+    FashionMNISTDataModule,
+    ImageFolderDataModule,
+    SyntheticDataModule,
+    TorchvisionDataModule,
+    load_cifar10_zip,
+    read_idx,
+)
+from .niah import NIAHDataModule, NIAHDataset, NIAHVocab
+from .three_cell import ThreeCellDataModule, ThreeCellDataset, generate_three_cell, three_cell_labels
+from .video_text import (
+    SyntheticVideoTextDataModule,
+    SyntheticVideoTextSpec,
+    VideoReadError,
+    VideoTextDataModule,
+    VideoTextDataset,
+    collate_video_text,
+    generate_video_text_set,
+    load_manifest,
+    read_video,
+    write_video,
+)
+
+__all__ = [
+    "NIAHDataModule",
+    "NIAHDataset",
+    "NIAHVocab",
+    "ThreeCellDataModule",
+    "ThreeCellDataset",
+    "generate_three_cell",
+    "three_cell_labels",
+    "SyntheticVideoTextDataModule",
+    "SyntheticVideoTextSpec",
+    "VideoReadError",
+    "VideoTextDataModule",
+    "VideoTextDataset",
+    "collate_video_text",
+    "generate_video_text_set",
+    "load_manifest",
+    "read_video",
+    "write_video",
+    "AUGMENTATIONS",
+    "DATA_ROOT_ENV",
+    "CIFAR10_CLASSES",
+    "CIFAR10JpegDataModule",
+    "DigitsDataModule",
+    "EpochSeededRandomSampler",
+    "FashionMNISTDataModule",
+    "ImageDataModule",
+    "ImageFolderDataModule",
+    "SyntheticDataModule",
+    "TensorImageDataset",
+    "TorchvisionDataModule",
+    "load_cifar10_zip",
+    "random_crop_flip",
+    "read_idx",
+    "resize_images",
+    "resolve_data_path",
+]

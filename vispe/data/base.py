@@ -1,0 +1,301 @@
+"""Shared pieces of the image LightningDataModules.
+
+Every image DataModule hands the model ``uint8`` tensors ``(B, C, H, W)`` from its DataLoaders and
+turns them into normalised float batches in :meth:`ImageDataModule.on_after_batch_transfer`:
+batch-level augmentation (random crop with padding + horizontal flip, drawn from the torch RNG of
+the main process) during training, plain normalisation otherwise. Keeping augmentation out of the
+workers makes it cheap on CPU and makes a run reproducible from the global seed alone.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset, RandomSampler
+
+__all__ = [
+    "AUGMENTATIONS",
+    "DATA_ROOT_ENV",
+    "EpochSeededRandomSampler",
+    "ImageDataModule",
+    "TensorImageDataset",
+    "resolve_data_path",
+    "random_crop_flip",
+    "resize_images",
+]
+
+#: Environment variable holding the folder that contains the dataset folders (``cifar10-jpeg/`` ...).
+DATA_ROOT_ENV = "VISPE_DATA_ROOT"
+
+#: Batch-level training augmentations: 'crop_flip' (pad by size/8, random crop, random h-flip),
+#: 'flip' (random h-flip only), 'none'.
+AUGMENTATIONS = ("crop_flip", "flip", "none")
+
+
+def resolve_data_path(explicit: str | os.PathLike | None, default_subdir: str, what: str) -> Path:
+    """Return the dataset location: ``explicit`` if given, else ``$VISPE_DATA_ROOT/<default_subdir>``.
+
+    Raises ``FileNotFoundError`` naming the path that is missing (and how to set it) so a run fails
+    at configuration time, before any training.
+    """
+    if explicit is not None and str(explicit) != "":
+        path = Path(explicit).expanduser()
+        origin = "the data_dir argument"
+    elif os.environ.get(DATA_ROOT_ENV):
+        path = Path(os.environ[DATA_ROOT_ENV]).expanduser() / default_subdir
+        origin = f"${DATA_ROOT_ENV}/{default_subdir}"
+    else:
+        raise FileNotFoundError(
+            f"no location for {what}: pass data_dir (e.g. --data.data_dir /path/to/{default_subdir}) "
+            f"or set {DATA_ROOT_ENV} to the folder that contains {default_subdir}/"
+        )
+    if not path.exists():
+        raise FileNotFoundError(f"{what} not found at {str(path)!r} (from {origin}); check the path or set {DATA_ROOT_ENV}")
+    return path
+
+
+class TensorImageDataset(Dataset):
+    """In-memory ``uint8`` images ``(N, C, H, W)`` with integer labels."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor) -> None:
+        if images.dtype != torch.uint8 or images.ndim != 4:
+            raise ValueError(f"images must be uint8 (N, C, H, W), got {images.dtype} {tuple(images.shape)}")
+        if len(images) != len(labels):
+            raise ValueError(f"{len(images)} images but {len(labels)} labels")
+        self.images = images
+        self.labels = labels.long()
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.images[index], self.labels[index]
+
+
+class EpochSeededRandomSampler(RandomSampler):
+    """A ``RandomSampler`` whose order depends only on ``(seed, epoch)``.
+
+    Lightning calls ``set_epoch`` at every epoch start, so a run resumed from a checkpoint sees the
+    same order as an uninterrupted one. Under DDP Lightning swaps it for a ``DistributedSampler``
+    (it is a ``RandomSampler``), which is seeded per epoch as well.
+    """
+
+    def __init__(self, data_source: Sequence[Any], seed: int = 0) -> None:
+        super().__init__(data_source, generator=torch.Generator())
+        self.seed = int(seed)
+        self.set_epoch(0)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.generator.manual_seed(self.seed * 1_000_003 + int(epoch))
+
+
+def random_crop_flip(x: torch.Tensor, pad: int, flip: bool = True, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Per-sample random crop (after zero padding by ``pad``) and random horizontal flip of a batch."""
+    b, _, h, w = x.shape
+    if pad > 0:
+        xp = F.pad(x, (pad, pad, pad, pad))
+        oy = torch.randint(0, 2 * pad + 1, (b,), generator=generator)
+        ox = torch.randint(0, 2 * pad + 1, (b,), generator=generator)
+        rows = (oy[:, None] + torch.arange(h)).to(x.device)  # (B, H)
+        cols = (ox[:, None] + torch.arange(w)).to(x.device)  # (B, W)
+        bi = torch.arange(b, device=x.device)[:, None, None]
+        # advanced indexing: (B, H, W, C) -> back to (B, C, H, W)
+        x = xp.permute(0, 2, 3, 1)[bi, rows[:, :, None], cols[:, None, :]].permute(0, 3, 1, 2)
+    if flip:
+        mask = (torch.rand(b, generator=generator) < 0.5).to(x.device)[:, None, None, None]
+        x = torch.where(mask, x.flip(-1), x)
+    return x.contiguous()
+
+
+def resize_images(x: torch.Tensor, size: int | tuple[int, int]) -> torch.Tensor:
+    """Resize a float batch to ``size`` (whole image, no crop): bicubic with antialiasing.
+
+    This is the fixed resize policy of the resolution sweep (crop ratio 1.0, as rope-vit evaluates).
+    """
+    size = (size, size) if isinstance(size, int) else tuple(size)
+    if tuple(x.shape[-2:]) == size:
+        return x
+    return F.interpolate(x, size=size, mode="bicubic", align_corners=False, antialias=True)
+
+
+class ImageDataModule(pl.LightningDataModule):
+    """Base class: loaders over ``uint8`` datasets plus batch-level augmentation and normalisation.
+
+    Subclasses set ``self.num_classes``, ``self.in_chans``, ``self.image_size``, ``self.mean``,
+    ``self.std`` in ``__init__`` (so LightningCLI can link them into the model) and implement
+    :meth:`build_datasets` returning ``(train, val, test)`` datasets of ``(uint8 CHW, label)``.
+
+    Args:
+        batch_size: per-process batch size.
+        eval_batch_size: batch size for validation/test (default: ``batch_size``).
+        num_workers: DataLoader workers.
+        augment: one of :data:`AUGMENTATIONS` (training only).
+        train_subset: keep only this many training samples (a fixed, seeded, class-balanced choice).
+        eval_subset: keep only this many validation/test samples (same rule).
+        seed: seed of the subset choice and of the per-epoch shuffling.
+    """
+
+    def __init__(
+        self,
+        batch_size: int = 128,
+        eval_batch_size: int | None = None,
+        num_workers: int = 0,
+        augment: str = "crop_flip",
+        train_subset: int | None = None,
+        eval_subset: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if augment not in AUGMENTATIONS:
+            raise ValueError(f"augment={augment!r} is not valid; choose one of {list(AUGMENTATIONS)}")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.batch_size = int(batch_size)
+        self.eval_batch_size = int(eval_batch_size or batch_size)
+        self.num_workers = int(num_workers)
+        self.augment = augment
+        self.train_subset = train_subset
+        self.eval_subset = eval_subset
+        self.seed = int(seed)
+        self.train_set: Dataset | None = None
+        self.val_set: Dataset | None = None
+        self.test_set: Dataset | None = None
+        # subclasses fill these in __init__
+        self.num_classes: int = 0
+        self.in_chans: int = 3
+        self.image_size: int = 32
+        self.mean: tuple[float, ...] = (0.5,)
+        self.std: tuple[float, ...] = (0.5,)
+
+    # -- to implement -----------------------------------------------------------------------
+    def build_datasets(self) -> tuple[Dataset, Dataset, Dataset]:
+        raise NotImplementedError
+
+    # -- Lightning hooks --------------------------------------------------------------------
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is None:
+            train, val, test = self.build_datasets()
+            self.train_set = self._subset(train, self.train_subset, salt=1)
+            self.val_set = self._subset(val, self.eval_subset, salt=2)
+            self.test_set = self._subset(test, self.eval_subset, salt=2)
+
+    def _subset(self, ds: Dataset, n: int | None, salt: int) -> Dataset:
+        if n is None or n >= len(ds):
+            return ds
+        if n < 1:
+            raise ValueError(f"subset size must be >= 1, got {n}")
+        labels = _labels_of(ds)
+        g = torch.Generator().manual_seed(self.seed * 7919 + salt)
+        perm = torch.randperm(len(ds), generator=g)
+        if labels is None:
+            keep = perm[:n]
+        else:  # class-balanced: round-robin over classes in a seeded order
+            labels = labels[perm]
+            per_class = [perm[labels == c] for c in labels.unique().tolist()]
+            order = torch.stack([
+                torch.cat([pc, pc.new_full((max(map(len, per_class)) - len(pc),), -1)]) for pc in per_class
+            ], dim=1).flatten()
+            keep = order[order >= 0][:n]
+        keep = keep.sort().values
+        if isinstance(ds, TensorImageDataset):
+            return TensorImageDataset(ds.images[keep], ds.labels[keep])
+        return torch.utils.data.Subset(ds, keep.tolist())
+
+    def train_dataloader(self) -> DataLoader:
+        assert self.train_set is not None, "call setup() first"
+        return DataLoader(
+            self.train_set,
+            batch_size=self.batch_size,
+            sampler=EpochSeededRandomSampler(self.train_set, seed=self.seed),
+            num_workers=self.num_workers,
+            drop_last=len(self.train_set) > self.batch_size,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def _eval_loader(self, ds: Dataset | None) -> DataLoader:
+        assert ds is not None, "call setup() first"
+        return DataLoader(ds, batch_size=self.eval_batch_size, shuffle=False, num_workers=self.num_workers)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._eval_loader(self.val_set)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._eval_loader(self.test_set)
+
+    def predict_dataloader(self) -> DataLoader:
+        return self._eval_loader(self.test_set)
+
+    # -- batch transforms -------------------------------------------------------------------
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """``uint8`` (or float in [0, 255]) batch -> float, resized to ``image_size``, normalised."""
+        x = x.float().div_(255.0)
+        if tuple(x.shape[-2:]) != (self.image_size, self.image_size):
+            x = resize_images(x, self.image_size)
+        mean = torch.tensor(self.mean, device=x.device, dtype=x.dtype).view(1, -1, 1, 1)
+        std = torch.tensor(self.std, device=x.device, dtype=x.dtype).view(1, -1, 1, 1)
+        return (x - mean) / std
+
+    def augment_batch(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        if self.augment == "crop_flip":
+            return random_crop_flip(x, pad=max(1, x.shape[-1] // 8), flip=True, generator=generator)
+        if self.augment == "flip":
+            return random_crop_flip(x, pad=0, flip=True, generator=generator)
+        return x
+
+    def transform_batch(self, x: torch.Tensor, training: bool, generator: torch.Generator | None = None) -> torch.Tensor:
+        x = self.normalize(x)
+        return self.augment_batch(x, generator) if training else x
+
+    def _batch_generator(self) -> torch.Generator:
+        """Augmentation RNG seeded by (seed, epoch, batch in epoch, rank): independent of the global RNG,
+        so a resumed run draws exactly what an uninterrupted one would."""
+        trainer = self.trainer
+        progress = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        key = ((self.seed * 1_000_003 + trainer.current_epoch) * 1_000_003 + progress) * 1_009 + trainer.global_rank
+        return torch.Generator().manual_seed(key % (2**63 - 1))
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        x, y = batch
+        training = self.trainer is not None and self.trainer.training
+        return self.transform_batch(x, training, self._batch_generator() if training else None), y
+
+
+def _labels_of(ds: Dataset) -> torch.Tensor | None:
+    if isinstance(ds, TensorImageDataset):
+        return ds.labels
+    targets = getattr(ds, "targets", None)
+    if targets is not None:
+        return torch.as_tensor(targets)
+    return None
+
+
+def channel_fix(x: torch.Tensor, in_chans: int) -> torch.Tensor:
+    """Make a ``(C, H, W)`` image have ``in_chans`` channels (grey -> RGB by repetition, RGBA -> RGB)."""
+    c = x.shape[0]
+    if c == in_chans:
+        return x
+    if c == 1:
+        return x.expand(in_chans, -1, -1).contiguous()
+    if in_chans == 1:
+        return x[:3].float().mean(0, keepdim=True).round().to(x.dtype)
+    return x[:in_chans]
+
+
+def make_pil_to_uint8(image_size: int, in_chans: int) -> Callable[[Any], torch.Tensor]:
+    """Per-sample transform for file datasets: resize (shorter side) + centre crop to ``image_size``, uint8 CHW."""
+    from torchvision.transforms import v2
+
+    tf = v2.Compose([
+        v2.ToImage(),
+        v2.Resize(image_size, interpolation=v2.InterpolationMode.BICUBIC, antialias=True),
+        v2.CenterCrop(image_size),
+    ])
+
+    def apply(img: Any) -> torch.Tensor:
+        return channel_fix(tf(img).as_subclass(torch.Tensor), in_chans)
+
+    return apply

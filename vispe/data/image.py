@@ -1,0 +1,431 @@
+"""Image classification DataModules: CIFAR-10 (JPEG zips), torchvision datasets, ImageFolder,
+Fashion-MNIST (IDX), scikit-learn digits (csv.gz) and a synthetic set that needs no files.
+
+Locations come from arguments or ``$VISPE_DATA_ROOT``; missing files raise at construction time
+(LightningCLI builds the DataModule before the Trainer runs anything).
+"""
+from __future__ import annotations
+
+import gzip
+import io
+import struct
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+
+from .base import ImageDataModule, TensorImageDataset, channel_fix, make_pil_to_uint8, resolve_data_path
+
+__all__ = [
+    "CIFAR10_CLASSES",
+    "CIFAR10JpegDataModule",
+    "DigitsDataModule",
+    "FashionMNISTDataModule",
+    "ImageFolderDataModule",
+    "SyntheticDataModule",
+    "TorchvisionDataModule",
+    "load_cifar10_zip",
+]
+
+CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
+CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+# ------------------------------------------------------------------------------------------
+# CIFAR-10 from the JPEG zips
+# ------------------------------------------------------------------------------------------
+def load_cifar10_zip(zip_path: str | Path, limit_per_class: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode ``<split>/<class>/NNNN.jpg`` members straight from the zip -> uint8 (N, 3, 32, 32), labels."""
+    from PIL import Image
+
+    with zipfile.ZipFile(zip_path) as z:
+        names = sorted(n for n in z.namelist() if n.lower().endswith(".jpg"))
+        if limit_per_class is not None:
+            count: dict[str, int] = {}
+            kept = []
+            for n in names:
+                c = n.split("/")[-2]
+                if count.get(c, 0) < limit_per_class:
+                    kept.append(n)
+                    count[c] = count.get(c, 0) + 1
+            names = kept
+        if not names:
+            raise ValueError(f"{zip_path} holds no .jpg members")
+        images = np.empty((len(names), 32, 32, 3), dtype=np.uint8)
+        labels = np.empty(len(names), dtype=np.int64)
+        for i, n in enumerate(names):
+            cls = n.split("/")[-2]
+            if cls not in CIFAR10_CLASSES:
+                raise ValueError(f"member {n!r} of {zip_path} is not in a CIFAR-10 class folder {CIFAR10_CLASSES}")
+            labels[i] = CIFAR10_CLASSES.index(cls)
+            img = Image.open(io.BytesIO(z.read(n))).convert("RGB")
+            images[i] = np.asarray(img)
+    return torch.from_numpy(images).permute(0, 3, 1, 2).contiguous(), torch.from_numpy(labels)
+
+
+class CIFAR10JpegDataModule(ImageDataModule):
+    """CIFAR-10 read from ``cifar10_train_jpeg.zip`` / ``cifar10_test_jpeg.zip`` (members decoded in memory).
+
+    Validation and test both use the official test split (``eval_subset`` keeps a fixed,
+    class-balanced part of it). Images are 32 px; ``image_size`` resizes them (bicubic).
+
+    Args:
+        data_dir: folder with the two zips (default ``$VISPE_DATA_ROOT/cifar10-jpeg``).
+        cache_dir: if set, decoded arrays are cached there as ``.npz`` (decoding 60k JPEGs takes ~10 s).
+    """
+
+    def __init__(
+        self,
+        data_dir: str | None = None,
+        image_size: int = 32,
+        cache_dir: str | None = None,
+        batch_size: int = 128,
+        eval_batch_size: int | None = None,
+        num_workers: int = 0,
+        augment: str = "crop_flip",
+        train_subset: int | None = None,
+        eval_subset: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(batch_size, eval_batch_size, num_workers, augment, train_subset, eval_subset, seed)
+        self.save_hyperparameters()
+        self.data_dir = resolve_data_path(data_dir, "cifar10-jpeg", "CIFAR-10 JPEG data")
+        for split in ("train", "test"):
+            zp = self.data_dir / f"cifar10_{split}_jpeg.zip"
+            if not zp.is_file():
+                raise FileNotFoundError(f"CIFAR-10 {split} archive not found at {str(zp)!r}")
+        self.cache_dir = Path(cache_dir) if cache_dir else None
+        self.num_classes, self.in_chans, self.image_size = 10, 3, int(image_size)
+        self.mean, self.std = CIFAR_MEAN, CIFAR_STD
+
+    def _load(self, split: str) -> TensorImageDataset:
+        cache = self.cache_dir / f"cifar10_{split}_uint8.npz" if self.cache_dir else None
+        if cache is not None and cache.is_file():
+            with np.load(cache) as f:
+                return TensorImageDataset(torch.from_numpy(f["x"]), torch.from_numpy(f["y"]))
+        x, y = load_cifar10_zip(self.data_dir / f"cifar10_{split}_jpeg.zip")
+        if cache is not None:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache.with_suffix(".tmp.npz")
+            np.savez(tmp, x=x.numpy(), y=y.numpy())
+            tmp.replace(cache)
+        return TensorImageDataset(x, y)
+
+    def build_datasets(self) -> tuple[Dataset, Dataset, Dataset]:
+        train = self._load("train")
+        test = self._load("test")
+        return train, test, test
+
+
+# ------------------------------------------------------------------------------------------
+# torchvision datasets by name / ImageFolder
+# ------------------------------------------------------------------------------------------
+class _Uint8Wrap(Dataset):
+    """Apply a PIL -> uint8 CHW transform on top of a torchvision dataset returning ``(img, label)``."""
+
+    def __init__(self, ds: Any, image_size: int, in_chans: int) -> None:
+        self.ds = ds
+        self.tf = make_pil_to_uint8(image_size, in_chans)
+        self.targets = getattr(ds, "targets", None)
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        img, label = self.ds[i]
+        return self.tf(img), int(label)
+
+
+class TorchvisionDataModule(ImageDataModule):
+    """Any ``torchvision.datasets`` class by name (``'CIFAR10'``, ``'CIFAR100'``, ``'SVHN'``, ``'STL10'`` ...).
+
+    Datasets with a ``train=`` flag use ``train=True/False``; those with ``split=`` use
+    ``train_split``/``test_split``. Validation uses the test split. ``download=True`` fetches the
+    files (needs internet); without it a missing dataset raises before training.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        root: str | None = None,
+        download: bool = False,
+        num_classes: int = 10,
+        in_chans: int = 3,
+        image_size: int = 32,
+        train_split: str = "train",
+        test_split: str = "test",
+        mean: tuple[float, ...] = IMAGENET_MEAN,
+        std: tuple[float, ...] = IMAGENET_STD,
+        batch_size: int = 128,
+        eval_batch_size: int | None = None,
+        num_workers: int = 0,
+        augment: str = "crop_flip",
+        train_subset: int | None = None,
+        eval_subset: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(batch_size, eval_batch_size, num_workers, augment, train_subset, eval_subset, seed)
+        self.save_hyperparameters()
+        import torchvision.datasets as tvd
+
+        cls = getattr(tvd, name, None)
+        if not (isinstance(cls, type) and issubclass(cls, Dataset)):
+            valid = sorted(n for n in dir(tvd) if isinstance(getattr(tvd, n), type) and issubclass(getattr(tvd, n), Dataset) and n[0].isupper())
+            raise ValueError(f"unknown torchvision dataset {name!r}; choose one of {valid}")
+        self.dataset_cls = cls
+        self.name = name
+        if download:
+            self.root = Path(root if root else ".")
+        else:
+            self.root = resolve_data_path(root, name.lower(), f"torchvision dataset {name}")
+        self.download = download
+        self.train_split, self.test_split = train_split, test_split
+        self.num_classes, self.in_chans, self.image_size = int(num_classes), int(in_chans), int(image_size)
+        self.mean, self.std = tuple(mean), tuple(std)
+
+    def _make(self, train: bool) -> Dataset:
+        import inspect
+
+        params = inspect.signature(self.dataset_cls.__init__).parameters
+        kwargs: dict[str, Any] = {}
+        if "train" in params:
+            kwargs["train"] = train
+        elif "split" in params:
+            kwargs["split"] = self.train_split if train else self.test_split
+        if "download" in params:
+            kwargs["download"] = self.download
+        try:
+            ds = self.dataset_cls(str(self.root), **kwargs)
+        except RuntimeError as err:  # torchvision's "Dataset not found or corrupted"
+            raise FileNotFoundError(f"torchvision {self.name} not found under {str(self.root)!r}: {err}") from err
+        return _Uint8Wrap(ds, self.image_size, self.in_chans)
+
+    def prepare_data(self) -> None:
+        if self.download:
+            self._make(True)
+            self._make(False)
+
+    def build_datasets(self) -> tuple[Dataset, Dataset, Dataset]:
+        test = self._make(False)
+        return self._make(True), test, test
+
+
+class ImageFolderDataModule(ImageDataModule):
+    """``torchvision.datasets.ImageFolder`` trees (``<root>/<class>/<image>``) for train / val / (test).
+
+    Images are resized (shorter side, bicubic) and centre-cropped to ``image_size`` per sample;
+    the random crop/flip augmentation then runs on the batch. ``test_dir`` defaults to ``val_dir``.
+    """
+
+    def __init__(
+        self,
+        train_dir: str,
+        val_dir: str,
+        test_dir: str | None = None,
+        image_size: int = 224,
+        in_chans: int = 3,
+        mean: tuple[float, ...] = IMAGENET_MEAN,
+        std: tuple[float, ...] = IMAGENET_STD,
+        batch_size: int = 64,
+        eval_batch_size: int | None = None,
+        num_workers: int = 0,
+        augment: str = "crop_flip",
+        train_subset: int | None = None,
+        eval_subset: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(batch_size, eval_batch_size, num_workers, augment, train_subset, eval_subset, seed)
+        self.save_hyperparameters()
+        self.train_dir = resolve_data_path(train_dir, "", "ImageFolder train_dir")
+        self.val_dir = resolve_data_path(val_dir, "", "ImageFolder val_dir")
+        self.test_dir = resolve_data_path(test_dir, "", "ImageFolder test_dir") if test_dir else self.val_dir
+        classes = sorted(p.name for p in self.train_dir.iterdir() if p.is_dir())
+        if not classes:
+            raise ValueError(f"ImageFolder train_dir {str(self.train_dir)!r} has no class sub-folders")
+        self.classes = classes
+        self.num_classes, self.in_chans, self.image_size = len(classes), int(in_chans), int(image_size)
+        self.mean, self.std = tuple(mean), tuple(std)
+
+    def build_datasets(self) -> tuple[Dataset, Dataset, Dataset]:
+        from torchvision.datasets import ImageFolder
+
+        def make(root: Path) -> Dataset:
+            ds = ImageFolder(str(root))
+            if ds.classes != self.classes:
+                raise ValueError(f"class folders of {str(root)!r} {ds.classes} differ from train_dir's {self.classes}")
+            return _Uint8Wrap(ds, self.image_size, self.in_chans)
+
+        return make(self.train_dir), make(self.val_dir), make(self.test_dir)
+
+
+# ------------------------------------------------------------------------------------------
+# Fashion-MNIST (IDX) and scikit-learn digits (csv.gz)
+# ------------------------------------------------------------------------------------------
+def read_idx(path: str | Path) -> np.ndarray:
+    """Read an IDX file (``.gz`` or raw): unsigned-byte images (magic 2051) or labels (2049)."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rb") as f:
+        magic = struct.unpack(">I", f.read(4))[0]
+        if magic == 2051:
+            n, rows, cols = struct.unpack(">III", f.read(12))
+            return np.frombuffer(f.read(), dtype=np.uint8).reshape(n, rows, cols)
+        if magic == 2049:
+            (n,) = struct.unpack(">I", f.read(4))
+            return np.frombuffer(f.read(), dtype=np.uint8).reshape(n)
+    raise ValueError(f"{path}: IDX magic {magic} is neither 2051 (images) nor 2049 (labels)")
+
+
+class FashionMNISTDataModule(ImageDataModule):
+    """Fashion-MNIST from the four official IDX files (``.gz`` or decompressed), 28 px grey.
+
+    ``in_chans=3`` repeats the grey channel; validation and test use the official test split.
+    """
+
+    def __init__(
+        self,
+        data_dir: str | None = None,
+        image_size: int = 28,
+        in_chans: int = 1,
+        batch_size: int = 128,
+        eval_batch_size: int | None = None,
+        num_workers: int = 0,
+        augment: str = "crop_flip",
+        train_subset: int | None = None,
+        eval_subset: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(batch_size, eval_batch_size, num_workers, augment, train_subset, eval_subset, seed)
+        self.save_hyperparameters()
+        self.data_dir = resolve_data_path(data_dir, "fashion-mnist", "Fashion-MNIST IDX files")
+        self.files = {k: self._find(k) for k in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
+        self.num_classes, self.in_chans, self.image_size = 10, int(in_chans), int(image_size)
+        self.mean, self.std = (0.2860,), (0.3530,)
+
+    def _find(self, stem: str) -> Path:
+        for name in (stem + ".gz", stem):
+            if (self.data_dir / name).is_file():
+                return self.data_dir / name
+        raise FileNotFoundError(f"Fashion-MNIST file {stem}(.gz) not found in {str(self.data_dir)!r}")
+
+    def _split(self, prefix: str) -> TensorImageDataset:
+        x = torch.from_numpy(read_idx(self.files[f"{prefix}-images-idx3-ubyte"]).copy())[:, None]
+        y = torch.from_numpy(read_idx(self.files[f"{prefix}-labels-idx1-ubyte"]).astype(np.int64))
+        if self.in_chans != 1:
+            x = x.expand(-1, self.in_chans, -1, -1).contiguous()
+        return TensorImageDataset(x, y)
+
+    def build_datasets(self) -> tuple[Dataset, Dataset, Dataset]:
+        test = self._split("t10k")
+        return self._split("train"), test, test
+
+
+class DigitsDataModule(ImageDataModule):
+    """scikit-learn's 8x8 digits (``digits.csv.gz``: 64 pixel columns 0..16 + label), a seeded split.
+
+    Pixel counts 0..16 are scaled to 0..255. ``val_fraction`` of the 1,797 samples (class-balanced,
+    seeded) form the validation/test split. ``image_size`` upsamples (e.g. 16 for patch 4).
+    """
+
+    def __init__(
+        self,
+        data_path: str | None = None,
+        image_size: int = 8,
+        in_chans: int = 1,
+        val_fraction: float = 0.2,
+        batch_size: int = 64,
+        eval_batch_size: int | None = None,
+        num_workers: int = 0,
+        augment: str = "none",
+        train_subset: int | None = None,
+        eval_subset: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(batch_size, eval_batch_size, num_workers, augment, train_subset, eval_subset, seed)
+        self.save_hyperparameters()
+        path = resolve_data_path(data_path, "sklearn-digits/digits.csv.gz", "scikit-learn digits csv.gz")
+        if path.is_dir():
+            path = path / "digits.csv.gz"
+            if not path.is_file():
+                raise FileNotFoundError(f"digits.csv.gz not found in {str(path.parent)!r}")
+        if not 0.0 < val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+        self.data_path = path
+        self.val_fraction = float(val_fraction)
+        self.num_classes, self.in_chans, self.image_size = 10, int(in_chans), int(image_size)
+        self.mean, self.std = (0.5,), (0.5,)
+
+    def build_datasets(self) -> tuple[Dataset, Dataset, Dataset]:
+        a = np.loadtxt(self.data_path, delimiter=",")
+        if a.ndim != 2 or a.shape[1] != 65:
+            raise ValueError(f"{self.data_path}: expected 65 columns (64 pixels + label), got shape {a.shape}")
+        x = torch.from_numpy(np.round(a[:, :64] * (255.0 / 16.0)).astype(np.uint8)).view(-1, 1, 8, 8)
+        y = torch.from_numpy(a[:, 64].astype(np.int64))
+        if self.in_chans != 1:
+            x = x.expand(-1, self.in_chans, -1, -1).contiguous()
+        g = torch.Generator().manual_seed(self.seed)
+        val_idx = []
+        for c in range(10):  # class-balanced hold-out
+            idx = (y == c).nonzero().flatten()
+            idx = idx[torch.randperm(len(idx), generator=g)]
+            val_idx.append(idx[: int(round(len(idx) * self.val_fraction))])
+        val_mask = torch.zeros(len(y), dtype=torch.bool)
+        val_mask[torch.cat(val_idx)] = True
+        val = TensorImageDataset(x[val_mask], y[val_mask])
+        return TensorImageDataset(x[~val_mask], y[~val_mask]), val, val
+
+
+# ------------------------------------------------------------------------------------------
+# Synthetic: learnable without any file
+# ------------------------------------------------------------------------------------------
+class SyntheticDataModule(ImageDataModule):
+    """Generated images, no files: each class is a fixed random low-frequency colour pattern
+    (a 4x4 template upsampled bilinearly), each sample adds Gaussian noise and a random brightness
+    shift. Deterministic given ``seed``; a small ViT separates the classes within a few steps.
+    """
+
+    def __init__(
+        self,
+        num_classes: int = 4,
+        image_size: int = 16,
+        in_chans: int = 3,
+        train_size: int = 256,
+        val_size: int = 128,
+        noise: float = 0.35,
+        batch_size: int = 32,
+        eval_batch_size: int | None = None,
+        num_workers: int = 0,
+        augment: str = "flip",
+        train_subset: int | None = None,
+        eval_subset: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(batch_size, eval_batch_size, num_workers, augment, train_subset, eval_subset, seed)
+        self.save_hyperparameters()
+        if num_classes < 2:
+            raise ValueError(f"num_classes must be >= 2, got {num_classes}")
+        if image_size < 4:
+            raise ValueError(f"image_size must be >= 4, got {image_size}")
+        self.num_classes, self.in_chans, self.image_size = int(num_classes), int(in_chans), int(image_size)
+        self.train_size, self.val_size, self.noise = int(train_size), int(val_size), float(noise)
+        self.mean, self.std = (0.5,), (0.25,)
+
+    def generate(self, n: int, stream: int) -> TensorImageDataset:
+        g_tpl = torch.Generator().manual_seed(self.seed)
+        templates = torch.rand(self.num_classes, self.in_chans, 4, 4, generator=g_tpl)
+        templates = F.interpolate(templates, size=(self.image_size,) * 2, mode="bilinear", align_corners=False)
+        g = torch.Generator().manual_seed(self.seed * 1009 + stream)
+        y = torch.arange(n) % self.num_classes
+        y = y[torch.randperm(n, generator=g)]
+        x = templates[y]
+        x = x + self.noise * torch.randn(x.shape, generator=g) + 0.1 * torch.randn(n, 1, 1, 1, generator=g)
+        x = (x.clamp(0, 1) * 255).round().to(torch.uint8)
+        return TensorImageDataset(x, y)
+
+    def build_datasets(self) -> tuple[Dataset, Dataset, Dataset]:
+        val = self.generate(self.val_size, stream=2)
+        return self.generate(self.train_size, stream=1), val, val

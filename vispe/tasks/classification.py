@@ -1,0 +1,248 @@
+"""Image classification over any timm / vispe model (the model owns its positional encoding)."""
+from __future__ import annotations
+
+import difflib
+import math
+import os
+import random
+from typing import Any, Mapping
+
+import lightning.pytorch as pl
+import numpy as np
+import timm
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torchmetrics import Accuracy, MetricCollection
+
+__all__ = ["ImageClassification", "build_model", "param_groups_no_decay", "warmup_cosine"]
+
+MIX_BACKENDS = ("timm", "torchvision")
+
+
+def build_model(
+    model: str,
+    model_kwargs: Mapping[str, Any] | None = None,
+    pos_encoding: str | Mapping[str, Any] | None = None,
+    **overrides: Any,
+) -> nn.Module:
+    """``timm.create_model(model, **model_kwargs, **overrides)`` with ``pos_encoding`` for ``vispe_*`` models.
+
+    Unknown model / encoding names raise ``ValueError`` naming the valid choices.
+    """
+    import vispe  # noqa: F401  (registers vispe_* models and the encodings)
+    from vispe.models.vispe_vit import parse_pos_encoding
+
+    if not isinstance(model, str) or not timm.is_model(model):
+        names = timm.list_models()
+        close = difflib.get_close_matches(str(model), names, n=5, cutoff=0.6)
+        raise ValueError(
+            f"unknown model {model!r}; vispe models are {timm.list_models('vispe_*')}"
+            + (f", close timm names: {close}" if close else "")
+        )
+    kwargs = dict(model_kwargs or {})
+    kwargs.update({k: v for k, v in overrides.items() if v is not None})
+    if pos_encoding is not None:
+        if "pos_encoding" in kwargs:
+            raise ValueError("give pos_encoding either as an argument or inside model_kwargs, not both")
+        kwargs["pos_encoding"] = pos_encoding
+    if "pos_encoding" in kwargs:
+        if not model.startswith("vispe_"):
+            raise ValueError(f"pos_encoding is an option of vispe_* models; {model!r} is a plain timm model")
+        name, _ = parse_pos_encoding(kwargs["pos_encoding"])
+        vispe.get_encoding_class(name)  # ValueError listing the registered encodings
+    return timm.create_model(model, **kwargs)
+
+
+def param_groups_no_decay(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Two AdamW groups: decay for weight matrices; none for biases, norms (any 1-D parameter) and
+    whatever the model lists in ``no_weight_decay()`` (position tables, cls token, RoPE freqs ...)."""
+    skip = set(module.no_weight_decay()) if hasattr(module, "no_weight_decay") else set()
+    decay, no_decay = [], []
+    for name, p in module.named_parameters():
+        if not p.requires_grad:
+            continue
+        if p.ndim <= 1 or name.endswith(".bias") or name in skip or any(name.startswith(s + ".") for s in skip):
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def warmup_cosine(step: int, total: int, warmup: int, min_ratio: float) -> float:
+    """LR multiplier: linear warm-up from ~0 over ``warmup`` steps, then cosine to ``min_ratio``."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class ImageClassification(pl.LightningModule):
+    """Supervised image classification.
+
+    Args:
+        model: a timm model name, e.g. ``'vispe_vit_tiny_patch4_32'``.
+        model_kwargs: extra ``timm.create_model`` arguments (``depth``, ``embed_dim``, ...).
+        pos_encoding: encoding name or ``{'name': ..., **options}`` (vispe models only).
+        num_classes, in_chans, img_size: usually linked from the DataModule by the CLI.
+        lr, weight_decay, betas: AdamW (no decay on biases, norms and ``no_weight_decay()``).
+        warmup_epochs: linear warm-up length (fraction of an epoch allowed); then cosine to ``min_lr``.
+        label_smoothing: cross-entropy smoothing (hard labels only; mixed labels are already soft).
+        mixup_alpha, cutmix_alpha, mix_prob: batch mixing (0 disables); ``mix_backend`` 'timm' or 'torchvision'.
+        deterministic_resume: reseed python/numpy/torch RNGs from ``(global seed, epoch, batch, rank)``
+            before every training batch, so a run resumed from a checkpoint draws exactly the mixing
+            and dropout randomness of an uninterrupted one (the RNG state is not in checkpoints).
+    """
+
+    def __init__(
+        self,
+        model: str = "vispe_vit_tiny_patch4_32",
+        model_kwargs: dict[str, Any] | None = None,
+        pos_encoding: str | dict[str, Any] | None = None,
+        num_classes: int = 10,
+        in_chans: int = 3,
+        img_size: int | None = None,
+        lr: float = 1e-3,
+        weight_decay: float = 0.05,
+        betas: tuple[float, float] = (0.9, 0.999),
+        warmup_epochs: float = 1.0,
+        min_lr: float = 1e-5,
+        label_smoothing: float = 0.1,
+        mixup_alpha: float = 0.0,
+        cutmix_alpha: float = 0.0,
+        mix_prob: float = 1.0,
+        mix_backend: str = "timm",
+        deterministic_resume: bool = True,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        if mix_backend not in MIX_BACKENDS:
+            raise ValueError(f"mix_backend={mix_backend!r} is not valid; choose one of {list(MIX_BACKENDS)}")
+        if not 0.0 <= label_smoothing < 1.0:
+            raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+        if lr <= 0:
+            raise ValueError(f"lr must be > 0, got {lr}")
+        overrides: dict[str, Any] = dict(num_classes=num_classes, in_chans=in_chans)
+        if img_size is not None:
+            overrides["img_size"] = img_size
+        self.model = build_model(model, model_kwargs, pos_encoding, **overrides)
+        self.num_classes = int(num_classes)
+        self.mixer = self._build_mixer()
+        top5 = min(5, self.num_classes)
+        metrics = MetricCollection({
+            "acc": Accuracy(task="multiclass", num_classes=self.num_classes, top_k=1),
+            "acc_top5": Accuracy(task="multiclass", num_classes=self.num_classes, top_k=top5),
+        })
+        self.train_metrics = MetricCollection({"acc": Accuracy(task="multiclass", num_classes=self.num_classes)}, prefix="train/")
+        self.val_metrics = metrics.clone(prefix="val/")
+        self.test_metrics = metrics.clone(prefix="test/")
+
+    # -- mixing ------------------------------------------------------------------------------
+    def _build_mixer(self):
+        hp = self.hparams
+        if hp.mixup_alpha <= 0 and hp.cutmix_alpha <= 0:
+            return None
+        if hp.mix_backend == "timm":
+            from timm.data import Mixup
+
+            return Mixup(
+                mixup_alpha=hp.mixup_alpha, cutmix_alpha=hp.cutmix_alpha, prob=hp.mix_prob,
+                label_smoothing=hp.label_smoothing, num_classes=self.num_classes,
+            )
+        from torchvision.transforms import v2
+
+        choices = []
+        if hp.mixup_alpha > 0:
+            choices.append(v2.MixUp(alpha=hp.mixup_alpha, num_classes=self.num_classes))
+        if hp.cutmix_alpha > 0:
+            choices.append(v2.CutMix(alpha=hp.cutmix_alpha, num_classes=self.num_classes))
+        mix = v2.RandomChoice(choices) if len(choices) > 1 else choices[0]
+        return v2.RandomApply([mix], p=hp.mix_prob) if hp.mix_prob < 1 else mix
+
+    def _mix(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.hparams.mix_backend == "timm":
+            if x.shape[0] % 2:  # timm's Mixup pairs samples: needs an even batch
+                x, y = x[:-1], y[:-1]
+            return self.mixer(x, y)
+        x, soft = self.mixer(x, y)
+        if soft.ndim == 1:  # RandomApply skipped the mix: one-hot
+            soft = F.one_hot(soft, self.num_classes).to(x.dtype)
+        eps = self.hparams.label_smoothing
+        return x, soft * (1 - eps) + eps / self.num_classes
+
+    # -- steps ------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.hparams.deterministic_resume:
+            base = int(os.environ.get("PL_GLOBAL_SEED", "0"))
+            s = (((base * 100_003 + self.current_epoch) * 100_003 + batch_idx) * 1_009 + self.global_rank) % (2**31 - 1)
+            random.seed(s)
+            np.random.seed(s)
+            torch.manual_seed(s)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        if self.mixer is not None:
+            x, soft = self._mix(x, y)
+            logits = self(x)
+            loss = torch.sum(-soft * F.log_softmax(logits, dim=-1), dim=-1).mean()
+            y = soft.argmax(-1)
+        else:
+            logits = self(x)
+            loss = F.cross_entropy(logits, y, label_smoothing=self.hparams.label_smoothing)
+        self.train_metrics.update(logits.detach(), y)
+        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=x.shape[0], sync_dist=True)
+        self.log_dict(self.train_metrics, on_step=False, on_epoch=True, batch_size=x.shape[0])
+        return loss
+
+    def _eval_step(self, batch: tuple[torch.Tensor, torch.Tensor], metrics: MetricCollection, stage: str) -> None:
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits, y)
+        metrics.update(logits, y)
+        self.log(f"{stage}/loss", loss, prog_bar=stage == "val", batch_size=x.shape[0], sync_dist=True)
+        self.log_dict(metrics, prog_bar=stage == "val", batch_size=x.shape[0])
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        self._eval_step(batch, self.val_metrics, "val")
+
+    def test_step(self, batch, batch_idx: int) -> None:
+        self._eval_step(batch, self.test_metrics, "test")
+
+    def predict_step(self, batch, batch_idx: int) -> torch.Tensor:
+        x = batch[0] if isinstance(batch, (tuple, list)) else batch
+        return self(x).softmax(-1)
+
+    def on_fit_start(self) -> None:
+        # world size in the metrics makes multi-process runs checkable from metrics.csv
+        if self.logger is not None:
+            self.logger.log_hyperparams({"world_size": self.trainer.world_size})
+
+    # -- optimisation -----------------------------------------------------------------------
+    def configure_optimizers(self) -> Any:
+        hp = self.hparams
+        groups = param_groups_no_decay(self.model, hp.weight_decay)
+        opt = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas))
+        total = max(1, int(self.trainer.estimated_stepping_batches))  # also loads the train loader
+        batches = self.trainer.num_training_batches
+        steps_per_epoch = total if math.isinf(batches) else math.ceil(batches / self.trainer.accumulate_grad_batches)
+        warmup = int(round(hp.warmup_epochs * steps_per_epoch))
+        warmup = min(warmup, max(0, total - 1))
+        min_ratio = min(1.0, hp.min_lr / hp.lr)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: warmup_cosine(step, total, warmup, min_ratio))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    # -- checkpoint metadata for the resolution sweep ------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        if dm is not None:
+            cls = type(dm)
+            checkpoint["vispe_datamodule"] = {
+                "class_path": f"{cls.__module__}.{cls.__qualname__}",
+                "init_args": dict(getattr(dm, "hparams", {})),
+            }

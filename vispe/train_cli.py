@@ -1,0 +1,215 @@
+"""``vispe fit|validate|test|predict -c config.yaml``: LightningCLI with vispe's defaults.
+
+* Launchers: plain ``python`` (Lightning starts the processes itself), ``torchrun`` and
+  ``fabric run`` all work. ``fabric run`` only exports ``LT_*`` variables and starts the processes
+  with torchrun; the Trainer ignores ``LT_*``, and a Trainer left on ``devices='auto'`` then runs N
+  independent single-device copies of the job. The CLI maps ``LT_*`` (or torchrun's
+  ``LOCAL_WORLD_SIZE``/``WORLD_SIZE``) onto the trainer settings and refuses to start when the
+  Trainer's world size differs from the launcher's.
+* Data-derived model arguments: ``num_classes``, ``in_chans`` and ``img_size`` are taken from the
+  DataModule (``num_classes``, ``in_chans``, ``image_size`` attributes) for any model whose
+  ``__init__`` accepts them, so configs state them once.
+* Defaults added when the config has none: TQDM progress bar, CSV logger (plus TensorBoard when
+  installed), learning-rate monitor, and a ``ModelCheckpoint`` with ``last.ckpt`` in
+  ``<save_dir>/<name>/checkpoints`` (not versioned, so ``--ckpt_path last`` finds it on resume).
+* Checkpoints are written atomically (temp file in the same folder, fsync, ``os.replace``).
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Sequence
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ProgressBar, TQDMProgressBar
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.loggers import CSVLogger, Logger
+
+__all__ = ["AtomicCheckpointIO", "VispeCLI", "launcher_trainer_settings", "main"]
+
+_TRAINER_DEFAULTS = {"accelerator": "auto", "devices": "auto", "num_nodes": 1, "strategy": "auto", "precision": None}
+_DATA_TO_MODEL = {"num_classes": "num_classes", "in_chans": "in_chans", "image_size": "img_size"}
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """``torch.save`` into a temp file next to the target, fsync, then ``os.replace``.
+
+    Lightning's default goes through an fsspec transaction whose temp file lives in the system
+    temp dir; when that is another filesystem the final move is a copy, so a kill mid-save can
+    leave a truncated ``last.ckpt``. A same-folder ``os.replace`` cannot.
+    """
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} takes no storage_options, got {storage_options!r}")
+        if "://" in str(path):  # remote filesystems: Lightning's own path
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        try:  # make the rename itself durable
+            dfd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        except OSError:
+            pass
+
+
+def _int_or_str(value: str) -> int | str:
+    return int(value) if value.strip().isdigit() else value
+
+
+def launcher_trainer_settings(env: dict[str, str] | None = None) -> dict[str, tuple[Any, str]]:
+    """Trainer settings implied by the process launcher: ``{key: (value, source)}``.
+
+    ``fabric run`` exports ``LT_CLI_USED``, ``LT_DEVICES``, ``LT_NUM_NODES`` and, when given,
+    ``LT_ACCELERATOR``/``LT_STRATEGY``/``LT_PRECISION``; torchrun exports ``LOCAL_WORLD_SIZE`` and
+    ``WORLD_SIZE``. Both start every process themselves, so the Trainer must be told the layout.
+    """
+    env = dict(os.environ if env is None else env)
+    out: dict[str, tuple[Any, str]] = {}
+    if env.get("LT_CLI_USED") == "1":
+        for key, var in (("accelerator", "LT_ACCELERATOR"), ("strategy", "LT_STRATEGY"), ("precision", "LT_PRECISION")):
+            if env.get(var):
+                out[key] = (env[var], var)
+        if env.get("LT_DEVICES"):
+            out["devices"] = (_int_or_str(env["LT_DEVICES"]), "LT_DEVICES")
+        if env.get("LT_NUM_NODES"):
+            out["num_nodes"] = (int(env["LT_NUM_NODES"]), "LT_NUM_NODES")
+    elif env.get("TORCHELASTIC_RUN_ID") and env.get("LOCAL_WORLD_SIZE") and env.get("WORLD_SIZE"):
+        local, world = int(env["LOCAL_WORLD_SIZE"]), int(env["WORLD_SIZE"])
+        out["devices"] = (local, "LOCAL_WORLD_SIZE")
+        out["num_nodes"] = (max(1, world // local), "WORLD_SIZE/LOCAL_WORLD_SIZE")
+    world = int(env.get("WORLD_SIZE", "1") or 1)
+    if world > 1 and "strategy" not in out and out:
+        out["strategy"] = ("ddp", "launcher world size > 1")
+    return out
+
+
+def _import_class(class_path: str) -> type:
+    module, _, name = class_path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def _get(ns: Any, key: str, default: Any = None) -> Any:
+    try:
+        value = ns[key] if not hasattr(ns, "get") else ns.get(key, default)
+    except (KeyError, TypeError):
+        return default
+    return default if value is None else value
+
+
+class VispeCLI(LightningCLI):
+    """LightningCLI with launcher mapping, data -> model argument filling and vispe defaults."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("subclass_mode_model", True)
+        kwargs.setdefault("subclass_mode_data", True)
+        kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        kwargs.setdefault("trainer_defaults", {k: v for k, (v, _) in launcher_trainer_settings().items()})
+        super().__init__(pl.LightningModule, pl.LightningDataModule, *args, **kwargs)
+
+    # -- before anything is built ----------------------------------------------------------
+    def before_instantiate_classes(self) -> None:
+        cfg = self.config[self.subcommand] if self.subcommand else self.config
+        self._apply_launcher(cfg)
+        self._fill_model_from_data(cfg)
+
+    def _apply_launcher(self, cfg: Any) -> None:
+        trainer = cfg.get("trainer")
+        if trainer is None:
+            return
+        for key, (value, source) in launcher_trainer_settings().items():
+            current = trainer.get(key)
+            if current in (None, _TRAINER_DEFAULTS.get(key)) or str(current) == str(value):
+                trainer[key] = value
+            else:
+                raise ValueError(
+                    f"trainer.{key}={current!r} conflicts with the process launcher ({source}={value!r}): the launcher "
+                    f"already started the processes; remove trainer.{key} from the config or launch with matching flags"
+                )
+
+    def _fill_model_from_data(self, cfg: Any) -> None:
+        data, model = cfg.get("data"), cfg.get("model")
+        if data is None or model is None or not data.get("class_path") or not model.get("class_path"):
+            return
+        data_cls = _import_class(data["class_path"])
+        init = data.get("init_args")
+        dm = data_cls(**(dict(vars(init)) if init is not None else {}))  # fails early on bad paths
+        accepted = inspect.signature(_import_class(model["class_path"]).__init__).parameters
+        for data_attr, model_arg in _DATA_TO_MODEL.items():
+            if model_arg in accepted and hasattr(dm, data_attr):
+                model["init_args"][model_arg] = getattr(dm, data_attr)
+
+    # -- trainer with vispe defaults -------------------------------------------------------
+    def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
+        tcfg = self._get(self.config_init, "trainer", default={}) or {}
+        callbacks = list(tcfg.get("callbacks") or [])
+        logger = tcfg.get("logger")
+        if logger is None or logger is True:
+            root = tcfg.get("default_root_dir") or "runs"
+            logger = [CSVLogger(save_dir=root, name="vispe")]
+            try:
+                from lightning.pytorch.loggers import TensorBoardLogger
+
+                logger.append(TensorBoardLogger(save_dir=root, name="vispe", version=logger[0].version))
+            except ModuleNotFoundError:  # tensorboard is optional
+                pass
+            kwargs["logger"] = logger
+        first_logger = logger[0] if isinstance(logger, (list, tuple)) and logger else logger
+        if tcfg.get("enable_progress_bar", True) is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
+            callbacks.append(TQDMProgressBar(refresh_rate=10))
+        if logger is not False and not any(isinstance(c, LearningRateMonitor) for c in callbacks):
+            callbacks.append(LearningRateMonitor(logging_interval="step"))
+        if tcfg.get("enable_checkpointing", True) is not False and not any(isinstance(c, ModelCheckpoint) for c in callbacks):
+            if isinstance(first_logger, Logger) and getattr(first_logger, "save_dir", None):
+                ckpt_dir = Path(first_logger.save_dir) / (first_logger.name or "") / "checkpoints"
+            else:
+                ckpt_dir = Path(tcfg.get("default_root_dir") or ".") / "checkpoints"
+            callbacks.append(ModelCheckpoint(dirpath=str(ckpt_dir), filename="epoch{epoch:03d}", auto_insert_metric_name=False,
+                                             save_top_k=1, save_last=True))
+        kwargs["callbacks"] = callbacks
+        trainer = super().instantiate_trainer(**kwargs)
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
+            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        launched = int(os.environ.get("WORLD_SIZE", "0") or 0)
+        if launched and trainer.world_size != launched:
+            raise RuntimeError(
+                f"the launcher started WORLD_SIZE={launched} processes but the Trainer's world size is {trainer.world_size} "
+                f"(devices={trainer.num_devices}, num_nodes={trainer.num_nodes}); each process would train its own copy. "
+                f"Set trainer.devices/num_nodes to match the launcher."
+            )
+        return trainer
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``vispe fit|validate|test|predict`` and ``train/fit.py``."""
+    import vispe  # noqa: F401  (registers models and encodings)
+    import vispe.data  # noqa: F401
+    import vispe.tasks  # noqa: F401
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    VispeCLI(args=argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
