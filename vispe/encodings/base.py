@@ -38,6 +38,7 @@ __all__ = [
     "list_encodings",
     "get_encoding_class",
     "sdpa",
+    "merge_attn_mask",
 ]
 
 
@@ -99,6 +100,18 @@ def sdpa(
     if attn_mask is not None and attn_mask.dtype != torch.bool and attn_mask.dtype != q.dtype:
         attn_mask = attn_mask.to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
+
+
+def merge_attn_mask(attn_mask: torch.Tensor | None, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """Combine a caller's mask (bool: True = attend, or float: additive) with an additive logit term."""
+    if bias is None:
+        return attn_mask
+    bias = bias.to(dtype)
+    if attn_mask is None:
+        return bias
+    if attn_mask.dtype == torch.bool:
+        return bias.masked_fill(~attn_mask, float("-inf"))
+    return attn_mask + bias
 
 
 class PositionalEncoding(nn.Module):
@@ -186,15 +199,7 @@ class AttentionBiasEncoding(PositionalEncoding):
         raise NotImplementedError
 
     def attend(self, q, k, v, *, layer=0, state=None, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
-        b = self.bias(q, k, layer=layer, state=state)
-        if b is not None:
-            b = b.to(q.dtype)
-            if attn_mask is None:
-                attn_mask = b
-            elif attn_mask.dtype == torch.bool:
-                attn_mask = b.masked_fill(~attn_mask, float("-inf"))
-            else:
-                attn_mask = attn_mask + b
+        attn_mask = merge_attn_mask(attn_mask, self.bias(q, k, layer=layer, state=state), q.dtype)
         return sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale)
 
 

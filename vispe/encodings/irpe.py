@@ -51,7 +51,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .base import PositionalEncoding, register_encoding, sdpa
+from .base import PositionalEncoding, merge_attn_mask, register_encoding, sdpa
 from .grid import PositionGrid
 
 __all__ = ["IRPE", "IRPEState", "piecewise_index", "irpe_bucket_ids", "IRPE_METHODS", "IRPE_MODES", "IRPE_SIDES"]
@@ -284,15 +284,7 @@ class IRPE(PositionalEncoding):
             return sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale)
         s = scale if scale is not None else q.shape[-1] ** -0.5
         term = self.logit_term(q, k, layer, state, s)
-        mask = attn_mask
-        if term is not None:
-            term = term.to(q.dtype)
-            if mask is None:
-                mask = term
-            elif mask.dtype == torch.bool:
-                mask = term.masked_fill(~mask, float("-inf"))
-            else:
-                mask = mask + term
+        mask = merge_attn_mask(attn_mask, term, q.dtype)
         slot = self._slot.get(layer)
         if "v" not in self.sides or slot is None:
             return sdpa(q, k, v, mask, dropout_p, is_causal, scale)
