@@ -119,28 +119,47 @@ def test_blockwise_equals_dense_block_diagonal():
     assert torch.allclose(out.norm(dim=-1), x.norm(dim=-1), atol=1e-4)  # orthogonal
 
 
-@pytest.mark.parametrize("name", ["comrope_ap", "comrope_ld"])
-def test_gathered_rotation_matches_dense_values_and_gradients(name):
-    """The compact path used in attention (line tables + custom backward) equals rotating by the dense
-    per-token rotations with autograd's own matmul, in values and in gradients (q, k, generators)."""
+@pytest.mark.parametrize("name,shape", [("comrope_ap", (3, 5)), ("comrope_ld", (3, 5)), ("comrope_ld_3d", (2, 3, 2))])
+def test_gathered_rotation_matches_dense_values_and_gradients(name, shape):
+    """The compact path used in attention (factor line tables + custom backward) equals rotating by the
+    naive per-token rotations (one ``matrix_exp`` per token and block) with autograd's own ops, in
+    values and in gradients (q, k, generators). LD has one factor per axis (2 and 3 here)."""
     torch.manual_seed(0)
-    enc = _enc(name, block_size=4)
-    grid = PositionGrid((3, 5), 1)
+    enc = _enc(name, len(shape), block_size=4)
+    grid = PositionGrid(shape, 1)
     state = enc.prepare(grid, None)
+    assert len(state.tables[1]) == (1 if name == "comrope_ap" else len(shape))
     q = torch.randn(2, 2, grid.seq_len, 16, dtype=torch.float64, requires_grad=True)
     k = torch.randn_like(q, requires_grad=True)
     w = torch.randn_like(q)
     fast = rotate_pair_gathered(q, k, state.tables[1], state.flat_index)
-    dense = enc.rotations(grid, None)[1]
-    ref = tuple(torch.einsum("hnij,bhnj->bhni", dense.double().reshape(2, grid.seq_len, 4, 4, 4).flatten(1, 2).reshape(2, grid.seq_len * 4, 4, 4).reshape(2, grid.seq_len, 4, 4, 4).reshape(2, -1, 4, 4),
-                             x.reshape(2, 2, -1, 4)).reshape(x.shape) for x in (q, k))
+    naive = enc.reference_rotations(grid)[1]  # (H, L, m, b, b), matrix_exp per token
+    ref = tuple(torch.einsum("hnjab,zhnjb->zhnja", naive.double(), x.reshape(2, 2, grid.seq_len, 4, 4)).reshape(x.shape)
+                for x in (q, k))
     for a, b in zip(fast, ref):
         assert torch.allclose(a.double(), b, atol=1e-5)
     params = [q, k, enc.base] + ([enc.scalars] if hasattr(enc, "scalars") else [])
     g_fast = torch.autograd.grad(sum((o * w).sum() for o in fast), params)
-    g_ref = torch.autograd.grad(sum((o * w).sum() for o in rotate_pair(q, k, enc.rotations(grid, None)[1])), params)
-    for a, b in zip(g_fast, g_ref):
+    # vs autograd through the lattice tables (dense per-token rotations, autograd's own matmuls) ...
+    g_lattice = torch.autograd.grad(sum((o * w).sum() for o in rotate_pair(q, k, enc.rotations(grid, None)[1])), params)
+    # ... and vs autograd through the naive per-token matrix_exp (float32: relative tolerance)
+    g_naive = torch.autograd.grad(sum((o * w).sum() for o in rotate_pair(q, k, enc.reference_rotations(grid)[1])), params)
+    for a, b, c in zip(g_fast, g_lattice, g_naive):
         assert torch.allclose(a.double(), b.double(), atol=1e-4) and a.abs().sum() > 0
+        assert torch.allclose(a.double(), c.double(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name,shape", [("comrope_ap", (6, 5)), ("comrope_ld", (6, 5)), ("comrope_ld_3d", (2, 3, 4))])
+def test_state_tables_scale_with_lines_not_tokens(name, shape):
+    """What a forward keeps per layer is O(grid lines x blocks x b^2), not O(tokens x blocks x b^2):
+    LD stores one factor table per axis and forms the per-token products inside attention."""
+    enc = _enc(name, len(shape), block_size=4)
+    grid = PositionGrid(shape, 1)
+    state = enc.prepare(grid, None)
+    per_layer = sum(t.numel() for t in state.tables[0])
+    lines = max(shape) + 1 if name == "comrope_ap" else sum(n + 1 for n in shape)
+    assert per_layer <= enc.num_heads * enc.num_blocks * lines * enc.block_size**2
+    assert per_layer < enc.num_heads * enc.num_blocks * grid.seq_len * enc.block_size**2
 
 
 def test_block_rotations_float32_under_autocast():

@@ -22,8 +22,9 @@ and the tests check the two agree; the naive form costs ~100k ``matrix_exp`` per
 its backward is ~3x slower than the whole model. Rotations are applied **blockwise** (batched
 ``b x b`` products over contiguous channel blocks, q and k of the whole batch folded into the matrix
 columns), never as a dense ``head_dim x head_dim`` matrix; in attention the per-token rotations are
-gathered from the per-layer line tables inside a custom autograd function
-(:func:`rotate_pair_gathered`), so no per-token rotations are stored for the backward. The rotated
+gathered from the per-layer line tables -- LD keeps one factor table per axis, not the product over
+all line combinations -- and multiplied inside a custom autograd function (:func:`rotate_pair_gathered`),
+so no per-token rotations are stored for the backward (they are recomputed there). The rotated
 q/k are contiguous, which keeps SDPA on its fused kernel.
 
 Coordinates are patch centres normalised per axis to (0, 1) (``PositionGrid.centers``); every prefix
@@ -45,6 +46,7 @@ from typing import Any, ClassVar, Sequence
 
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 
 from .base import PositionalEncoding, register_encoding, sdpa
 from .grid import PositionGrid
@@ -184,12 +186,13 @@ class _GatheredBlockRotation(torch.autograd.Function):
     ``out[h, n, j] = F_0[h, idx_0[n, j]] @ ... @ F_{A-1}[h, idx_{A-1}[n, j]] @ x[h, n, j]`` for both,
     in one product.
 
-    The ``b x b`` factors are gathered from small per-(head, block) line tables (one per factor:
-    LD keeps one table per grid axis, since ``R(x) = prod_a exp(x_a G_a)``; AP needs one), multiplied
-    per token in the forward and gathered and multiplied again in the backward; only the tables and
-    the *unrotated* q/k are saved (views of the qkv projection, which SDPA keeps alive through ``v``
-    anyway), so the rotation adds no saved activations beyond its outputs. A table's gradient is a
-    scatter-add of ``prefix^T @ dR @ suffix^T``.
+    The factors come from small per-(head, block) line tables (one per factor: LD keeps one table per
+    grid axis, since ``R(x) = prod_a exp(x_a G_a)``; AP needs one). Their products are formed for
+    this layer only (:func:`_combined_table`), gathered per token, and formed and gathered again in
+    the backward; only the factor tables and the *unrotated* q/k are saved (views of the qkv
+    projection, which SDPA keeps alive through ``v`` anyway), so the rotation adds no saved
+    activations beyond its outputs. The combined table's gradient is a scatter-add, taken back to
+    the factor tables through the matmuls that formed it.
     """
 
     @staticmethod
@@ -197,7 +200,8 @@ class _GatheredBlockRotation(torch.autograd.Function):
         b = tables[0].shape[-1]
         m = flat_idx.shape[-1] // q.shape[-2]
         cols = _pair_columns(q, k, m, b)  # (H, L, m, b, 2B) float32
-        rot = _gathered_product(tables, flat_idx)[-1]
+        table, idx = _combined_table(tables, flat_idx, m)  # this layer only; freed after the product
+        rot = _gather_rows(table, idx)
         out = torch.bmm(rot, cols.reshape(-1, b, cols.shape[-1])).reshape(cols.shape)
         ctx.save_for_backward(flat_idx, q, k, *tables)
         return _split_columns(out, q, True, torch.float32)
@@ -210,30 +214,53 @@ class _GatheredBlockRotation(torch.autograd.Function):
         g = _pair_columns(grad_q, grad_k, m, b)
         c = g.shape[-1]
         g2 = g.reshape(-1, b, c)
-        prefixes = _gathered_product(tables, flat_idx)  # F_0, F_0 F_1, ..., R
-        rot = prefixes[-1]
+        want_tables = any(ctx.needs_input_grad[3:])
+        # recompute this layer's combined table (with a graph back to the factor tables when needed)
+        leaves = [t.detach().requires_grad_(want_tables) for t in tables]
+        with torch.enable_grad():
+            table, idx = _combined_table(leaves, flat_idx, m)
+        rot = _gather_rows(table.detach(), idx)
         g_q = g_k = None
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-            g_cols = torch.bmm(rot.transpose(-1, -2).contiguous(), g2).reshape(g.shape)
+            # (bmm on a transposed view of these small matrices is faster on CPU than copying them first)
+            g_cols = torch.bmm(rot.transpose(1, 2), g2).reshape(g.shape)
             g_q, g_k = _split_columns(g_cols, q, True)
             g_k = g_k.to(k.dtype)
-        g_tables: list[torch.Tensor | None] = [None] * len(tables)
-        if any(ctx.needs_input_grad[3:]):
+        g_tables: tuple[torch.Tensor | None, ...] = (None,) * len(tables)
+        if want_tables:
             cols = _pair_columns(q, k, m, b)
-            g_rot = torch.bmm(g2, cols.reshape(-1, b, c).transpose(1, 2).contiguous())  # dL/dR per (h, n, j)
-            idx2 = flat_idx.reshape(len(tables), -1)
-            suffix = None  # F_{a+1} ... F_{A-1}
-            for a in range(len(tables) - 1, -1, -1):
-                g_f = g_rot if suffix is None else torch.bmm(g_rot, suffix.transpose(1, 2).contiguous())
-                if a > 0:
-                    g_f = torch.bmm(prefixes[a - 1].transpose(1, 2).contiguous(), g_f)
-                if ctx.needs_input_grad[3 + a]:
-                    t = tables[a]
-                    g_tables[a] = torch.zeros_like(t).index_add_(1, idx2[a], g_f.reshape(t.shape[0], -1, b, b))
-                if a > 0:
-                    f = _gather_rows(tables[a], idx2[a])
-                    suffix = f if suffix is None else torch.bmm(f, suffix)
+            g_rot = torch.bmm(g2, cols.reshape(-1, b, c).transpose(1, 2))  # dL/dR per (h, n, j)
+            g_table = torch.zeros_like(table).index_add_(1, idx, g_rot.reshape(table.shape[0], -1, b, b))
+            if len(tables) == 1:
+                g_tables = (g_table,)
+            else:  # through the (few, large) matmuls that formed the combined table
+                g_tables = torch.autograd.grad(table, leaves, g_table)
         return (None, g_q, g_k, *g_tables)
+
+
+def _combined_table(
+    tables: Sequence[torch.Tensor], flat_idx: torch.Tensor, m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One table ``(H, m*K, b, b)`` holding every product ``F_0[r_0] ... F_{A-1}[r_{A-1}]`` of the factor
+    tables' rows (``K = prod K_a``), and each (token, block)'s row in it ``(L*m,)``.
+
+    For every (head, block) the product with the next factor is ONE ``(K b x b) @ (b x K_a b)`` matmul
+    -- far cheaper on CPU than per-token ``b x b`` products. Built per layer inside attention (and
+    again in its backward), so only one layer's combined table exists at a time."""
+    if len(tables) == 1:
+        return tables[0], flat_idx.reshape(-1)
+    idx2 = flat_idx.reshape(len(tables), -1)
+    block = torch.arange(idx2.shape[-1], device=idx2.device) % m
+    heads, b = tables[0].shape[0], tables[0].shape[-1]
+    acc = tables[0].reshape(heads, m, -1, b, b)
+    row = idx2[0] - block * acc.shape[2]
+    for t, flat in zip(tables[1:], idx2[1:]):
+        k, n = acc.shape[2], t.shape[1] // m
+        left = acc.reshape(heads, m, k * b, b)
+        right = t.reshape(heads, m, n, b, b).permute(0, 1, 3, 2, 4).reshape(heads, m, b, n * b)
+        acc = torch.matmul(left, right).reshape(heads, m, k, b, n, b).permute(0, 1, 2, 4, 3, 5).reshape(heads, m, k * n, b, b)
+        row = row * n + (flat - block * n)
+    return acc.reshape(heads, -1, b, b), row + block * acc.shape[2]
 
 
 def _gather_rows(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -241,13 +268,15 @@ def _gather_rows(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return table.index_select(1, idx).reshape(-1, table.shape[-2], table.shape[-1])
 
 
-def _gathered_product(tables: Sequence[torch.Tensor], flat_idx: torch.Tensor) -> list[torch.Tensor]:
-    """Running products ``[F_0, F_0 F_1, ..., F_0 ... F_{A-1}]`` of the gathered factors, each ``(H*L*m, b, b)``."""
+def _gathered_product(tables: Sequence[torch.Tensor], flat_idx: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The gathered factors ``[F_0, ..., F_{A-1}]`` and their running products ``[F_0, F_0 F_1, ..., R]``,
+    each ``(H*L*m, b, b)``."""
     idx2 = flat_idx.reshape(len(tables), -1)
-    out = [_gather_rows(tables[0], idx2[0])]
-    for t, idx in zip(tables[1:], idx2[1:]):
-        out.append(torch.bmm(out[-1], _gather_rows(t, idx)))
-    return out
+    factors = [_gather_rows(t, idx) for t, idx in zip(tables, idx2)]
+    prods = [factors[0]]
+    for f in factors[1:]:
+        prods.append(torch.bmm(prods[-1], f))
+    return factors, prods
 
 
 def rotate_pair_gathered(
@@ -359,7 +388,7 @@ class ComRopeState:
         """Dense per-token block rotations ``(H, L, m, b, b)`` of one layer (for analysis and tests)."""
         tables = self.tables[layer]
         heads, b = tables[0].shape[0], tables[0].shape[-1]
-        return _gathered_product(tables, self.flat_index)[-1].reshape(heads, -1, self.num_blocks, b, b)
+        return _gathered_product(tables, self.flat_index)[1][-1].reshape(heads, -1, self.num_blocks, b, b)
 
 
 class ComRopeBase(PositionalEncoding):
@@ -439,10 +468,19 @@ class ComRopeBase(PositionalEncoding):
         dev = device if device is not None else self.base.device
         jitter = line_jitter(grid, self.sigma, dev) if (self.training and self.sigma > 0) else None
         with torch.autocast(device_type=torch.device(dev).type, enabled=False):
-            tables = [
-                lattice_line_rotations(gen, grid.shape[a], None if jitter is None else jitter[a])
-                for a, gen in enumerate(self.axis_line_generators())
-            ]  # per axis: (depth, H, m_a, n_a + 1, b, b), the last row is the centre (prefix tokens)
+            gens = self.axis_line_generators()
+            if torch.is_grad_enabled() and any(g.requires_grad for g in gens):
+                # the doubling products' saved operands would sit in memory through the whole
+                # backward (~10-20 MiB for ViT-S); recomputing them at its end costs a few ms
+                tables = [
+                    checkpoint(lattice_line_rotations, gen, grid.shape[a], None if jitter is None else jitter[a],
+                               use_reentrant=False)
+                    for a, gen in enumerate(gens)
+                ]
+            else:
+                tables = [lattice_line_rotations(gen, grid.shape[a], None if jitter is None else jitter[a])
+                          for a, gen in enumerate(gens)]
+            # per axis: (depth, H, m_a, n_a + 1, b, b), the last row is the centre (prefix tokens)
             return self.combine(tables, _token_line_index(grid, dev))
 
     def rotations(self, grid: PositionGrid, device: torch.device | None) -> torch.Tensor:
