@@ -169,9 +169,9 @@ def run_one(name: str, args: argparse.Namespace, pe_options: dict[str, Any], dat
         row["pesi"] = _pesi_of(task.model, name, args.out)
     row["steps"] = int(trainer.global_step)
     row["train_s"] = round(train_s, 1)
-    row["wall_s"] = round(wall_s, 1)
+    row["wall_s"] = round(wall_s, 3)
     # CPU seconds of this process (all threads): on a shared machine wall time depends on the load, this does not
-    row["cpu_s"] = round(cpu_s, 1)
+    row["cpu_s"] = round(cpu_s, 3)
     return row
 
 
