@@ -269,6 +269,17 @@ def _vrope(segments: Sequence[Segment]) -> tuple[list[torch.Tensor], float]:
     return cols, nxt
 
 
+def _check_train_or_fixed(name: str, value: float, training: bool, choices: Sequence[float], what: str) -> float:
+    """HoPE's gamma / V2PE's delta: one fixed positive value at inference, drawn from ``choices`` in training."""
+    if not training:
+        return _check_positive(name, value)
+    if not choices:
+        raise ValueError(f"{name}_choices must be a non-empty sequence of positive {what}")
+    for c in choices:
+        _check_positive(f"{name}_choices entry", c)
+    return value
+
+
 def _hope(
     segments: Sequence[Segment],
     gamma: float = 1.0,
@@ -276,13 +287,7 @@ def _hope(
     gamma_choices: Sequence[float] = HOPE_TRAIN_GAMMAS,
     rng: random.Random | None = None,
 ) -> tuple[list[torch.Tensor], float]:
-    if not training:
-        gamma = _check_positive("gamma", gamma)
-    else:
-        if not gamma_choices:
-            raise ValueError("gamma_choices must be a non-empty sequence of positive scales")
-        for g in gamma_choices:
-            _check_positive("gamma_choices entry", g)
+    gamma = _check_train_or_fixed("gamma", gamma, training, gamma_choices, "scales")
     cols, nxt = [], 0.0
     for seg in segments:
         if isinstance(seg, Text):
@@ -305,13 +310,7 @@ def _v2pe(
     delta_choices: Sequence[float] = V2PE_TRAIN_DELTAS,
     rng: random.Random | None = None,
 ) -> tuple[list[torch.Tensor], float]:
-    if not training:
-        delta = _check_positive("delta", delta)
-    else:
-        if not delta_choices:
-            raise ValueError("delta_choices must be a non-empty sequence of positive steps")
-        for d in delta_choices:
-            _check_positive("delta_choices entry", d)
+    delta = _check_train_or_fixed("delta", delta, training, delta_choices, "steps")
     cols, nxt = [], 0.0
     for seg in segments:
         if isinstance(seg, Text):

@@ -9,7 +9,6 @@ dropped silently: the report is logged at WARNING level whenever something was d
 from __future__ import annotations
 
 import logging
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping

@@ -5,15 +5,17 @@ exactly timm's fused path.
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, Iterator, NamedTuple, Optional
 
 import torch
+import torch.nn as nn
 from timm.layers import Attention
 from timm.models.vision_transformer import Block
+from torch.utils.checkpoint import checkpoint
 
 from ..encodings.base import PositionalEncoding, sdpa
 
-__all__ = ["LayerPE", "PEAttention", "PEBlock"]
+__all__ = ["LayerPE", "PEAttention", "PEBlock", "run_blocks"]
 
 
 class LayerPE(NamedTuple):
@@ -68,3 +70,32 @@ class PEBlock(Block):
         x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x), attn_mask=attn_mask, is_causal=is_causal, pe=pe)))
         x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
         return x
+
+
+def run_blocks(
+    blocks: nn.Module,
+    encoding: PositionalEncoding,
+    x: torch.Tensor,
+    grid: Any,
+    attn_mask: Optional[torch.Tensor] = None,
+    is_causal: bool = False,
+    grad_checkpointing: bool = False,
+    last_index: Optional[int] = None,
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """The one loop that drives an encoding through a stack of :class:`PEBlock`.
+
+    Position-only work (``prepare``) is done once for all layers; each block gets its
+    :class:`LayerPE`; ``after_block`` runs between blocks. Yields ``(index, tokens)`` after each block.
+    """
+    state = encoding.prepare(grid, x.device)
+    use_ckpt = grad_checkpointing and not torch.jit.is_scripting() and torch.is_grad_enabled()
+    for i, blk in enumerate(blocks):
+        if last_index is not None and i > last_index:
+            break
+        pe = LayerPE(encoding, state, i)
+        if use_ckpt:
+            x = checkpoint(blk, x, attn_mask, is_causal, pe, use_reentrant=False)
+        else:
+            x = blk(x, attn_mask=attn_mask, is_causal=is_causal, pe=pe)
+        x = encoding.after_block(i, x, grid, state)
+        yield i, x

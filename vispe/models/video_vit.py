@@ -38,7 +38,6 @@ import torch
 from timm.layers import LayerNorm, trunc_normal_
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from ..encodings import (
     EncodingContext,
@@ -46,7 +45,7 @@ from ..encodings import (
     create_encoding,
     get_encoding_class,
 )
-from .layers import LayerPE, PEAttention, PEBlock
+from .layers import PEAttention, PEBlock, run_blocks
 from .vispe_vit import PosEncodingArg, parse_pos_encoding
 
 __all__ = ["TubeletEmbed", "VispeVideoViT"]
@@ -210,17 +209,7 @@ class VispeVideoViT(nn.Module):
 
     def iter_blocks(self, x: torch.Tensor, grid: PositionGrid, attn_mask: torch.Tensor | None = None):
         """Run the blocks, yielding ``(index, tokens)`` after each (position-only work done once)."""
-        enc = self.pos_encoding
-        state = enc.prepare(grid, x.device)
-        use_ckpt = self.grad_checkpointing and torch.is_grad_enabled()
-        for i, blk in enumerate(self.blocks):
-            pe = LayerPE(enc, state, i)
-            if use_ckpt:
-                x = checkpoint(blk, x, attn_mask, False, pe, use_reentrant=False)
-            else:
-                x = blk(x, attn_mask=attn_mask, pe=pe)
-            x = enc.after_block(i, x, grid, state)
-            yield i, x
+        yield from run_blocks(self.blocks, self.pos_encoding, x, grid, attn_mask, False, self.grad_checkpointing)
 
     def forward_features_grid(self, x: torch.Tensor) -> tuple[torch.Tensor, PositionGrid]:
         tokens, grid = self.embed(x)

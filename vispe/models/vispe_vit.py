@@ -10,16 +10,14 @@ from __future__ import annotations
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
-import torch.nn as nn
 from timm.layers import to_2tuple
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 from timm.models.vision_transformer import VisionTransformer
-from torch.utils.checkpoint import checkpoint
 
 from ..encodings import EncodingContext, PositionGrid, create_encoding, get_encoding_class
 from .checkpoint import timm_checkpoint_filter
-from .layers import LayerPE, PEAttention, PEBlock
+from .layers import PEAttention, PEBlock, run_blocks
 
 __all__ = ["VispeVisionTransformer", "parse_pos_encoding"]
 
@@ -135,19 +133,7 @@ class VispeVisionTransformer(VisionTransformer):
         last_index: Optional[int] = None,
     ):
         """Run the blocks, yielding ``(index, tokens)`` after each (position-only work done once)."""
-        enc = self.pos_encoding
-        state = enc.prepare(grid, x.device)
-        use_ckpt = self.grad_checkpointing and not torch.jit.is_scripting() and torch.is_grad_enabled()
-        for i, blk in enumerate(self.blocks):
-            if last_index is not None and i > last_index:
-                break
-            pe = LayerPE(enc, state, i)
-            if use_ckpt:
-                x = checkpoint(blk, x, attn_mask, is_causal, pe, use_reentrant=False)
-            else:
-                x = blk(x, attn_mask=attn_mask, is_causal=is_causal, pe=pe)
-            x = enc.after_block(i, x, grid, state)
-            yield i, x
+        yield from run_blocks(self.blocks, self.pos_encoding, x, grid, attn_mask, is_causal, self.grad_checkpointing, last_index)
 
     def forward_features(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False) -> torch.Tensor:
         x, grid = self.embed(x)
