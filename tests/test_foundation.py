@@ -154,7 +154,10 @@ def test_validate_then_train_at_the_same_grid(name):
     with torch.inference_mode():
         model(torch.randn(2, 3, 32, 32))
     model.train()
-    model(torch.randn(2, 3, 32, 32)).sum().backward()
+    out = model(torch.randn(2, 3, 32, 32))
+    out.sum().backward()
+    assert torch.isfinite(out).all()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.pos_encoding.parameters() if p.requires_grad)
 
 
 def test_timm_registration_and_create_model():

@@ -197,4 +197,7 @@ def test_validate_then_train_at_the_same_grid(name):
     x = torch.randn(1, 3, 4, 32, 32)
     with torch.inference_mode():
         m.eval()(x)
-    m.train()(x).sum().backward()
+    out = m.train()(x)
+    out.sum().backward()
+    assert torch.isfinite(out).all()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.pos_encoding.parameters() if p.requires_grad)
