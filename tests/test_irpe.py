@@ -201,3 +201,58 @@ def test_bad_input():
         create_encoding("irpe", ctx).prepare(PositionGrid((2, 2, 2), 1))
     with pytest.raises(ValueError, match="unknown iRPE method"):
         timm.create_model(MODEL, pos_encoding={"name": "irpe", "method": "bogus"}, depth=1)
+
+
+# ----------------------------------------------------------------------------------------------
+# memory: the (B, H, L, L) logit term is rebuilt in backward, never kept per layer
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "mask_kind,causal", [(None, False), ("float", False), ("bool", False), (None, True), ("float", True)]
+)
+def test_sdpa_with_bias_gradients_equal_autograd(mask_kind, causal):
+    from vispe.encodings.base import merge_attn_mask, sdpa, sdpa_with_bias
+
+    torch.manual_seed(0)
+    b, h, L, d, nb = 2, 3, 7, 4, 5
+    q, k, v = (torch.randn(b, h, L, d, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    z = torch.randn(b, h, L, nb, dtype=torch.float64, requires_grad=True)
+    tab = torch.randn(1, h, 1, 1, dtype=torch.float64, requires_grad=True)  # a broadcast (1, H, 1, 1) input
+    ids = torch.randint(0, nb, (L, L))
+    mask = None
+    if mask_kind == "float":
+        mask = torch.randn(L, L, dtype=torch.float64)
+    elif mask_kind == "bool":
+        mask = torch.rand(L, L) > 0.3
+        mask[:, 0] = True  # no fully masked row
+
+    def fn(z_, t_):
+        return torch.gather(z_, -1, ids.expand(b, h, L, L)) + t_
+
+    out = sdpa_with_bias(q, k, v, fn, [z, tab], mask, is_causal=causal, scale=0.7)
+    ref = sdpa(q, k, v, merge_attn_mask(mask, fn(z, tab), q.dtype), is_causal=causal, scale=0.7)
+    assert torch.allclose(out, ref, atol=1e-12)
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v, z, tab), g)
+    want = torch.autograd.grad(ref, (q, k, v, z, tab), g)
+    for name, a, w in zip("qkvzt", got, want):
+        assert torch.allclose(a, w, atol=1e-10), (name, (a - w).abs().max())
+    # second-order inputs that need no gradient get None, the rest still flows
+    out2 = sdpa_with_bias(q, k, v, fn, [z.detach(), tab], mask, is_causal=causal, scale=0.7)
+    assert torch.autograd.grad(out2.sum(), tab)[0].shape == tab.shape
+
+
+def test_training_keeps_no_square_logit_tensor_per_layer():
+    model = timm.create_model(MODEL, pos_encoding="irpe", depth=2)
+    L = model.patch_embed.num_patches + model.num_prefix_tokens
+    saved = []
+
+    def pack(t):
+        saved.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(torch.randn(2, 3, 32, 32))
+    square = [s for s in saved if len(s) >= 2 and s[-2:] == (L, L)]
+    assert not square, f"tensors of shape (..., {L}, {L}) kept for backward: {square}"
+    out.sum().backward()
+    assert model.pos_encoding.table_k.grad.abs().sum() > 0

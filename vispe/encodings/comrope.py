@@ -48,7 +48,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from .base import PositionalEncoding, register_encoding, sdpa
+from .base import PositionalEncoding, register_encoding, save_as_recomputed, sdpa
 from .grid import PositionGrid
 
 __all__ = [
@@ -169,9 +169,12 @@ def _split_columns(
     bsz, heads, length, dh = like.shape
     n = 2 if pair else 1
     m, b = out.shape[2], out.shape[3]
-    out = out.reshape(heads, length, m, b, n, bsz).permute(4, 5, 0, 1, 2, 3).contiguous()
-    out = out.reshape(n, bsz, heads, length, dh).to(dtype or like.dtype)
-    return out[0], (out[1] if pair else None)
+    # memory order (B, L, n, H, dh), returned as (B, H, L, dh) views: the token-major order of timm's
+    # qkv projection, so SDPA's output comes back token-major too and the head merge before the
+    # output projection stays a view instead of a copy that autograd would keep
+    res = torch.empty(bsz, length, n, heads, dh, dtype=dtype or like.dtype, device=like.device)
+    res.view(bsz, length, n, heads, m, b).copy_(out.reshape(heads, length, m, b, n, bsz).permute(5, 1, 4, 0, 2, 3))
+    return res[:, :, 0].transpose(1, 2), (res[:, :, 1].transpose(1, 2) if pair else None)
 
 
 def rotate_pair(q: torch.Tensor, k: torch.Tensor | None, rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -527,7 +530,11 @@ class ComRopeBase(PositionalEncoding):
                     f"ComRoPE rotations cover {n_tok} tokens but attention got {q.shape[-2]} "
                     f"(token dropout is not supported by {self.registry_name!r})"
                 )
-            q, k = rotate_pair_gathered(q, k, state.tables[layer], state.flat_index)
+            q0, k0, tables = q, k, state.tables[layer]
+            q, k = rotate_pair_gathered(q0, k0, tables, state.flat_index)
+            # keep the unrotated q/k (views of the qkv projection) and re-rotate in backward, not SDPA's copies
+            with save_as_recomputed((q, k), lambda: rotate_pair_gathered(q0, k0, tables, state.flat_index)):
+                return sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale)
         return sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale)
 
     def no_weight_decay(self) -> set[str]:

@@ -51,7 +51,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .base import PositionalEncoding, merge_attn_mask, register_encoding, sdpa
+from .base import PositionalEncoding, merge_attn_mask, register_encoding, sdpa, sdpa_with_bias
 from .grid import PositionGrid
 
 __all__ = ["IRPE", "IRPEState", "piecewise_index", "irpe_bucket_ids", "IRPE_METHODS", "IRPE_MODES", "IRPE_SIDES"]
@@ -253,8 +253,20 @@ class IRPE(PositionalEncoding):
             out = term if out is None else out + term
         return out[None]
 
-    def logit_term(self, q: torch.Tensor, k: torch.Tensor, layer: int, state: IRPEState, scale: float) -> torch.Tensor | None:
-        """The additive logit term of this layer (already including the softmax scale ``s``)."""
+    def _contextual_term(self, x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, scale: float, side: str) -> torch.Tensor:
+        """Key side: ``(s q_i) . r_{b(i, j)}``; query side: ``(s k_j) . r_{b(j, i)}`` (key as the row, transposed)."""
+        z = torch.matmul(x, table.to(x.dtype)) * scale  # (B, H, L, nb)
+        out = self._gather(z, ids)
+        return out if side == "k" else out.transpose(-1, -2)
+
+    def logit_sources(
+        self, q: torch.Tensor, k: torch.Tensor, layer: int, state: IRPEState, scale: float
+    ) -> tuple[list[torch.Tensor], Any] | None:
+        """This layer's logit term as ``(inputs, fn)``: ``fn(*inputs)`` is the additive ``(B|1, H, L, L)`` term.
+
+        The inputs are the tables and q/k themselves, so attention can rebuild the term in backward
+        instead of keeping it (:func:`sdpa_with_bias`).
+        """
         slot = self._slot.get(layer)
         if slot is None:
             return None
@@ -263,31 +275,47 @@ class IRPE(PositionalEncoding):
                 f"iRPE bucket map covers {state.ids.shape[-1]} tokens but attention got {q.shape[-2]} "
                 f"(token dropout is not supported by 'irpe')"
             )
-        out = None
+        inputs: list[torch.Tensor] = []
+        parts: list[tuple[int, Any]] = []  # (number of inputs, fn of them)
         for side in ("k", "q"):
             if side not in self.sides:
                 continue
             table = getattr(self, f"table_{side}")[slot]
             if self.mode == "bias":
-                term = self._bias_term(table, state.ids if side == "k" else state.ids_t)
-            elif side == "k":
-                z = torch.matmul(q * scale, table.to(q.dtype))  # (B, H, L, nb)
-                term = self._gather(z, state.ids)
+                inputs.append(table)
+                parts.append((1, lambda t, ids=(state.ids if side == "k" else state.ids_t): self._bias_term(t, ids)))
             else:
-                z = torch.matmul(k * scale, table.to(k.dtype))  # key j as the row, bucket of p_j - p_i
-                term = self._gather(z, state.ids).transpose(-1, -2)
-            out = term if out is None else out + term
-        return out
+                # the (B, H, L, n_buckets) projection is rebuilt from q (or k) and the table when needed, so
+                # nothing of size B x H x L is kept for it
+                inputs += [q if side == "k" else k, table]
+                parts.append((2, lambda x, t, side=side: self._contextual_term(x, t, state.ids, scale, side)))
+
+        def term(*xs: torch.Tensor) -> torch.Tensor:
+            out, pos = None, 0
+            for n, part in parts:
+                t = part(*xs[pos : pos + n])
+                pos += n
+                out = t if out is None else out + t
+            return out
+
+        return inputs, term
+
+    def logit_term(self, q: torch.Tensor, k: torch.Tensor, layer: int, state: IRPEState, scale: float) -> torch.Tensor | None:
+        """The additive logit term of this layer (already including the softmax scale ``s``)."""
+        src = self.logit_sources(q, k, layer, state, scale)
+        return None if src is None else src[1](*src[0])
 
     def attend(self, q, k, v, *, layer=0, state=None, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
         if state is None:
             return sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale)
         s = scale if scale is not None else q.shape[-1] ** -0.5
-        term = self.logit_term(q, k, layer, state, s)
-        mask = merge_attn_mask(attn_mask, term, q.dtype)
-        slot = self._slot.get(layer)
-        if "v" not in self.sides or slot is None:
-            return sdpa(q, k, v, mask, dropout_p, is_causal, scale)
+        src = self.logit_sources(q, k, layer, state, s)
+        if src is None:
+            return sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale)
+        if "v" not in self.sides:
+            return sdpa_with_bias(q, k, v, src[1], src[0], attn_mask, dropout_p, is_causal, s)
+        mask = merge_attn_mask(attn_mask, src[1](*src[0]), q.dtype)
+        slot = self._slot[layer]
         # value side: explicit attention, the probabilities are needed
         logits = torch.matmul(q, k.transpose(-1, -2)) * s
         if is_causal:

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from .base import PositionalEncoding, sdpa
+from .base import PositionalEncoding, save_as_recomputed, sdpa
 from .grid import PositionGrid
 
 __all__ = ["apply_rotary", "rotary_table", "RotaryEncoding", "RotaryState", "ROTARY_LAYOUTS"]
@@ -160,10 +160,13 @@ class RotaryEncoding(PositionalEncoding):
         return apply_rotary(x, state.for_layer(layer), self.layout)
 
     def attend(self, q, k, v, *, layer=0, state=None, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
-        if state is not None:
-            q = self.rotate(q, state, layer)
-            k = self.rotate(k, state, layer)
-        return sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale)
+        if state is None:
+            return sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale)
+        q0, k0 = q, k
+        q, k = self.rotate(q0, state, layer), self.rotate(k0, state, layer)
+        # SDPA would keep the rotated q/k for backward; re-rotating the unrotated ones is cheaper than the memory
+        with save_as_recomputed((q, k), lambda: (self.rotate(q0, state, layer), self.rotate(k0, state, layer))):
+            return sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale)
 
     def _apply(self, fn, *args, **kwargs):  # moving devices/dtypes invalidates cached tables
         self._table_cache.clear()
