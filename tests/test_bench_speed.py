@@ -43,6 +43,19 @@ def test_bench_speed_command_runs_one_iteration(tmp_path, capsys):
     assert "timm:ape" in (tmp_path / "t.md").read_text()
 
 
+def test_video_size_uses_3d_encodings_and_its_own_reference(tmp_path, capsys):
+    """``video_s16``: the video ViT with 3D encodings; 2D names are skipped there, ratios are to ``learned_3d``."""
+    rc = main(["speed", "--models", "video_s16", "--depth", "1", "--batch-size", "1", "--iters", "1", "--warmup", "0",
+               "--encodings", "learned_3d,rope_axial_3d,rope_axial", "--out-dir", str(tmp_path), "--tag", "v"])
+    assert rc == 0
+    rows = {r["model"]: r for r in json.loads((tmp_path / "v.json").read_text())["results"]}
+    assert set(rows) == {"vispe:learned_3d", "vispe:rope_axial_3d"}  # no timm video ViT; the 2D encoding is skipped
+    assert all(r["error"] is None and r["frames"] == 8 for r in rows.values())
+    assert rows["vispe:learned_3d"]["train_ratio"] == 1.0 and rows["vispe:rope_axial_3d"]["train_ratio"] > 0
+    assert rows["vispe:rope_axial_3d"]["ratio_reference"] == "vispe:learned_3d"
+    assert "skipping ['rope_axial']" in capsys.readouterr().err
+
+
 def test_train_step_peak_memory_sees_activations(tmp_path):
     """The CPU peak-memory method is not blind: a deeper model reports a larger training peak."""
     peaks = {}
@@ -78,6 +91,7 @@ def test_encoding_spec_parser():
         (["--modes", "jit"], r"unknown mode 'jit'"),
         (["--bench", "flops"], r"unknown measurement 'flops'"),
         (["--iters", "0"], r"--iters must be >= 1"),
+        (["--timm-refs", "ape,rope_axail"], r"unknown timm reference 'rope_axail'.*rope_axial"),
     ],
 )
 def test_bad_options_fail_before_any_model_is_built(argv, match):

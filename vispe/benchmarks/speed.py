@@ -53,7 +53,12 @@ __all__ = ["main", "parse_encoding_specs", "BENCH_CONFIGS", "TARGETS"]
 
 @dataclass(frozen=True)
 class BenchConfig:
-    """One model size: the vispe model name and the timm reference models built at the same size."""
+    """One model size: the vispe model name and the timm reference models built at the same size.
+
+    ``frames > 0`` makes it a video configuration (input ``(B, 3, frames, H, W)``, 3D encodings). timm
+    has no video ViT, so there the ratio denominator is vispe's own video ViT with ``reference`` (the
+    learned absolute table, the video counterpart of timm's APE ViT).
+    """
 
     vispe_model: str
     img_size: int
@@ -61,6 +66,14 @@ class BenchConfig:
     gpu_batch: int
     num_classes: int
     timm_refs: dict[str, tuple[str, dict[str, Any]]]
+    frames: int = 0
+    default_encodings: tuple[str, ...] = ()
+    reference: str = "timm:ape"
+    model_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def grid_ndim(self) -> int:
+        return 3 if self.frames else 2
 
 
 _TIMM_S16 = {
@@ -70,12 +83,28 @@ _TIMM_S16 = {
 }
 _SMALL_IMG = dict(img_size=32, patch_size=4, num_classes=10)
 
+#: The image-encoding family benchmarked by default (those registered are used, each under its defaults,
+#: e.g. iRPE = contextual/product/key side as in the DeiT release).
+DEFAULT_ENCODINGS = (
+    "none", "learned", "sincos2d", "rope_axial", "rope_mixed", "comrope_ap", "comrope_ld", "irpe", "cpe", "lff", "loope",
+)
+#: The video encodings of ``video_s16``; ``learned_3d`` is its ratio denominator.
+DEFAULT_VIDEO_ENCODINGS = ("learned_3d", "none", "sincos3d", "rope_axial_3d", "rope_mixed_3d", "comrope_ld_3d")
+
 BENCH_CONFIGS: dict[str, BenchConfig] = {
-    "vit_s16": BenchConfig("vispe_vit_small_patch16_224", 224, 8, 128, 1000, _TIMM_S16),
+    "vit_s16": BenchConfig("vispe_vit_small_patch16_224", 224, 8, 128, 1000, _TIMM_S16, default_encodings=DEFAULT_ENCODINGS),
     "vit_s4_32": BenchConfig(
-        "vispe_vit_small_patch4_32", 32, 16, 512, 10, {k: (n, dict(_SMALL_IMG)) for k, (n, _) in _TIMM_S16.items()}
+        "vispe_vit_small_patch4_32", 32, 16, 512, 10, {k: (n, dict(_SMALL_IMG)) for k, (n, _) in _TIMM_S16.items()},
+        default_encodings=DEFAULT_ENCODINGS,
+    ),
+    # video ViT-S, tubelet 2x16x16, 8 frames of 112 px: (4, 7, 7) = 196 tokens + cls, the token count of ViT-S/16@224
+    "video_s16": BenchConfig(
+        "vispe_video_vit_small_patch16_224", 112, 8, 64, 400, {}, frames=8, default_encodings=DEFAULT_VIDEO_ENCODINGS,
+        reference="vispe:learned_3d", model_kwargs={"img_size": 112, "num_frames": 8},
     ),
 }
+#: What ``vispe bench speed`` runs without ``--models`` (``video_s16`` is opt-in: it has no timm counterpart).
+DEFAULT_MODELS = ("vit_s16", "vit_s4_32")
 
 #: Targets from issue 8: (max time ratio to timm APE, max peak-memory ratio), CPU eager.
 TARGETS: dict[str, tuple[float, float]] = {
@@ -89,6 +118,11 @@ TARGETS: dict[str, tuple[float, float]] = {
     "sincos2d": (1.03, 1.10),
     "learned": (1.03, 1.10),
     "loope": (1.10, 1.10),
+    # video (ratios to vispe's learned_3d video ViT): the same limits as their 2D counterparts
+    "rope_axial_3d": (1.05, 1.10),
+    "rope_mixed_3d": (1.05, 1.10),
+    "comrope_ld_3d": (1.10, 1.10),
+    "sincos3d": (1.03, 1.10),
 }
 
 
@@ -134,20 +168,15 @@ def parse_encoding_specs(text: str) -> list[tuple[str, str, dict[str, Any]]]:
     return out
 
 
-#: The image-encoding family benchmarked by default (those registered are used, each under its defaults,
-#: e.g. iRPE = contextual/product/key side as in the DeiT release).
-DEFAULT_ENCODINGS = (
-    "none", "learned", "sincos2d", "rope_axial", "rope_mixed", "comrope_ap", "comrope_ld", "irpe", "cpe", "lff", "loope",
-)
-
-
-def default_encoding_specs(every_2d: bool = False) -> str:
-    """The default image encodings that are registered (``every_2d``: every encoding that takes 2D grids)."""
+def default_encoding_specs(every_2d: bool = False, cfg: BenchConfig | None = None) -> str:
+    """The default encodings of a configuration that are registered (``every_2d``: every encoding that
+    takes the configuration's grids)."""
     import vispe  # noqa: F401  (registers the encodings)
     from vispe.encodings import list_encodings
 
-    names = list_encodings(grid_ndim=2)
-    return ",".join(names if every_2d else [n for n in DEFAULT_ENCODINGS if n in names])
+    cfg = cfg or BENCH_CONFIGS["vit_s16"]
+    names = list_encodings(grid_ndim=cfg.grid_ndim)
+    return ",".join(names if every_2d else [n for n in cfg.default_encodings if n in names])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -300,7 +329,9 @@ def build_entries(
                 f"vispe:{label}",
                 "vispe",
                 enc_name,
-                lambda s=spec: timm.create_model(cfg.vispe_model, pretrained=False, pos_encoding=s, num_classes=cfg.num_classes, **extra),
+                lambda s=spec: timm.create_model(
+                    cfg.vispe_model, pretrained=False, pos_encoding=s, num_classes=cfg.num_classes, **cfg.model_kwargs, **extra
+                ),
             )
         )
     entries = []
@@ -410,10 +441,14 @@ def _paired_ratio(a: Sequence[float], ref: Sequence[float]) -> float | None:
     return statistics.median(r) if r else None
 
 
-def summarise(entries: list[Entry], batch: int, img_size: int, clock: str, ref_label: str = "timm:ape") -> list[dict[str, Any]]:
+def summarise(
+    entries: list[Entry], batch: int, img_size: int, clock: str, ref_label: str = "timm:ape", frames: int = 0
+) -> list[dict[str, Any]]:
     """Rows for the table/JSON. ``clock='cpu'`` headlines process CPU time, ``'wall'`` wall time; both are kept."""
     rows = []
     refs = {(e.config, e.mode): e for e in entries if e.label == ref_label and not e.error}
+    # vispe's own model without a PE: ratios to it isolate what the encoding itself costs
+    nones = {(e.config, e.mode): e for e in entries if e.label == "vispe:none" and not e.error}
 
     def series(e: Entry, what: str) -> list[float]:
         return getattr(e, f"{what}_cpu_s" if clock == "cpu" else f"{what}_s")
@@ -429,6 +464,8 @@ def summarise(entries: list[Entry], batch: int, img_size: int, clock: str, ref_l
             "encoding": e.encoding,
             "batch_size": batch,
             "img_size": img_size,
+            "frames": frames,
+            "ratio_reference": ref_label,
             "param_count_m": round(e.param_count / 1e6, 3),
             "clock": clock,
             "rounds": len(e.train_s) or len(e.infer_s),
@@ -453,6 +490,10 @@ def summarise(entries: list[Entry], batch: int, img_size: int, clock: str, ref_l
                 row[f"{what}_ratio_range"] = [min(r), max(r)] if r else None
             row["train_ratio_wall"] = _paired_ratio(e.train_s, ref.train_s)
             row["infer_ratio_wall"] = _paired_ratio(e.infer_s, ref.infer_s)
+            none = nones.get((e.config, e.mode))
+            if none is not None:
+                row["train_ratio_vs_none"] = _paired_ratio(series(e, "train"), series(none, "train"))
+                row["infer_ratio_vs_none"] = _paired_ratio(series(e, "infer"), series(none, "infer"))
             rt, ri = _median(series(ref, "train")), _median(series(ref, "infer"))
             row["train_ratio_of_medians"] = tr / rt if tr and rt else None
             row["infer_ratio_of_medians"] = inf / ri if inf and ri else None
@@ -536,8 +577,9 @@ def format_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"{'' if meta['complete'] else ' -- INCOMPLETE (partial results)'}; load average start/end {meta['loadavg_start']} / {meta['loadavg_end']}.\n\n"
         + "\n".join(lines)
         + f"\n\nTimes are {'process CPU time' if meta['clock'] == 'cpu' else 'wall clock'} per step (median over rounds); "
-        "`x` = median over rounds of (this model's time / timm APE's time in the same round), `x range` = lowest-highest "
-        "of those per-round ratios; memory `x` = peak / timm APE's peak; target = issue 8's time/memory limits (CPU eager). "
+        "`x` = median over rounds of (this model's time / the reference's time in the same round; the reference is timm's APE "
+        "ViT, and vispe's `learned_3d` video ViT for `video_s16`), `x range` = lowest-highest of those per-round ratios; "
+        "memory `x` = peak / the reference's peak; target = issue 8's time/memory limits (CPU eager). "
         f"Peak memory: {meta['memory_method']}.\n"
     )
     if errors:
@@ -571,10 +613,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train-step time, inference throughput and peak memory of every encoding vs timm's own ViTs "
         "(one process, models interleaved round-robin).",
     )
-    p.add_argument("--models", default="vit_s16,vit_s4_32", help=f"model sizes, comma-separated from {sorted(BENCH_CONFIGS)}")
+    p.add_argument("--models", default=",".join(DEFAULT_MODELS),
+                   help=f"model sizes, comma-separated from {sorted(BENCH_CONFIGS)} (video_s16: the video ViT with 3D encodings)")
     p.add_argument("--encodings", default=None,
-                   help="vispe encodings, e.g. 'learned,rope_axial,irpe[mode=bias]' (default: the image encodings "
-                   f"{','.join(DEFAULT_ENCODINGS)}); 'all2d' = every registered 2D encoding; '' = none")
+                   help="vispe encodings, e.g. 'learned,rope_axial,irpe[mode=bias]' (default: per model size, the image encodings "
+                   f"{','.join(DEFAULT_ENCODINGS)} or the video encodings {','.join(DEFAULT_VIDEO_ENCODINGS)}); 'all' (or 'all2d') = "
+                   "every registered encoding for the size's grids; '' = none; names that do not take a size's grids are skipped there")
     p.add_argument("--timm-refs", default="ape,rope_axial,rope_mixed",
                    help="timm reference models: ape (vit_small_patch16_224, the ratio denominator), rope_axial, rope_mixed")
     p.add_argument("--modes", default="eager", help="'eager', 'compile' or 'eager,compile' (torch.compile warm-up is slow on CPU)")
@@ -621,14 +665,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         if b not in ("train", "infer", "memory"):
             raise ValueError(f"--bench: unknown measurement {b!r}; choose from train, infer, memory")
     refs = [r.strip() for r in args.timm_refs.split(",") if r.strip()]
-    if args.encodings is None or args.encodings == "all2d":
-        specs = parse_encoding_specs(default_encoding_specs(every_2d=args.encodings == "all2d"))
-    else:
-        specs = parse_encoding_specs(args.encodings)
+    known_refs = sorted({r for c in BENCH_CONFIGS.values() for r in c.timm_refs})
+    for r in refs:
+        if r not in known_refs:
+            raise ValueError(f"--timm-refs: unknown timm reference {r!r}; choose from {known_refs}")
     from vispe.encodings import get_encoding_class
 
-    for _, name, _ in specs:
+    every = args.encodings in ("all", "all2d")
+    user_specs = None if args.encodings is None or every else parse_encoding_specs(args.encodings)
+    for _, name, _ in user_specs or ():
         get_encoding_class(name)  # unknown names fail before anything is built
+
+    def specs_for(cfg: BenchConfig) -> list[tuple[str, str, dict[str, Any]]]:
+        if user_specs is None:
+            return parse_encoding_specs(default_encoding_specs(every, cfg))
+        return [sp for sp in user_specs if cfg.grid_ndim in get_encoding_class(sp[1]).grid_ndims]
     if args.iters < 1:
         raise ValueError(f"--iters must be >= 1, got {args.iters}")
     device = torch.device(args.device)
@@ -666,7 +717,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "memory_method": "cuda max_memory_allocated" if device.type == "cuda"
             else "resident params/buffers(/optimizer state) + peak of torch.profiler CPU allocator events over one step",
             "clock": clock,
-            "ratio_method": "median over rounds of time / timm APE time in the same round",
+            "ratio_method": "median over rounds of time / the reference's time in the same round (timm APE; "
+            "vispe learned_3d for the video size)",
         }
         (out / f"{args.tag}.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
         (out / f"{args.tag}.md").write_text(format_markdown(rows, meta))
@@ -676,13 +728,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     for c in configs:
         cfg = BENCH_CONFIGS[c]
         batch = args.batch_size or (cfg.gpu_batch if device.type == "cuda" else cfg.cpu_batch)
-        log(f"[{c}] building {len(refs) + len(specs)} models x {modes} (batch {batch}, {cfg.img_size}px)")
-        entries = build_entries(c, cfg, specs, refs, modes, device, args.depth, log)
+        specs, cfg_refs = specs_for(cfg), [r for r in refs if r in cfg.timm_refs]
+        skipped = [sp[0] for sp in user_specs or () if sp not in specs]
+        if skipped:
+            log(f"[{c}] skipping {skipped}: they do not take {cfg.grid_ndim}D grids")
+        frames = f"{cfg.frames} frames of " if cfg.frames else ""
+        log(f"[{c}] building {len(cfg_refs) + len(specs)} models x {modes} (batch {batch}, {frames}{cfg.img_size}px)")
+        entries = build_entries(c, cfg, specs, cfg_refs, modes, device, args.depth, log)
         g = torch.Generator().manual_seed(0)
-        x = torch.randn(batch, 3, cfg.img_size, cfg.img_size, generator=g).to(device)
+        shape = (batch, 3, cfg.frames, cfg.img_size, cfg.img_size) if cfg.frames else (batch, 3, cfg.img_size, cfg.img_size)
+        x = torch.randn(*shape, generator=g).to(device)
         y = torch.randint(0, cfg.num_classes, (batch,), generator=g).to(device)
         run_config(entries, x, y, device, args.iters, args.warmup, args.min_run_s, benches, log)
-        rows += summarise(entries, batch, cfg.img_size, clock)
+        if not any(e.label == cfg.reference for e in entries):
+            log(f"[{c}] no ratios: the reference model {cfg.reference!r} is not in this run")
+        rows += summarise(entries, batch, cfg.img_size, clock, ref_label=cfg.reference, frames=cfg.frames)
         del entries
         write(rows, done=False)  # partial results survive an interrupted run
 

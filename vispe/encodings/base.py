@@ -42,6 +42,7 @@ __all__ = [
     "merge_attn_mask",
     "sdpa_with_bias",
     "save_as_recomputed",
+    "fold_causal_mask",
 ]
 
 
@@ -93,7 +94,7 @@ def sdpa(
 ) -> torch.Tensor:
     """SDPA that also accepts an additive bias together with ``is_causal``."""
     if attn_mask is not None and is_causal:
-        attn_mask, is_causal = _fold_causal(q, k, attn_mask), False
+        attn_mask, is_causal = fold_causal_mask(q, k, attn_mask), False
     if attn_mask is not None and attn_mask.dtype != torch.bool and attn_mask.dtype != q.dtype:
         attn_mask = attn_mask.to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
@@ -111,7 +112,10 @@ def merge_attn_mask(attn_mask: torch.Tensor | None, bias: torch.Tensor | None, d
     return attn_mask + bias
 
 
-def _fold_causal(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
+def fold_causal_mask(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
+    """``attn_mask`` (bool: True = attend, or additive float, or ``None``) with the causal mask folded in
+    (bottom-right aligned when there are fewer queries than keys: the queries are the last positions, as when
+    decoding with a cache)."""
     lq, lk = q.shape[-2], k.shape[-2]
     causal = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
     if attn_mask is None:
@@ -201,7 +205,7 @@ def sdpa_with_bias(
     if not training or dropout_p > 0.0 or q.shape[:-2] != k.shape[:-2]:
         return sdpa(q, k, v, merge_attn_mask(attn_mask, bias_fn(*bias_inputs), q.dtype), dropout_p, is_causal, scale)
     if is_causal:
-        attn_mask = _fold_causal(q, k, attn_mask)
+        attn_mask = fold_causal_mask(q, k, attn_mask)
     return _RecomputedBiasAttention.apply(bias_fn, scale, attn_mask, q, k, v, *bias_inputs)
 
 

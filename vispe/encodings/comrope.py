@@ -25,7 +25,9 @@ columns), never as a dense ``head_dim x head_dim`` matrix; in attention the per-
 gathered from the per-layer line tables -- LD keeps one factor table per axis, not the product over
 all line combinations -- and multiplied inside a custom autograd function (:func:`rotate_pair_gathered`),
 so no per-token rotations are stored for the backward (they are recomputed there). The rotated
-q/k are contiguous, which keeps SDPA on its fused kernel.
+q/k are written token-major (memory order ``(B, L, H, dh)`` like timm's qkv, unit channel stride), which
+keeps SDPA on its fused kernel and its output token-major (the head merge stays a view); SDPA does not
+store them either -- attention rebuilds them in the backward (:func:`~vispe.encodings.base.save_as_recomputed`).
 
 Coordinates are patch centres normalised per axis to (0, 1) (``PositionGrid.centers``); every prefix
 token (cls, registers) sits at the centre ``(0.5, ..., 0.5)`` and is rotated like a patch (the
@@ -146,7 +148,7 @@ def apply_block_rotation(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
 
     Channels ``[j*b, (j+1)*b)`` form block ``j``. The batch is folded into the matrix columns so the
     work is one batched ``(b x b) @ (b x B)`` product per (head, token, block) -- never a dense
-    ``head_dim x head_dim`` matrix; math in float32, output contiguous in ``x``'s dtype (SDPA's fused
+    ``head_dim x head_dim`` matrix; math in float32, output with unit channel stride in ``x``'s dtype (SDPA's fused
     CPU/GPU kernels need a unit last-dim stride).
     """
     return rotate_pair(x, None, rot)[0]
@@ -288,7 +290,7 @@ def rotate_pair_gathered(
     """:func:`rotate_pair` with each token's block rotation the product of factors gathered from line
     tables: ``tables`` is one ``(H, R_a, b, b)`` tensor or a sequence of them (one per factor),
     ``flat_idx`` ``(L*m,)`` or ``(A, L*m)`` the rows per (token, block) (see :class:`ComRopeState`);
-    outputs contiguous, in q's dtype."""
+    outputs token-major with unit channel stride, in q's dtype."""
     if isinstance(tables, torch.Tensor):
         tables = (tables,)
     flat_idx = flat_idx.reshape(len(tables), -1)

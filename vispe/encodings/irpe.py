@@ -16,9 +16,13 @@ holds every pair that involves a prefix token. Defaults are the released DeiT co
 contextual, product, shared head, key side, every block, ``r=1.9``, zero-initialised tables.
 
 Attention stays on SDPA for the q/k terms: the contextual key-side term is computed as
-``Z = (s q) @ R`` over buckets (``(B, H, L, n_buckets)``, cost ``L * n_buckets * dh``), gathered by the
+``Z = (q @ R) s`` over buckets (``(B, H, L, n_buckets)``, cost ``L * n_buckets * dh``), gathered by the
 cached ``(L, L)`` bucket map and passed as the additive ``attn_mask``; the query side is the same
-with ``k`` and a transpose. Only a layer with a value-side table runs explicit
+with ``k`` and a transpose. While training, this goes through :func:`~vispe.encodings.base.sdpa_with_bias`:
+the forward runs SDPA's fused kernel, and the backward rebuilds the term (and this layer's
+probabilities) from q and the table, so no ``(B, H, L, L)`` tensor is kept per layer (autograd through
+SDPA with a bias that needs a gradient would fall back to the math kernel and keep three of them).
+Only a layer with a value-side table runs explicit
 ``softmax(QK^T) V`` attention, because that term needs the probabilities. Bucket maps depend only
 on the grid: they are recomputed for every new ``(h, w)`` (cached per grid and device) and the
 tables are reused unchanged -- no interpolation at a new patch count; a larger grid just puts more
@@ -51,7 +55,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .base import PositionalEncoding, merge_attn_mask, register_encoding, sdpa, sdpa_with_bias
+from .base import PositionalEncoding, fold_causal_mask, merge_attn_mask, register_encoding, sdpa, sdpa_with_bias
 from .grid import PositionGrid
 
 __all__ = ["IRPE", "IRPEState", "piecewise_index", "irpe_bucket_ids", "IRPE_METHODS", "IRPE_MODES", "IRPE_SIDES"]
@@ -319,9 +323,7 @@ class IRPE(PositionalEncoding):
         # value side: explicit attention, the probabilities are needed
         logits = torch.matmul(q, k.transpose(-1, -2)) * s
         if is_causal:
-            lq, lk = q.shape[-2], k.shape[-2]
-            causal = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
-            logits = logits.masked_fill(~causal, float("-inf"))
+            mask = fold_causal_mask(q, k, mask)
         if mask is not None:
             logits = logits.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else logits + mask.to(logits.dtype)
         attn = logits.softmax(dim=-1)
