@@ -26,6 +26,7 @@ from typing import Any, Callable, ClassVar, Iterator, Sequence
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from .grid import PositionGrid
 
@@ -145,6 +146,7 @@ class _RecomputedBiasAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # in-place recompute: a double backward raises instead of returning wrong values
     def backward(ctx, dout):  # type: ignore[override]
         q, k, v, out, attn_mask, *inputs = ctx.saved_tensors
         s = ctx.scale
@@ -220,8 +222,9 @@ class _Rebuilt:
 
     def get(self, i: int) -> torch.Tensor:
         if self.values is None:
-            with torch.no_grad():
-                self.values = tuple(self.rebuild())
+            # under the backward's grad mode: a plain backward rebuilds without a graph, one with
+            # create_graph=True rebuilds with it, so higher-order gradients stay correct
+            self.values = tuple(self.rebuild())
         return self.values[i]
 
 
