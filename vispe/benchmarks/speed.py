@@ -168,15 +168,15 @@ def parse_encoding_specs(text: str) -> list[tuple[str, str, dict[str, Any]]]:
     return out
 
 
-def default_encoding_specs(every_2d: bool = False, cfg: BenchConfig | None = None) -> str:
-    """The default encodings of a configuration that are registered (``every_2d``: every encoding that
-    takes the configuration's grids)."""
+def default_encoding_specs(every: bool = False, cfg: BenchConfig | None = None) -> str:
+    """The default encodings of a configuration that are registered (``every``: every encoding that
+    takes the configuration's grids); ``cfg`` defaults to ``vit_s16``."""
     import vispe  # noqa: F401  (registers the encodings)
     from vispe.encodings import list_encodings
 
     cfg = cfg or BENCH_CONFIGS["vit_s16"]
     names = list_encodings(grid_ndim=cfg.grid_ndim)
-    return ",".join(names if every_2d else [n for n in cfg.default_encodings if n in names])
+    return ",".join(names if every else [n for n in cfg.default_encodings if n in names])
 
 
 # ----------------------------------------------------------------------------------------------
