@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -12,7 +12,7 @@ from timm.layers import build_sincos2d_pos_embed, resample_abs_pos_embed, trunc_
 from .base import PositionalEncoding, TokenEncoding, register_encoding
 from .grid import PositionGrid
 
-__all__ = ["NoPE", "LearnedAbsolute", "SinCos2d", "EXTRAPOLATION_MODES"]
+__all__ = ["NoPE", "LearnedAbsolute", "FixedTableEncoding", "SinCos2d", "EXTRAPOLATION_MODES"]
 
 #: How an absolute table reaches a grid it was not built for.
 #: 'extend' evaluates the formula at the new integer indices; 'interpolate' resamples the
@@ -136,8 +136,61 @@ class LearnedAbsolute(TokenEncoding):
         return {"pos_embed": self.resample(pos_embed.float(), (side, side), self.grid_size).to(pos_embed.dtype)}
 
 
+class FixedTableEncoding(TokenEncoding):
+    """A parameter-free table added to the tokens (sin-cos in 2D and 3D), cached per grid.
+
+    Subclasses implement :meth:`build_table` (``(1, N, D)`` for the lattice). The table is built once per
+    (grid, device) -- outside ``inference_mode``, so a table first built while validating still works
+    in training -- and added with one add over the whole sequence (zero rows for the prefix tokens)
+    instead of slice + add + concatenate.
+    """
+
+    prefix_policy = "prefix tokens get nothing added"
+    cache_size = 16
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.dim = dim
+        self._cache: dict[Any, torch.Tensor] = {}
+
+    def build_table(self, grid: PositionGrid, device: torch.device | None) -> torch.Tensor:
+        """The lattice table ``(1, N, D)`` of ``grid`` (float32)."""
+        raise NotImplementedError
+
+    def _cached(self, key: Any, build: Callable[[], torch.Tensor]) -> torch.Tensor:
+        table = self._cache.get(key)
+        if table is None:
+            with torch.inference_mode(False), torch.no_grad():  # cached: a plain tensor, usable later in training
+                table = build()
+            if len(self._cache) > self.cache_size:
+                self._cache.clear()
+            self._cache[key] = table
+        return table
+
+    def table_for(self, grid: PositionGrid, device: torch.device | None) -> torch.Tensor:
+        """``(1, N, D)``: the lattice table of ``grid`` (cached)."""
+        self.check_grid(grid)
+        return self._cached((grid.shape, str(device)), lambda: self.build_table(grid, device))
+
+    def sequence_table(self, grid: PositionGrid, device: torch.device | None, dtype: torch.dtype) -> torch.Tensor:
+        """``(1, S + N, D)``: zero rows for the prefix tokens, then the lattice table, in ``dtype`` (cached)."""
+
+        def build() -> torch.Tensor:
+            lattice = self.table_for(grid, device)
+            return torch.cat([lattice.new_zeros(1, grid.num_prefix_tokens, self.dim), lattice], dim=1).to(dtype)
+
+        return self._cached(("seq", grid.shape, grid.num_prefix_tokens, str(device), dtype), build)
+
+    def embed_tokens(self, x, grid, state=None, image=None):
+        return x + self.sequence_table(grid, x.device, x.dtype)
+
+    def set_grid_size(self, grid_size: Sequence[int]) -> None:
+        self.grid_size = tuple(int(g) for g in grid_size)
+        self._cache.clear()
+
+
 @register_encoding("sincos2d")
-class SinCos2d(TokenEncoding):
+class SinCos2d(FixedTableEncoding):
     """Fixed 2D sin-cos table (timm's ``build_sincos2d_pos_embed``: rows then columns, sin then cos).
 
     ``extrapolation='extend'`` evaluates the formula at the new integer indices;
@@ -145,7 +198,6 @@ class SinCos2d(TokenEncoding):
     """
 
     grid_ndims = (2,)
-    prefix_policy = "prefix tokens get nothing added"
 
     def __init__(
         self,
@@ -154,50 +206,18 @@ class SinCos2d(TokenEncoding):
         temperature: float = 10000.0,
         extrapolation: str = "extend",
     ) -> None:
-        super().__init__()
+        super().__init__(dim)
         if dim % 4:
             raise ValueError(f"sincos2d needs an embedding dim divisible by 4, got dim={dim}")
         _check_choice("extrapolation", extrapolation, EXTRAPOLATION_MODES)
-        self.dim = dim
         self.grid_size = tuple(int(g) for g in grid_size)
         self.temperature = temperature
         self.extrapolation = extrapolation
-        self._cache: dict[Any, torch.Tensor] = {}
 
-    def table_for(self, grid: PositionGrid, device: torch.device | None) -> torch.Tensor:
-        self.check_grid(grid)
-        key = (grid.shape, str(device))
-        table = self._cache.get(key)
-        if table is None:
-            with torch.inference_mode(False), torch.no_grad():  # cached: a plain tensor, usable later in training
-                if self.extrapolation == "extend" or grid.shape == self.grid_size:
-                    table = build_sincos2d_pos_embed(list(grid.shape), dim=self.dim, temperature=self.temperature, device=device)
-                else:
-                    base = build_sincos2d_pos_embed(list(self.grid_size), dim=self.dim, temperature=self.temperature, device=device)
-                    table = resample_abs_pos_embed(base[None], list(grid.shape), list(self.grid_size), num_prefix_tokens=0)[0]
-                table = table[None]
-            if len(self._cache) > 16:
-                self._cache.clear()
-            self._cache[key] = table
-        return table
-
-    def sequence_table(self, grid: PositionGrid, device: torch.device | None, dtype: torch.dtype) -> torch.Tensor:
-        """``(1, S + N, D)``: zero rows for the prefix tokens, then the lattice table, in ``dtype`` (cached)."""
-        key = ("seq", grid.shape, grid.num_prefix_tokens, str(device), dtype)
-        table = self._cache.get(key)
-        if table is None:
-            lattice = self.table_for(grid, device)
-            with torch.inference_mode(False), torch.no_grad():
-                table = torch.cat([lattice.new_zeros(1, grid.num_prefix_tokens, self.dim), lattice], dim=1).to(dtype)
-            if len(self._cache) > 16:
-                self._cache.clear()
-            self._cache[key] = table
-        return table
-
-    def embed_tokens(self, x, grid, state=None, image=None):
-        # one add over the whole sequence (prefix rows add 0) instead of slice + add + cat
-        return x + self.sequence_table(grid, x.device, x.dtype)
-
-    def set_grid_size(self, grid_size: Sequence[int]) -> None:
-        self.grid_size = tuple(int(g) for g in grid_size)
-        self._cache.clear()
+    def build_table(self, grid: PositionGrid, device: torch.device | None) -> torch.Tensor:
+        if self.extrapolation == "extend" or grid.shape == self.grid_size:
+            table = build_sincos2d_pos_embed(list(grid.shape), dim=self.dim, temperature=self.temperature, device=device)
+        else:
+            base = build_sincos2d_pos_embed(list(self.grid_size), dim=self.dim, temperature=self.temperature, device=device)
+            table = resample_abs_pos_embed(base[None], list(grid.shape), list(self.grid_size), num_prefix_tokens=0)[0]
+        return table[None]

@@ -12,14 +12,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from timm.layers import trunc_normal_
 from torch import nn
 
-from .absolute import EXTRAPOLATION_MODES, _check_choice
+from .absolute import EXTRAPOLATION_MODES, FixedTableEncoding, _check_choice
 from .base import TokenEncoding, register_encoding
 from .grid import PositionGrid
 from .rope3d import grid_thw
@@ -54,42 +53,23 @@ def _add_to_lattice(x: torch.Tensor, pe: torch.Tensor, s: int) -> torch.Tensor:
 
 
 @register_encoding("sincos3d")
-class SinCos3d(TokenEncoding):
+class SinCos3d(FixedTableEncoding):
     """Fixed 3D sin-cos table added to the lattice tokens (t, h, w parts of the width)."""
 
     grid_ndims = (3,)
-    prefix_policy = "prefix tokens get nothing added"
 
     def __init__(self, dim: int, grid_size: Sequence[int] = (8, 14, 14), temperature: float = 10000.0, extrapolation: str = "extend") -> None:
-        super().__init__()
+        super().__init__(dim)
         if dim % 2 or dim < 6:
             raise ValueError(f"sincos3d needs an even embedding dim >= 6, got dim={dim}")
         _check_choice("extrapolation", extrapolation, EXTRAPOLATION_MODES)
-        self.dim = dim
         self.grid_size = tuple(int(g) for g in grid_size)
         self.temperature = temperature
         self.extrapolation = extrapolation
-        self._cache: dict[Any, torch.Tensor] = {}
 
-    def table_for(self, grid: PositionGrid, device: torch.device | None) -> torch.Tensor:
-        self.check_grid(grid)
-        key = (grid.shape, str(device))
-        table = self._cache.get(key)
-        if table is None:
-            train = self.grid_size if self.extrapolation == "interpolate" else None
-            with torch.inference_mode(False), torch.no_grad():  # cached beyond this call
-                table = sincos3d_table(grid_thw(grid, device, train), self.dim, self.temperature)[None]
-            if len(self._cache) > 16:
-                self._cache.clear()
-            self._cache[key] = table
-        return table
-
-    def embed_tokens(self, x, grid, state=None, image=None):
-        return _add_to_lattice(x, self.table_for(grid, x.device).to(x.dtype), grid.num_prefix_tokens)
-
-    def set_grid_size(self, grid_size: Sequence[int]) -> None:
-        self.grid_size = tuple(int(g) for g in grid_size)
-        self._cache.clear()
+    def build_table(self, grid: PositionGrid, device: torch.device | None) -> torch.Tensor:
+        train = self.grid_size if self.extrapolation == "interpolate" else None
+        return sincos3d_table(grid_thw(grid, device, train), self.dim, self.temperature)[None]
 
 
 @register_encoding("learned_3d")
