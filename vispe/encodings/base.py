@@ -18,6 +18,7 @@ Models never branch on an encoding's name: they call the hooks. Each class state
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ __all__ = [
     "merge_attn_mask",
     "sdpa_with_bias",
     "save_as_recomputed",
+    "autocast_off_in_backward",
     "fold_causal_mask",
 ]
 
@@ -126,6 +128,22 @@ def fold_causal_mask(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor |
     return attn_mask.masked_fill(~causal, float("-inf"))
 
 
+def autocast_off_in_backward(backward: Callable[..., Any]) -> Callable[..., Any]:
+    """Run a custom autograd ``backward`` with autocast off.
+
+    A backward called inside an autocast block (``loss.backward()`` under ``torch.autocast``) would
+    otherwise run its matmuls in bf16/fp16 and mix dtypes with the float32 tensors it saved.
+    """
+
+    @functools.wraps(backward)
+    def wrapped(ctx: Any, *grads: Any) -> Any:
+        device = next((g.device.type for g in grads if isinstance(g, torch.Tensor)), "cpu")
+        with torch.autocast(device_type=device, enabled=False):
+            return backward(ctx, *grads)
+
+    return wrapped
+
+
 class _RecomputedBiasAttention(torch.autograd.Function):
     """``softmax(q k^T s + bias_fn(*inputs) [+ mask]) v`` that keeps no ``(B, H, L, L)`` tensor for backward.
 
@@ -146,6 +164,7 @@ class _RecomputedBiasAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @autocast_off_in_backward
     @once_differentiable  # in-place recompute: a double backward raises instead of returning wrong values
     def backward(ctx, dout):  # type: ignore[override]
         q, k, v, out, attn_mask, *inputs = ctx.saved_tensors

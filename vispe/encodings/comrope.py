@@ -50,7 +50,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from .base import PositionalEncoding, register_encoding, save_as_recomputed, sdpa
+from .base import PositionalEncoding, autocast_off_in_backward, register_encoding, save_as_recomputed, sdpa
 from .grid import PositionGrid
 
 __all__ = [
@@ -125,6 +125,7 @@ class _BlockMatmul(torch.autograd.Function):
         return torch.bmm(a, b)
 
     @staticmethod
+    @autocast_off_in_backward
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         a, b = ctx.saved_tensors
         grad = grad.contiguous()
@@ -212,6 +213,7 @@ class _GatheredBlockRotation(torch.autograd.Function):
         return _split_columns(out, q, True, torch.float32)
 
     @staticmethod
+    @autocast_off_in_backward
     def backward(ctx, grad_q: torch.Tensor, grad_k: torch.Tensor):  # type: ignore[override]
         flat_idx, q, k, *tables = ctx.saved_tensors
         b = tables[0].shape[-1]

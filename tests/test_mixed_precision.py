@@ -1,0 +1,182 @@
+"""Mixed precision: every registered encoding trains a step under bf16 autocast (and float16 where the
+device runs it), with finite gradients that reach the encoding's parameters; the CLI trains with
+``--trainer.precision bf16-mixed``.
+
+Users train with Lightning's ``bf16-mixed``: forward under autocast, backward outside it. Some call
+``backward()`` inside the autocast block too; both are exercised, since custom autograd functions
+see a different autocast state in each.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import timm
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from vispe import list_encodings
+from vispe.encodings import get_encoding_class
+from vispe.models.video_llm import VideoLLM
+from vispe.models.video_vit import VispeVideoViT
+from vispe.positions import NUM_COORDS
+
+MULTIMODAL = list(NUM_COORDS)
+SCHEME_OPTS = {"hope": dict(gamma=0.75), "v2pe": dict(delta=0.25)}
+
+
+def _image_model(name: str) -> torch.nn.Module:
+    return timm.create_model("vispe_vit_tiny_patch4_32", pos_encoding=name, depth=2, embed_dim=64, num_heads=4, num_classes=5)
+
+
+def _video_model(name: str) -> torch.nn.Module:
+    return VispeVideoViT(pos_encoding=name, embed_dim=48, depth=2, num_heads=2, img_size=32, num_frames=4, tubelet_size=2, patch_size=8, num_classes=5)
+
+
+def _step_loss(name: str, seed: int = 0):
+    """(model, loss closure) for one training step of the model family that hosts ``name``."""
+    torch.manual_seed(seed)
+    if name in MULTIMODAL:
+        model = VideoLLM(vocab_size=40, dim=64, depth=2, num_heads=4, pos_scheme=name, visual_dim=24, spatial_merge_size=2,
+                         position_kwargs=SCHEME_OPTS.get(name))
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, 40, (12,), generator=g)
+        vis = torch.randn(2, 4, 4, 24, generator=g)
+        batch = model.pack([[ids[:4], vis, ids[4:]]])
+        return model, lambda: model.forward_batch(batch, labels=batch.token_ids).loss
+    if 2 in get_encoding_class(name).grid_ndims:
+        model, x = _image_model(name), torch.randn(2, 3, 32, 48)
+    else:
+        model, x = _video_model(name), torch.randn(2, 3, 4, 32, 32)
+    y = torch.tensor([1, 3])
+    return model, lambda: torch.nn.functional.cross_entropy(model(x).float(), y)
+
+
+def _pe_params(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad and ("pos_encoding" in n or "rope" in n.lower())]
+
+
+def _check_grads(model: torch.nn.Module) -> None:
+    for n, p in model.named_parameters():
+        if p.grad is not None:
+            assert torch.isfinite(p.grad).all(), f"non-finite gradient in {n}"
+    for n, p in _pe_params(model):
+        assert p.grad is not None, f"encoding parameter {n} got no gradient under autocast"
+
+
+@pytest.mark.parametrize("backward_inside", [False, True], ids=["backward_outside", "backward_inside"])
+@pytest.mark.parametrize("name", list_encodings())
+def test_every_encoding_trains_a_step_under_bf16_autocast(name, backward_inside):
+    model, loss_fn = _step_loss(name)
+    model.train()
+    with torch.no_grad():
+        ref = loss_fn().item()  # float32 reference on the same weights and inputs
+    model.train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = loss_fn()
+        if backward_inside:
+            loss.backward()
+    if not backward_inside:
+        loss.backward()
+    assert torch.isfinite(loss)
+    # bf16 matmuls change the loss a little, not its size: a wrong-dtype path would not stay this close
+    assert abs(loss.item() - ref) <= 0.05 * max(1.0, abs(ref)), (loss.item(), ref)
+    _check_grads(model)
+
+
+def _float16_autocast_runs(device: str) -> bool:
+    try:
+        with torch.autocast(device, dtype=torch.float16):
+            a = torch.randn(4, 4, device=device, requires_grad=True)
+            (a @ a).sum().backward()
+        return True
+    except (RuntimeError, AssertionError):
+        return False
+
+
+@pytest.mark.skipif(not _float16_autocast_runs("cpu"), reason="this PyTorch build has no float16 autocast on CPU")
+@pytest.mark.parametrize("name", ["rope_axial", "rope_mixed", "comrope_ap", "comrope_ld", "irpe", "comrope_ld_3d", "mrope_interleave"])
+def test_attention_encodings_train_a_step_under_float16_autocast(name):
+    model, loss_fn = _step_loss(name)
+    model.train()
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = loss_fn()
+    loss.backward()
+    assert torch.isfinite(loss)
+    _check_grads(model)
+
+
+# -- through the CLI: Lightning's bf16-mixed precision plugin, one task per encoding family ------------------
+REPO = Path(__file__).resolve().parents[1]
+IMAGE_2D = [n for n in list_encodings(grid_ndim=2) if n not in MULTIMODAL]
+VIDEO_3D = [n for n in list_encodings(grid_ndim=3) if n not in MULTIMODAL and n not in IMAGE_2D]
+STEPS = 2
+
+
+class RecordTraining(Callback):
+    """Records what the precision plugin did: forward dtype, losses, gradients, weights before/after."""
+
+    last: dict[str, Any] = {}
+
+    def on_train_start(self, trainer, pl_module):
+        rec = RecordTraining.last = {"dtypes": set(), "losses": [], "pe_grads": set(), "finite_grads": True}
+        rec["before"] = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+        first_linear = next(m for m in pl_module.modules() if isinstance(m, torch.nn.Linear))
+        first_linear.register_forward_hook(lambda mod, inp, out: rec["dtypes"].add(out.dtype))
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        RecordTraining.last["losses"].append(loss.detach().float().item())
+
+    def on_after_backward(self, trainer, pl_module):
+        rec = RecordTraining.last
+        for n, p in pl_module.named_parameters():
+            if p.grad is not None:
+                rec["finite_grads"] &= bool(torch.isfinite(p.grad).all())
+                if "pos_encoding" in n:
+                    rec["pe_grads"].add(n)
+
+    def on_train_end(self, trainer, pl_module):
+        rec = RecordTraining.last
+        rec["after"] = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+        rec["pe_params"] = {n for n, p in pl_module.named_parameters() if "pos_encoding" in n and p.requires_grad}
+
+
+def _fit_bf16(tmp_path: Path, config: str, *args: str) -> dict[str, Any]:
+    from vispe.train_cli import main
+
+    main(["fit", "-c", str(REPO / "configs" / config), "--trainer.logger.init_args.save_dir", str(tmp_path),
+          "--trainer.max_steps", str(STEPS), "--trainer.max_epochs", "-1", "--trainer.enable_progress_bar", "false",
+          "--trainer.enable_model_summary", "false", "--trainer.limit_val_batches", "0", "--trainer.precision", "bf16-mixed",
+          "--trainer.callbacks+=test_mixed_precision.RecordTraining", *args])
+    rec = RecordTraining.last
+    assert rec["dtypes"] == {torch.bfloat16}, f"forward ran in {rec['dtypes']}, not under bf16 autocast"
+    assert len(rec["losses"]) == STEPS and all(math.isfinite(v) for v in rec["losses"]), rec["losses"]
+    assert rec["finite_grads"]
+    assert rec["pe_grads"] == rec["pe_params"], f"encoding parameters without gradient: {rec['pe_params'] - rec['pe_grads']}"
+    changed = [n for n in rec["before"] if not torch.equal(rec["before"][n], rec["after"][n])]
+    assert changed, "no parameter changed in two optimizer steps"
+    assert all(torch.isfinite(v).all() for v in rec["after"].values())
+    return rec
+
+
+@pytest.mark.parametrize("name", IMAGE_2D)
+def test_cli_bf16_mixed_image_classification(tmp_path, name):
+    _fit_bf16(tmp_path, "smoke.yaml", "--model.init_args.pos_encoding", name)
+
+
+@pytest.mark.parametrize("name", VIDEO_3D)
+def test_cli_bf16_mixed_video_retrieval(tmp_path, name):
+    _fit_bf16(tmp_path, "retrieval/smoke.yaml", "--model.init_args.pos_encoding", name)
+
+
+@pytest.mark.parametrize("name", MULTIMODAL)
+def test_cli_bf16_mixed_video_llm_niah(tmp_path, name):
+    _fit_bf16(
+        tmp_path, "smoke.yaml",
+        "--model", "vispe.tasks.niah.VideoNIAH", "--model.init_args.pos_scheme", name, "--model.init_args.dim", "64",
+        "--model.init_args.depth", "1", "--model.init_args.num_heads", "4", "--model.init_args.warmup_steps", "1",
+        "--data", "vispe.data.niah.NIAHDataModule", "--data.init_args.train_frames", "4", "--data.init_args.train_episodes", "8",
+        "--data.init_args.eval_lengths", "[4]", "--data.init_args.episodes_per_cell", "1", "--data.init_args.batch_size", "4",
+    )
