@@ -344,6 +344,10 @@ class PositionalEncoding(nn.Module):
         """Map a timm checkpoint's ``pos_embed`` onto this encoding's parameters (``None``: not used)."""
         return None
 
+    def load_timm_rope_freqs(self, freqs: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """Map a timm Eva checkpoint's learned ``rope.freqs`` onto this encoding's parameters (``None``: not used)."""
+        return None
+
     def uses_attention(self) -> bool:
         """True if ``attend`` differs from plain SDPA (host models may skip work otherwise)."""
         return type(self).attend is not PositionalEncoding.attend

@@ -118,3 +118,7 @@ class RopeMixed(RotaryEncoding):
 
     def no_weight_decay(self) -> set[str]:
         return {"freqs"}
+
+    def load_timm_rope_freqs(self, freqs: torch.Tensor) -> dict[str, torch.Tensor]:
+        # timm's Eva RoPE-Mixed stores the same (2, depth, heads, dh/4) frequencies in the same pair order
+        return {"freqs": freqs}

@@ -1,15 +1,22 @@
 """Load timm ViT checkpoints into vispe models with any positional encoding, and say what happened.
 
+Covers timm's ``VisionTransformer`` checkpoints (ViT, DeiT, DeiT-III, CLIP/DINOv2 layouts through
+timm's own converter) and timm's Eva RoPE ViTs (``vit_*_patch16_rope_*``, ``..._rope_mixed_*``):
+Eva's layer scale (``gamma_1/gamma_2``), split q/v biases and learned RoPE-Mixed frequencies
+(``rope.freqs``) are mapped onto vispe's names.
+
 Every key ends in exactly one bucket of a :class:`LoadReport`: kept (loaded as is), resampled
 (loaded after a shape change: patch embedding, learned position table), new (the model has it,
 the checkpoint does not: freshly initialised), dropped (the checkpoint has it, the model does
-not, e.g. ``pos_embed`` when the encoding is rotary, or a head of another size). Nothing is
-dropped silently: the report is logged at WARNING level whenever something was dropped or is new.
+not, e.g. ``pos_embed`` when the encoding is rotary, or a head of another size). Changes made to
+the model so that it can hold the checkpoint (layer scale switched on) are listed as ``adapted``.
+Nothing is dropped silently: the report is logged at WARNING level whenever something was dropped or is new.
 """
 from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -27,12 +34,20 @@ class LoadReport:
     resampled: list[str] = field(default_factory=list)
     new: list[str] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)
+    #: model changes made so it can hold the checkpoint (e.g. layer scale switched on)
+    adapted: list[str] = field(default_factory=list)
+    #: checkpoint keys renamed from another layout, ``"source -> target"`` (Eva -> VisionTransformer)
+    renamed: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         def fmt(keys: list[str]) -> str:
             return ", ".join(keys) if len(keys) <= 12 else ", ".join(keys[:12]) + f", ... (+{len(keys) - 12})"
 
         lines = [f"checkpoint load: {len(self.kept)} kept, {len(self.resampled)} resampled, {len(self.new)} new, {len(self.dropped)} dropped"]
+        if self.adapted:
+            lines.append(f"  model adapted: {fmt(self.adapted)}")
+        if self.renamed:
+            lines.append(f"  renamed: {fmt(self.renamed)}")
         if self.resampled:
             lines.append(f"  resampled: {fmt(self.resampled)}")
         if self.new:
@@ -63,6 +78,67 @@ def _check_width(sd: Mapping[str, torch.Tensor], model: nn.Module) -> None:
         _logger.warning("checkpoint has %d blocks, model has %d: extra blocks are dropped, missing ones are new", n_blocks, len(model.blocks))
 
 
+_EVA_KEY = re.compile(r"^blocks\.(\d+)\.(gamma_[12]|attn\.(q_bias|v_bias|[qkv]_proj\.(weight|bias)))$")
+
+
+def _is_eva(sd: Mapping[str, torch.Tensor]) -> bool:
+    return "rope.freqs" in sd or any(_EVA_KEY.match(k) for k in sd)
+
+
+def _eva_to_vit(sd: dict[str, torch.Tensor], report: LoadReport) -> dict[str, torch.Tensor]:
+    """Rename timm Eva keys to timm ``VisionTransformer`` keys (the two share everything else).
+
+    ``gamma_1/2`` -> ``ls1/ls2.gamma``; ``attn.q_bias`` + ``attn.v_bias`` -> ``attn.qkv.bias`` (the k bias
+    is zero in Eva); separate ``q/k/v_proj`` -> fused ``attn.qkv``.
+    """
+    out: dict[str, torch.Tensor] = {}
+    blocks: dict[str, dict[str, torch.Tensor]] = {}
+    for k, v in sd.items():
+        m = _EVA_KEY.match(k)
+        if m is None:
+            out[k] = v
+            continue
+        i, part = m.group(1), m.group(2)
+        if part.startswith("gamma_"):
+            target = f"blocks.{i}.ls{part[-1]}.gamma"
+            out[target] = v
+            report.renamed.append(f"{k} -> {target}")
+        else:
+            blocks.setdefault(i, {})[part[len("attn."):]] = v
+    for i, parts in blocks.items():
+        if "q_bias" in parts or "v_bias" in parts:
+            q, v = parts.pop("q_bias"), parts.pop("v_bias")
+            out[f"blocks.{i}.attn.qkv.bias"] = torch.cat([q, torch.zeros_like(q), v])
+            report.renamed.append(f"blocks.{i}.attn.q_bias + v_bias -> blocks.{i}.attn.qkv.bias")
+        for kind in ("weight", "bias"):
+            split = [parts.pop(f"{n}_proj.{kind}", None) for n in "qkv"]
+            if all(t is not None for t in split):
+                out[f"blocks.{i}.attn.qkv.{kind}"] = torch.cat(split)
+                report.renamed.append(f"blocks.{i}.attn.[qkv]_proj.{kind} -> blocks.{i}.attn.qkv.{kind}")
+        for rest, v in parts.items():  # an incomplete split: keep it under its own name (reported as dropped)
+            out[f"blocks.{i}.attn.{rest}"] = v
+    return out
+
+
+def _enable_layer_scale(sd: Mapping[str, torch.Tensor], model: nn.Module, report: LoadReport) -> None:
+    """Switch on layer scale (timm ``LayerScale``) in blocks that lack it when the checkpoint carries it.
+
+    Refusing would make every DeiT-III / Eva RoPE checkpoint unusable with a default-built model, and
+    dropping the scales silently changes the network; the scales are loaded right after.
+    """
+    from timm.layers import LayerScale
+
+    enabled = []
+    for i, block in enumerate(getattr(model, "blocks", [])):
+        for name in ("ls1", "ls2"):
+            if f"blocks.{i}.{name}.gamma" in sd and isinstance(getattr(block, name, None), nn.Identity):
+                ref = next(model.parameters())
+                setattr(block, name, LayerScale(model.embed_dim, init_values=1.0).to(device=ref.device, dtype=ref.dtype))
+                enabled.append(f"blocks.{i}.{name}")
+    if enabled:
+        report.adapted.append(f"layer scale switched on in {len(enabled)} places ({enabled[0]}, ...) to hold the checkpoint's scales")
+
+
 def adapt_timm_state_dict(state_dict: Mapping[str, Any], model: nn.Module) -> tuple[dict[str, torch.Tensor], LoadReport]:
     """Map a timm ViT state dict onto a :class:`~vispe.models.VispeVisionTransformer`.
 
@@ -71,14 +147,36 @@ def adapt_timm_state_dict(state_dict: Mapping[str, Any], model: nn.Module) -> tu
     """
     from timm.models.vision_transformer import checkpoint_filter_fn
 
+    report = LoadReport()
     sd = _unwrap(state_dict)
     _check_width(sd, model)
+    if _is_eva(sd):
+        sd = _eva_to_vit(sd, report)
+    _enable_layer_scale(sd, model, report)
     original_shapes = {k: tuple(v.shape) for k, v in sd.items()}
     pos_embed = sd.pop("pos_embed", None)
+    if "dist_token" in sd and "dist_token" not in model.state_dict():
+        # distilled DeiT: its pos_embed rows are (cls, dist, grid...); vispe ViTs have no distillation token
+        sd.pop("dist_token")
+        if pos_embed is not None:
+            pos_embed = torch.cat([pos_embed[:, :1], pos_embed[:, 2:]], dim=1)
+        report.dropped.append("dist_token and its pos_embed row (vispe ViTs have no distillation token)")
+    rope_freqs = sd.pop("rope.freqs", None)
     sd = checkpoint_filter_fn(sd, model)
-    report = LoadReport()
     target = model.state_dict()
     out: dict[str, torch.Tensor] = {}
+    if rope_freqs is not None:
+        mapped = model.pos_encoding.load_timm_rope_freqs(rope_freqs)
+        if not mapped:
+            report.dropped.append(f"rope.freqs (encoding {model.pos_encoding_name!r} has no learned rotary frequencies)")
+        for k, v in (mapped or {}).items():
+            key = f"pos_encoding.{k}"
+            if key in target and tuple(target[key].shape) == tuple(v.shape):
+                out[key] = v
+                report.kept.append(f"rope.freqs -> {key}")
+            else:
+                shape = tuple(target[key].shape) if key in target else None
+                report.dropped.append(f"rope.freqs (checkpoint {tuple(v.shape)} vs model {key} {shape})")
     if pos_embed is not None:
         mapped = model.pos_encoding.load_timm_pos_embed(pos_embed)
         if mapped:
