@@ -104,7 +104,7 @@ class VideoHaystack:
     concatenated; episodes take random windows (tiled when a window is longer than the footage)."""
 
     def __init__(self, paths: Sequence[str | os.PathLike], size: int) -> None:
-        from .video_text import read_video, resize_video
+        from .video_io import read_video, resize_video
 
         if not paths:
             raise ValueError("VideoHaystack needs at least one video path")
