@@ -177,8 +177,10 @@ def test_bad_inputs_raise():
         m(torch.randn(1, 3, 7, 32, 32))
     with pytest.raises(ValueError, match="tubelet"):
         m(torch.randn(1, 3, 8, 30, 32))
-    with pytest.raises(ValueError, match=r"\(B, C=3, T, H, W\)"):
-        m(torch.randn(1, 3, 32, 32))
+    with pytest.raises(ValueError, match=r"\(B, C=3, T, H, W\) or an image \(B, C=3, H, W\), got \(1, 4, 32, 32\)"):
+        m(torch.randn(1, 4, 32, 32))  # wrong channel count
+    with pytest.raises(ValueError, match=r"got \(3, 32, 32\)"):
+        m(torch.randn(3, 32, 32))
     with pytest.raises(ValueError, match="3D"):
         VispeVideoViT(pos_encoding="rope_axial", **TINY)
     with pytest.raises(ValueError, match="unknown positional encoding"):
@@ -201,3 +203,15 @@ def test_validate_then_train_at_the_same_grid(name):
     out.sum().backward()
     assert torch.isfinite(out).all()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.pos_encoding.parameters() if p.requires_grad)
+
+
+def test_image_input_is_a_still_clip_of_one_tubelet():
+    """timm feeds every registered model (B, C, H, W): the video ViT reads it as one tubelet of identical frames."""
+    torch.manual_seed(0)
+    m = VispeVideoViT(pos_encoding="rope_axial_3d", **TINY).eval()
+    image = torch.randn(2, 3, 32, 32)
+    still = image.unsqueeze(2).expand(-1, -1, m.patch_embed.kernel[0], -1, -1)
+    with torch.no_grad():
+        assert torch.equal(m(image), m(still))
+        tokens, grid = m.embed(image)
+    assert grid.shape == (1, 32 // m.patch_embed.kernel[1], 32 // m.patch_embed.kernel[2])

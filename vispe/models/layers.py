@@ -2,20 +2,72 @@
 
 Parameter names are timm's, so every timm ViT checkpoint loads. With ``pe=None`` the maths is
 exactly timm's fused path.
+
+Hosts call an encoding's hooks only through the ``encoding_*`` functions below. They are registered
+with timm's FX tracer as opaque calls (``register_notrace_function``), as timm does for its own
+position helpers: position work depends on the input's size, which symbolic tracing cannot branch
+on, so a traced vispe model records one node per hook and runs the hook as is.
 """
 from __future__ import annotations
 
 from typing import Any, Iterator, NamedTuple, Optional
 
 import torch
+import torch.fx
 import torch.nn as nn
-from timm.layers import Attention
+from timm.layers import Attention, register_notrace_function
 from timm.models.vision_transformer import Block
 from torch.utils.checkpoint import checkpoint
 
 from ..encodings.base import PositionalEncoding, sdpa
 
-__all__ = ["LayerPE", "PEAttention", "PEBlock", "run_blocks"]
+__all__ = [
+    "LayerPE",
+    "PEAttention",
+    "PEBlock",
+    "run_blocks",
+    "encoding_prepare",
+    "encoding_embed_tokens",
+    "encoding_after_block",
+    "encoding_attend",
+]
+
+
+@register_notrace_function
+def encoding_prepare(encoding: PositionalEncoding, grid: Any, like: torch.Tensor) -> Any:
+    """``encoding.prepare`` on ``like``'s device (one traced node)."""
+    return encoding.prepare(grid, like.device)
+
+
+@register_notrace_function
+def encoding_embed_tokens(
+    encoding: PositionalEncoding, x: torch.Tensor, grid: Any, state: Any, image: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    return encoding.embed_tokens(x, grid, state, image=image)
+
+
+@register_notrace_function
+def encoding_after_block(encoding: PositionalEncoding, index: int, x: torch.Tensor, grid: Any, state: Any) -> torch.Tensor:
+    return encoding.after_block(index, x, grid, state)
+
+
+@register_notrace_function
+def encoding_attend(
+    pe: "LayerPE",
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: Optional[torch.Tensor],
+    dropout_p: float,
+    is_causal: bool,
+) -> torch.Tensor:
+    return pe.encoding.attend(q, k, v, layer=pe.layer, state=pe.state, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal)
+
+
+# torch.fx.wrap patches these names in this module's globals for any FX tracer (timm's registration
+# above only reaches modules whose forward the tracer enters through a module call)
+for _fn in ("encoding_prepare", "encoding_embed_tokens", "encoding_after_block", "encoding_attend"):
+    torch.fx.wrap(_fn)
 
 
 class LayerPE(NamedTuple):
@@ -45,9 +97,7 @@ class PEAttention(Attention):
         if pe is None:
             x = sdpa(q, k, v, attn_mask, dropout_p, is_causal)
         else:
-            x = pe.encoding.attend(
-                q, k, v, layer=pe.layer, state=pe.state, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal
-            )
+            x = encoding_attend(pe, q, k, v, attn_mask, dropout_p, is_causal)
         x = x.transpose(1, 2).reshape(B, N, self.attn_dim)
         x = self.norm(x)
         if gate is not None:
@@ -87,7 +137,7 @@ def run_blocks(
     Position-only work (``prepare``) is done once for all layers; each block gets its
     :class:`LayerPE`; ``after_block`` runs between blocks. Yields ``(index, tokens)`` after each block.
     """
-    state = encoding.prepare(grid, x.device)
+    state = encoding_prepare(encoding, grid, x)
     use_ckpt = grad_checkpointing and not torch.jit.is_scripting() and torch.is_grad_enabled()
     for i, blk in enumerate(blocks):
         if last_index is not None and i > last_index:
@@ -97,5 +147,5 @@ def run_blocks(
             x = checkpoint(blk, x, attn_mask, is_causal, pe, use_reentrant=False)
         else:
             x = blk(x, attn_mask=attn_mask, is_causal=is_causal, pe=pe)
-        x = encoding.after_block(i, x, grid, state)
+        x = encoding_after_block(encoding, i, x, grid, state)
         yield i, x

@@ -4,7 +4,9 @@
 
 * Input: ``(B, C, T, H, W)`` (PyTorch video layout). ``T`` must be divisible by ``tubelet_size``
   and ``H, W`` by ``patch_size``; any number of frames and any resolution work at inference (the
-  token lattice is ``(T/t, H/p, W/p)``).
+  token lattice is ``(T/t, H/p, W/p)``). A 4D image ``(B, C, H, W)`` is a still video: it is
+  repeated over one tubelet (``tubelet_size`` identical frames, one temporal position), the way
+  video models take images; this is also what timm's generic model tests feed.
 * Tubelet embedding: a ``Conv3d`` with kernel = stride = ``(tubelet_size, patch_size, patch_size)``
   (``tubelet_size=1`` gives per-frame patches).
 * Blocks: timm ``Block``/``Attention`` (:class:`vispe.models.layers.PEBlock` / ``PEAttention``, same
@@ -35,8 +37,10 @@ from functools import partial
 from typing import Any
 
 import torch
-from timm.layers import LayerNorm, trunc_normal_
+import torch.fx
+from timm.layers import LayerNorm, register_notrace_function, trunc_normal_
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models._features import feature_take_indices
 from torch import nn
 
 from ..encodings import (
@@ -45,7 +49,7 @@ from ..encodings import (
     create_encoding,
     get_encoding_class,
 )
-from .layers import PEAttention, PEBlock, run_blocks
+from .layers import PEAttention, PEBlock, encoding_embed_tokens, run_blocks
 from .vispe_vit import PosEncodingArg, parse_pos_encoding
 
 __all__ = ["TubeletEmbed", "VispeVideoViT"]
@@ -53,6 +57,41 @@ __all__ = ["TubeletEmbed", "VispeVideoViT"]
 
 def _triple(x: int | Sequence[int]) -> tuple[int, ...]:
     return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+@register_notrace_function
+def _as_video(x: torch.Tensor, in_chans: int, kernel: tuple[int, int, int]) -> torch.Tensor:
+    """Check a video's layout and size; a 4D image becomes a still clip of one tubelet (opaque under FX:
+    it branches on the input's shape)."""
+    if x.ndim == 4 and x.shape[1] == in_chans:
+        x = x.unsqueeze(2).expand(-1, -1, kernel[0], -1, -1)
+    if x.ndim != 5 or x.shape[1] != in_chans:
+        raise ValueError(
+            f"expected a video of shape (B, C={in_chans}, T, H, W) or an image (B, C={in_chans}, H, W), got {tuple(x.shape)}"
+        )
+    tubelet_lattice(*x.shape[2:], kernel=kernel)
+    return x
+
+
+def tubelet_lattice(t: int, h: int, w: int, kernel: tuple[int, int, int]) -> tuple[int, int, int]:
+    """The token lattice ``(t/kt, h/kh, w/kw)`` of a clip; a size the tubelet cannot tile fails naming it."""
+    kt, kh, kw = kernel
+    if t % kt or h % kh or w % kw:
+        raise ValueError(
+            f"video of {t} frames at {h}x{w} is not divisible by the tubelet {kt}x{kh}x{kw}; use a frame count that is a "
+            f"multiple of {kt} and a resolution that is a multiple of {kh}x{kw}"
+        )
+    return t // kt, h // kh, w // kw
+
+
+@register_notrace_function
+def _tubelet_grid(tokens: torch.Tensor, num_prefix_tokens: int) -> PositionGrid:
+    return PositionGrid(tuple(int(v) for v in tokens.shape[1:4]), num_prefix_tokens)
+
+
+torch.fx.wrap("_as_video")  # opaque under any FX tracer (see vispe.models.layers)
+torch.fx.wrap("_tubelet_grid")
+torch.fx.wrap("encoding_embed_tokens")
 
 
 class TubeletEmbed(nn.Module):
@@ -69,18 +108,11 @@ class TubeletEmbed(nn.Module):
         self.proj = nn.Conv3d(in_chans, embed_dim, kernel_size=self.kernel, stride=self.kernel, bias=bias)
 
     def grid_for(self, t: int, h: int, w: int) -> tuple[int, int, int]:
-        kt, kh, kw = self.kernel
-        if t % kt or h % kh or w % kw:
-            raise ValueError(
-                f"video of {t} frames at {h}x{w} is not divisible by the tubelet {kt}x{kh}x{kw}; use a frame count that is a "
-                f"multiple of {kt} and a resolution that is a multiple of {kh}x{kw}"
-            )
-        return t // kt, h // kh, w // kw
+        return tubelet_lattice(t, h, w, self.kernel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.ndim != 5 or x.shape[1] != self.in_chans:
-            raise ValueError(f"expected a video of shape (B, C={self.in_chans}, T, H, W), got {tuple(x.shape)}")
-        self.grid_for(*x.shape[2:])
+        """``(B, C, T, H, W)`` video or ``(B, C, H, W)`` still image -> tubelet tokens ``(B, t, h, w, D)``."""
+        x = _as_video(x, self.in_chans, self.kernel)
         return self.proj(x).permute(0, 2, 3, 4, 1)
 
 
@@ -162,6 +194,8 @@ class VispeVideoViT(nn.Module):
             ]
         )
         self.norm = norm_layer(embed_dim)
+        # timm's feature metadata (reduction = the spatial patch size; features_only / forward_intermediates)
+        self.feature_info = [dict(module=f"blocks.{i}", num_chs=embed_dim, reduction=self.patch_embed.kernel[1]) for i in range(depth)]
         self.head_drop = nn.Dropout(drop_rate)
         self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
 
@@ -195,7 +229,7 @@ class VispeVideoViT(nn.Module):
         video = x
         x = self.patch_embed(x)  # (B, t, h, w, D)
         B = x.shape[0]
-        grid = PositionGrid(tuple(x.shape[1:4]), self.num_prefix_tokens)
+        grid = _tubelet_grid(x, self.num_prefix_tokens)
         x = x.flatten(1, 3)
         prefix = []
         if self.cls_token is not None:
@@ -204,7 +238,7 @@ class VispeVideoViT(nn.Module):
             prefix.append(self.reg_token.expand(B, -1, -1))
         if prefix:
             x = torch.cat(prefix + [x], dim=1)
-        x = self.pos_encoding.embed_tokens(x, grid, None, image=video)
+        x = encoding_embed_tokens(self.pos_encoding, x, grid, None, video)
         return self.pos_drop(x), grid
 
     def iter_blocks(self, x: torch.Tensor, grid: PositionGrid, attn_mask: torch.Tensor | None = None):
@@ -224,6 +258,54 @@ class VispeVideoViT(nn.Module):
         """Normed lattice tokens ``(B, T', H', W', D)`` in raster order (prefix tokens dropped)."""
         feats, grid = self.forward_features_grid(x)
         return feats[:, self.num_prefix_tokens :].reshape(feats.shape[0], *grid.shape, -1)
+
+    def forward_intermediates(
+        self,
+        x: torch.Tensor,
+        indices: int | list[int] | None = None,
+        return_prefix_tokens: bool = False,
+        norm: bool = False,
+        stop_early: bool = False,
+        output_fmt: str = "NCTHW",
+        intermediates_only: bool = False,
+    ) -> list[torch.Tensor] | tuple[torch.Tensor, list[torch.Tensor]]:
+        """timm's ``forward_intermediates`` for video: block outputs as ``'NCTHW'`` ``(B, D, T', H', W')``,
+        ``'NCHW'`` (tubelets folded into the batch, ``(B*T', D, H', W')``, batch-major: per-frame maps for 2D
+        heads, and what timm's ``features_only`` wrapper asks for) or ``'NLC'`` tokens."""
+        if output_fmt not in ("NCTHW", "NCHW", "NLC"):
+            raise ValueError(f"output_fmt={output_fmt!r}; choose 'NCTHW', 'NCHW' or 'NLC'")
+        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
+        tokens, grid = self.embed(x)
+        intermediates = []
+        for i, tokens in run_blocks(self.blocks, self.pos_encoding, tokens, grid, None, False, self.grad_checkpointing,
+                                    max_index if stop_early else None):
+            if i in take_indices:
+                intermediates.append(self.norm(tokens) if norm else tokens)
+        npt = self.num_prefix_tokens
+        prefix = [y[:, :npt] for y in intermediates] if npt else None
+        lattice = [y[:, npt:] for y in intermediates]
+        if output_fmt != "NLC":
+            b, (t, h, w) = tokens.shape[0], grid.shape
+            maps = [y.reshape(b, t, h, w, -1) for y in lattice]
+            if output_fmt == "NCTHW":
+                lattice = [m.permute(0, 4, 1, 2, 3).contiguous() for m in maps]
+            else:
+                lattice = [m.flatten(0, 1).permute(0, 3, 1, 2).contiguous() for m in maps]
+        if return_prefix_tokens and prefix is not None:
+            lattice = list(zip(lattice, prefix))
+        if intermediates_only:
+            return lattice
+        return self.norm(tokens), lattice
+
+    def prune_intermediate_layers(self, indices: int | list[int] = 1, prune_norm: bool = False, prune_head: bool = True) -> list[int]:
+        """Drop the blocks after the last wanted one (timm's API for feature extractors)."""
+        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
+        self.blocks = self.blocks[: max_index + 1]
+        if prune_norm:
+            self.norm = nn.Identity()
+        if prune_head:
+            self.reset_classifier(0, "")
+        return take_indices
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         if self.global_pool == "token":
@@ -307,7 +389,11 @@ default_cfgs = generate_default_cfgs(
 
 
 def _create_video_vit(variant: str, pretrained: bool = False, **kwargs: Any) -> VispeVideoViT:
-    return build_model_with_cfg(VispeVideoViT, variant, pretrained, pretrained_strict=kwargs.pop("pretrained_strict", False), **kwargs)
+    out_indices = kwargs.pop("out_indices", 3)
+    return build_model_with_cfg(
+        VispeVideoViT, variant, pretrained, pretrained_strict=kwargs.pop("pretrained_strict", False),
+        feature_cfg=dict(out_indices=out_indices, feature_cls="getter"), **kwargs,
+    )
 
 
 @register_model

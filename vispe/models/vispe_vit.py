@@ -10,14 +10,15 @@ from __future__ import annotations
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
-from timm.layers import to_2tuple
+import torch.fx
+from timm.layers import register_notrace_function, to_2tuple
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 from timm.models.vision_transformer import VisionTransformer
 
 from ..encodings import EncodingContext, PositionGrid, create_encoding, get_encoding_class
 from .checkpoint import timm_checkpoint_filter
-from .layers import PEAttention, PEBlock, run_blocks
+from .layers import PEAttention, PEBlock, encoding_embed_tokens, run_blocks
 
 __all__ = ["VispeVisionTransformer", "parse_pos_encoding"]
 
@@ -39,6 +40,39 @@ def parse_pos_encoding(spec: PosEncodingArg) -> tuple[str, dict[str, Any]]:
     if isinstance(spec, (tuple, list)) and len(spec) == 2 and isinstance(spec[0], str) and isinstance(spec[1], Mapping):
         return spec[0], dict(spec[1])
     raise ValueError(f"pos_encoding must be a name, a mapping with 'name', or (name, kwargs); got {spec!r}")
+
+
+@register_notrace_function
+def _check_image_input(x: torch.Tensor, patch_size: Tuple[int, int], img_size: Tuple[int, int], dynamic_pad: bool, dynamic_size: bool) -> None:
+    """Fail early, naming the size, on an input the patch cannot tile or the model cannot take.
+
+    The checks branch on the input's shape, so they are one opaque node under FX tracing."""
+    h, w = x.shape[-2:]
+    ph, pw = patch_size
+    if not dynamic_pad and (h % ph or w % pw):
+        raise ValueError(
+            f"input size {h}x{w} is not divisible by the patch size {ph}x{pw}; resize to a multiple "
+            f"or build the model with dynamic_img_pad=True"
+        )
+    if not dynamic_size and (h, w) != tuple(img_size):
+        raise ValueError(
+            f"input size {h}x{w} differs from the model's img_size {tuple(img_size)}; build the model with "
+            f"dynamic_img_size=True or call set_input_size()"
+        )
+
+
+@register_notrace_function
+def _patch_grid(patch_embed: torch.nn.Module, patches: torch.Tensor, image: torch.Tensor, num_prefix_tokens: int) -> PositionGrid:
+    """The lattice of the patch tokens (NHWC patches carry it; flattened ones get it from the image size)."""
+    if patches.ndim == 4:
+        grid_hw = tuple(int(v) for v in patches.shape[1:3])
+    else:
+        grid_hw = tuple(int(v) for v in patch_embed.dynamic_feat_size(image.shape[-2:]))
+    return PositionGrid(grid_hw, num_prefix_tokens)
+
+
+for _fn in ("_check_image_input", "_patch_grid", "encoding_embed_tokens"):
+    torch.fx.wrap(_fn)  # opaque under any FX tracer (see vispe.models.layers)
 
 
 class VispeVisionTransformer(VisionTransformer):
@@ -86,31 +120,15 @@ class VispeVisionTransformer(VisionTransformer):
             raise ValueError(f"patch_drop_rate > 0 drops tokens, which encoding {name!r} cannot follow; set patch_drop_rate=0")
 
     # ------------------------------------------------------------------------------------
-    def _check_input(self, x: torch.Tensor) -> None:
-        h, w = x.shape[-2:]
-        ph, pw = self.patch_embed.patch_size
-        if not self.patch_embed.dynamic_img_pad and (h % ph or w % pw):
-            raise ValueError(
-                f"input size {h}x{w} is not divisible by the patch size {ph}x{pw}; resize to a multiple "
-                f"or build the model with dynamic_img_pad=True"
-            )
-        if not self.dynamic_img_size and (h, w) != tuple(self.patch_embed.img_size):
-            raise ValueError(
-                f"input size {h}x{w} differs from the model's img_size {tuple(self.patch_embed.img_size)}; build the model with "
-                f"dynamic_img_size=True or call set_input_size()"
-            )
-
     def embed(self, x: torch.Tensor) -> tuple[torch.Tensor, PositionGrid]:
         """Patchify, prepend prefix tokens, apply token encodings. Returns tokens and their grid."""
         image = x
-        self._check_input(x)
+        pe_ = self.patch_embed
+        _check_image_input(x, tuple(pe_.patch_size), tuple(pe_.img_size), pe_.dynamic_img_pad, self.dynamic_img_size)
         x = self.patch_embed(x)
-        if x.ndim == 4:  # NHWC from dynamic_img_size
-            grid_hw = tuple(x.shape[1:3])
+        grid = _patch_grid(self.patch_embed, x, image, self.num_prefix_tokens)
+        if not self.patch_embed.flatten:  # NHWC patches (timm's dynamic_img_size mode)
             x = x.flatten(1, 2)
-        else:
-            grid_hw = tuple(self.patch_embed.dynamic_feat_size(image.shape[-2:]))
-        grid = PositionGrid(grid_hw, self.num_prefix_tokens)
         to_cat = []
         if self.cls_token is not None:
             to_cat.append(self.cls_token.expand(x.shape[0], -1, -1))
@@ -118,7 +136,7 @@ class VispeVisionTransformer(VisionTransformer):
             to_cat.append(self.reg_token.expand(x.shape[0], -1, -1))
         if to_cat:
             x = torch.cat(to_cat + [x], dim=1)
-        x = self.pos_encoding.embed_tokens(x, grid, None, image=image)
+        x = encoding_embed_tokens(self.pos_encoding, x, grid, None, image)
         x = self.pos_drop(x)
         x = self.patch_drop(x)
         x = self.norm_pre(x)
