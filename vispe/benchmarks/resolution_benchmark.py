@@ -1,0 +1,294 @@
+"""``vispe resolution-benchmark``: train every 2D encoding with one recipe, then sweep 0.5x-2x the training size.
+
+    VISPE_DATA_ROOT=/path/to/data vispe resolution-benchmark --recipe cpu --out outputs/resbench
+    vispe resolution-benchmark --recipe tiny --out /tmp/resbench          # generated data, seconds
+
+Each recipe is a list of parts (a data set, a model size, a schedule, the encodings and their seeds).
+Every run is ``vispe fit`` (LightningCLI, the same task and data modules as any user run) with the
+part's overrides; the sweep is :func:`vispe.benchmarks.resolution.run_sweep` with both extrapolation
+policies where an encoding has them. Runs whose ``last.ckpt`` exists are skipped, so an interrupted
+benchmark resumes. The summary groups the seeds of each (encoding, policy): mean +- standard
+deviation over seeds, and for a single seed the binomial standard error of the test accuracy
+``sqrt(p (1 - p) / n)`` (what a bootstrap over the test set estimates), marked as such.
+
+Outputs under ``--out``: one folder per part with the runs, ``resolution/`` (the per-checkpoint
+sweep), and ``summary.json``, ``summary.md`` and ``summary.png`` (accuracy vs evaluation size with
+error bands).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+__all__ = ["HEADLINE", "RECIPES", "Part", "main", "summarise"]
+
+ROOT = Path(__file__).resolve().parents[2]
+#: The encodings the papers compare at 2x resolution; they get several seeds.
+HEADLINE = ("learned", "sincos2d", "rope_axial", "rope_mixed", "comrope_ap", "comrope_ld")
+ALL_2D = ("none", "learned", "sincos2d", "rope_axial", "rope_mixed", "irpe", "cpe", "lff", "loope", "comrope_ap", "comrope_ld")
+
+
+@dataclass(frozen=True)
+class Part:
+    """One trained table: data module, train size, model, schedule, which encodings with which seeds."""
+
+    name: str
+    data: str  # DataModule class path
+    data_args: dict[str, Any]
+    train_size: int
+    patch: int
+    model_kwargs: dict[str, Any]
+    fit_args: dict[str, Any]  # dotted LightningCLI overrides
+    encodings: tuple[str, ...]
+    seeds: tuple[int, ...]
+    extra_seed_encodings: tuple[str, ...] = HEADLINE  # these get every seed; the others the first only
+    eval_subset: int | None = None
+    notes: str = ""
+    needs_data: str | None = None  # folder under $VISPE_DATA_ROOT the part reads
+
+    def runs(self) -> list[tuple[str, int]]:
+        return [(e, s) for e in self.encodings for s in (self.seeds if e in self.extra_seed_encodings else self.seeds[:1])]
+
+    def sizes(self) -> list[int]:
+        """0.5x .. 2x the training size, in steps of about a quarter of it (multiples of the patch)."""
+        step = self.patch * max(1, round(self.train_size / 4 / self.patch))
+        lo = self.patch * math.ceil(self.train_size / 2 / self.patch)
+        return list(range(lo, 2 * self.train_size + 1, step))
+
+
+_SMALL_VIT = {"embed_dim": 64, "depth": 4, "num_heads": 4, "mlp_ratio": 2}
+_CPU_FIT = {"model.init_args.lr": 2e-3, "model.init_args.warmup_epochs": 0.5, "model.init_args.mixup_alpha": 0.0,
+            "model.init_args.cutmix_alpha": 0.0, "model.init_args.label_smoothing": 0.1, "data.init_args.batch_size": 128}
+
+RECIPES: dict[str, list[Part]] = {
+    # seconds: generated images, a 1-block model, one short epoch; for tests and a first look
+    "tiny": [Part(
+        "synthetic", "vispe.data.SyntheticDataModule",
+        {"num_classes": 4, "image_size": 16, "train_size": 128, "val_size": 64, "batch_size": 32},
+        16, 4, {"embed_dim": 32, "depth": 1, "num_heads": 2, "mlp_ratio": 2},
+        {"trainer.max_epochs": 1, "model.init_args.lr": 3e-3, "model.init_args.warmup_epochs": 0.0},
+        ("none", "rope_axial"), (0, 1), extra_seed_encodings=("rope_axial",),
+    )],
+    # 2-core CPU: Fashion-MNIST at 32 px (64 tokens) for every 2D encoding, CIFAR-10 for the headline ones
+    "cpu": [
+        Part(
+            "fashion_mnist", "vispe.data.FashionMNISTDataModule", {"image_size": 32, "in_chans": 1, "augment": "crop_flip"},
+            32, 4, _SMALL_VIT, {**_CPU_FIT, "trainer.max_epochs": 3}, ALL_2D, (0, 1, 2), needs_data="fashion-mnist",
+        ),
+        Part(
+            "cifar10", "vispe.data.CIFAR10JpegDataModule", {"augment": "crop_flip"},
+            32, 4, _SMALL_VIT, {**_CPU_FIT, "trainer.max_epochs": 15}, HEADLINE, (0, 1, 2), eval_subset=5000,
+            needs_data="cifar10-jpeg",
+        ),
+    ],
+    # one GPU: the configs' ViT-Tiny-class model and schedule (100 epochs, mixup/cutmix) on CIFAR-10
+    "gpu": [Part(
+        "cifar10", "vispe.data.CIFAR10JpegDataModule", {"augment": "crop_flip", "batch_size": 256},
+        32, 4, {}, {"trainer.max_epochs": 100, "trainer.accelerator": "gpu", "trainer.precision": "bf16-mixed"},
+        HEADLINE, (0, 1, 2), needs_data="cifar10-jpeg",
+    )],
+}
+
+
+def _fit_command(part: Part, encoding: str, seed: int, out: Path, data_dir: str | None) -> list[str]:
+    cfg = ROOT / "configs" / "cifar10" / f"{encoding}.yaml"
+    if not cfg.is_file():
+        raise FileNotFoundError(f"no config {cfg} for encoding {encoding!r}")
+    in_chans = part.data_args.get("in_chans", 3)
+    data_args = dict(part.data_args)
+    if data_dir is not None and part.needs_data:
+        data_args["data_dir"] = str(Path(data_dir) / part.needs_data)
+    cmd = [sys.executable, "-m", "vispe.cli", "fit", "-c", str(cfg), "--seed_everything", str(seed),
+           "--data", part.data, "--model.init_args.in_chans", str(in_chans), "--model.init_args.img_size", str(part.train_size),
+           "--trainer.logger.init_args.save_dir", str(out), "--trainer.logger.init_args.name", f"{encoding}-s{seed}",
+           "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
+    for k, v in data_args.items():
+        cmd += [f"--data.init_args.{k}", json.dumps(v) if not isinstance(v, str) else v]
+    if part.model_kwargs:
+        cmd += ["--model.init_args.model_kwargs", json.dumps(part.model_kwargs)]
+    for k, v in part.fit_args.items():
+        cmd += [f"--{k}", json.dumps(v) if not isinstance(v, str) else v]
+    return cmd
+
+
+def train_part(part: Part, out: Path, jobs: int, threads: int, data_dir: str | None, log) -> dict[str, Any]:
+    """Train the part's runs (``jobs`` at a time), skipping finished ones; returns wall times."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONHASHSEED="0")
+    timings_path = out / "timings.json"
+    timings = json.loads(timings_path.read_text()) if timings_path.is_file() else {}
+    todo = [(e, s) for e, s in part.runs() if not (out / f"{e}-s{s}" / "checkpoints" / "last.ckpt").is_file()]
+    if jobs == 1:  # one at a time: in this process (no interpreter start-up per run)
+        from vispe.train_cli import main as fit
+
+        for enc, seed in todo:
+            log(f"[{time.strftime('%H:%M:%S')}] {part.name}: start {enc} seed {seed}")
+            t0 = time.perf_counter()
+            fit(_fit_command(part, enc, seed, out, data_dir)[3:])
+            timings[f"{enc}-s{seed}"] = round(time.perf_counter() - t0, 1)
+            timings_path.write_text(json.dumps(timings, indent=2))
+        return timings
+    running: list[tuple[str, subprocess.Popen, float, Any]] = []
+    while todo or running:
+        while todo and len(running) < jobs:
+            enc, seed = todo.pop(0)
+            cmd = _fit_command(part, enc, seed, out, data_dir)
+            (out / "logs").mkdir(parents=True, exist_ok=True)
+            fh = open(out / "logs" / f"{enc}-s{seed}.log", "w")
+            log(f"[{time.strftime('%H:%M:%S')}] {part.name}: start {enc} seed {seed}")
+            running.append((f"{enc}-s{seed}", subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT), time.perf_counter(), fh))
+        time.sleep(0.2)
+        for item in list(running):
+            name, proc, t0, fh = item
+            if proc.poll() is None:
+                continue
+            running.remove(item)
+            fh.close()
+            if proc.returncode:
+                raise RuntimeError(f"{part.name}/{name} failed (exit {proc.returncode}); see {out / 'logs' / (name + '.log')}")
+            timings[name] = round(time.perf_counter() - t0, 1)
+            timings_path.write_text(json.dumps(timings, indent=2))
+            log(f"[{time.strftime('%H:%M:%S')}] {part.name}: {name} done in {timings[name]} s")
+    return timings
+
+
+def summarise(sweep: dict[str, Any], part: Part) -> list[dict[str, Any]]:
+    """Group the sweep's per-checkpoint rows by (encoding, policy): mean and spread per size over seeds."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in sweep["results"]:
+        groups.setdefault((r["encoding"], r["extrapolation"]), []).append(r)
+    rows = []
+    for (enc, policy), rs in sorted(groups.items()):
+        sizes = sorted({int(s) for r in rs for s in r["accuracy"]})
+        row: dict[str, Any] = {"part": part.name, "encoding": enc, "extrapolation": policy, "seeds": len(rs),
+                               "train_size": part.train_size, "num_samples": rs[0]["num_samples"], "mean": {}, "spread": {}}
+        for s in sizes:
+            vals = [r["accuracy"][str(s)]["top1"] for r in rs]
+            row["mean"][s] = statistics.fmean(vals)
+            if len(vals) > 1:
+                row["spread"][s] = statistics.stdev(vals)
+            else:
+                p = vals[0] / 100.0
+                row["spread"][s] = 100.0 * math.sqrt(max(p * (1 - p), 0.0) / rs[0]["num_samples"])
+        row["spread_kind"] = "std over seeds" if len(rs) > 1 else "binomial s.e. (1 seed)"
+        rows.append(row)
+    return rows
+
+
+def _label(row: dict[str, Any]) -> str:
+    own = row["extrapolation"].startswith("own")
+    return row["encoding"] if own else f"{row['encoding']} ({row['extrapolation']})"
+
+
+def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    out = []
+    for part in dict.fromkeys(r["part"] for r in rows):
+        pr = [r for r in rows if r["part"] == part]
+        sizes = sorted({s for r in pr for s in r["mean"]})
+        train = pr[0]["train_size"]
+        out.append(f"### {part} (train {train} px; top-1 %, mean ± spread)\n")
+        out.append("| encoding (policy) | seeds | " + " | ".join(f"{s}{'*' if s == train else ''}" for s in sizes) + " |")
+        out.append("|---|---:|" + "---:|" * len(sizes))
+        for r in pr:
+            cells = [f"{r['mean'][s]:.1f} ± {r['spread'][s]:.1f}" if s in r["mean"] else "-" for s in sizes]
+            out.append(f"| {_label(r)} | {r['seeds']} | " + " | ".join(cells) + " |")
+        out.append("")
+    out.append(f"Spread: std over seeds where seeds > 1, else the binomial standard error of one run. "
+               f"Recipe `{meta['recipe']}`; wall time {meta['wall_s']:.0f} s; {meta['machine']}.")
+    return "\n".join(out) + "\n"
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    parts = list(dict.fromkeys(r["part"] for r in rows))
+    fig, axes = plt.subplots(1, len(parts), figsize=(6.5 * len(parts), 4.5), squeeze=False)
+    for ax, part in zip(axes[0], parts):
+        for r in (r for r in rows if r["part"] == part):
+            sizes = sorted(r["mean"])
+            m = [r["mean"][s] for s in sizes]
+            e = [r["spread"][s] for s in sizes]
+            line, = ax.plot(sizes, m, marker="o", ms=3, label=_label(r))
+            ax.fill_between(sizes, [a - b for a, b in zip(m, e)], [a + b for a, b in zip(m, e)], color=line.get_color(), alpha=0.15)
+        ax.axvline(r["train_size"], color="grey", ls=":", lw=1)
+        ax.set(title=part, xlabel="evaluation size (px)", ylabel="top-1 (%)")
+        ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="vispe resolution-benchmark", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--recipe", default="cpu", choices=sorted(RECIPES))
+    p.add_argument("--parts", default=None, help="comma-separated parts of the recipe to run (default: all)")
+    p.add_argument("--encodings", default=None, help="restrict to these encodings (comma-separated)")
+    p.add_argument("--out", default="outputs/resolution_benchmark")
+    p.add_argument("--data-dir", default=None, help="data root (default $VISPE_DATA_ROOT)")
+    p.add_argument("--jobs", type=int, default=1, help="training runs at a time")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per run")
+    args = p.parse_args(list(argv) if argv is not None else None)
+    from vispe.benchmarks.resolution import run_sweep
+    from vispe.benchmarks.speed import _machine
+
+    import torch
+
+    parts = RECIPES[args.recipe]
+    if args.parts:
+        wanted = [s.strip() for s in args.parts.split(",") if s.strip()]
+        bad = [w for w in wanted if w not in {pt.name for pt in parts}]
+        if bad:
+            print(f"vispe resolution-benchmark: unknown part(s) {bad}; recipe {args.recipe!r} has {[pt.name for pt in parts]}", file=sys.stderr)
+            return 2
+        parts = [pt for pt in parts if pt.name in wanted]
+    if args.encodings:
+        keep = [e.strip() for e in args.encodings.split(",") if e.strip()]
+        from vispe.encodings import get_encoding_class
+
+        for e in keep:
+            get_encoding_class(e)  # unknown names fail here, naming the valid ones
+        parts = [Part(**{**pt.__dict__, "encodings": tuple(e for e in pt.encodings if e in keep)}) for pt in parts]
+    data_dir = args.data_dir or os.environ.get("VISPE_DATA_ROOT")
+    for pt in parts:
+        if pt.needs_data and not (data_dir and (Path(data_dir) / pt.needs_data).exists()):
+            print(f"vispe resolution-benchmark: part {pt.name!r} needs {pt.needs_data!r} under --data-dir or $VISPE_DATA_ROOT "
+                  f"(got {data_dir!r})", file=sys.stderr)
+            return 2
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    t_start = time.perf_counter()
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    rows, timings = [], {}
+    for pt in parts:
+        part_out = out / pt.name
+        part_out.mkdir(parents=True, exist_ok=True)
+        timings[pt.name] = train_part(pt, part_out, args.jobs, args.threads, data_dir, log)
+        ckpts = [str(part_out / f"{e}-s{s}" / "checkpoints" / "last.ckpt") for e, s in pt.runs()]
+        sweep = run_sweep(ckpts, pt.sizes(), "both", part_out / "resolution", labels=[f"{e}-s{s}" for e, s in pt.runs()],
+                          eval_subset=pt.eval_subset, data_dir=str(Path(data_dir) / pt.needs_data) if pt.needs_data else None)
+        rows += summarise(sweep, pt)
+    meta = {"recipe": args.recipe, "wall_s": time.perf_counter() - t_start, "machine": _machine(torch.device("cpu")),
+            "threads": args.threads, "jobs": args.jobs, "torch": torch.__version__, "train_seconds": timings,
+            "parts": [{k: v for k, v in pt.__dict__.items()} for pt in parts]}
+    (out / "summary.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2, default=str))
+    text = markdown(rows, meta)
+    (out / "summary.md").write_text(text)
+    plot(rows, out / "summary.png")
+    print(text)
+    print(f"wrote {out / 'summary.json'}, summary.md, summary.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
