@@ -106,7 +106,7 @@ def _eva_to_vit(sd: dict[str, torch.Tensor], report: LoadReport) -> dict[str, to
         else:
             blocks.setdefault(i, {})[part[len("attn."):]] = v
     for i, parts in blocks.items():
-        if "q_bias" in parts or "v_bias" in parts:
+        if "q_bias" in parts and "v_bias" in parts:
             q, v = parts.pop("q_bias"), parts.pop("v_bias")
             out[f"blocks.{i}.attn.qkv.bias"] = torch.cat([q, torch.zeros_like(q), v])
             report.renamed.append(f"blocks.{i}.attn.q_bias + v_bias -> blocks.{i}.attn.qkv.bias")
