@@ -167,6 +167,44 @@ def test_generate_with_cache_equals_full_reforward(name, scheme):
     assert _generate_vs_reforward(model, kw, types) <= 1e-4
 
 
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("scheme", POSITION_SCHEMES)
+def test_manual_cached_decode_uses_rope_deltas(name, scheme):
+    """forward(past_key_values=...) without position_ids: the model's own rope_deltas path (one unpadded sample)."""
+    import inspect
+
+    model = _model(name)
+    kw, types, _ = _batch(name)
+    row = kw["attention_mask"][0].bool()
+    one = dict(kw, input_ids=kw["input_ids"][:1, row], video_grid_thw=kw["video_grid_thw"][:1],
+               pixel_values_videos=kw["pixel_values_videos"][: int(kw["video_grid_thw"][0].prod())])
+    one.pop("attention_mask")
+    if "second_per_grid_ts" in one:
+        one["second_per_grid_ts"] = one["second_per_grid_ts"][:1]
+    one_types = types[:1, row]
+    vhf.apply_position_scheme(model, scheme, **SCHEME_OPTIONS.get(scheme, {}))
+    fkw = _forward_kwargs(model, one, one_types)
+    takes_cache_position = "cache_position" in inspect.signature(model.forward).parameters
+    ids = one["input_ids"]
+    with torch.no_grad():
+        out = model(**fkw, use_cache=True)
+        cache, steps = out.past_key_values, []
+        nxt = out.logits[:, -1:].argmax(-1)
+        for _ in range(3):
+            extra = dict(cache_position=torch.tensor([ids.shape[1]])) if takes_cache_position else {}
+            out = model(input_ids=nxt, past_key_values=cache, use_cache=True, **extra)
+            cache = out.past_key_values
+            steps.append(out.logits[:, -1])
+            ids = torch.cat([ids, nxt], 1)
+            nxt = out.logits[:, -1:].argmax(-1)
+        full = dict(fkw, input_ids=ids)
+        if "mm_token_type_ids" in fkw:
+            full["mm_token_type_ids"] = torch.cat([one_types, torch.zeros(1, 3, dtype=one_types.dtype)], 1)
+        model.model.rope_deltas = None
+        ref = model(**full).logits[:, -3:]  # the three fed tokens
+    assert (torch.stack(steps, 1) - ref).abs().max().item() <= 1e-4
+
+
 def _text_batch():
     ids = torch.tensor([[0, 0, 5, 6, 7, 8, 9], [3, 4, 5, 6, 7, 8, 9]])
     mask = (torch.arange(7) >= torch.tensor([[2], [0]])).long()
