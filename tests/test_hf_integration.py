@@ -6,24 +6,24 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from vispe.integrations import hf as vhf  # noqa: E402
-from vispe.positions import POSITION_SCHEMES, Text, Visual, build_positions_batch  # noqa: E402
+from vispe.integrations import hf as vhf
+from vispe.positions import POSITION_SCHEMES, Text, Visual, build_positions_batch
 
 IMG, VID, VS, VE = 120, 121, 122, 123
 SPECIAL = [IMG, VID, VS, VE, 2]  # no multimodal tokens, no EOS in the generated text
 PATCH, MERGE, TPATCH = 4, 2, 2
-SCHEME_OPTIONS = {"hope": dict(gamma=0.75), "v2pe": dict(delta=0.25)}
+SCHEME_OPTIONS = {"hope": {"gamma": 0.75}, "v2pe": {"delta": 0.25}}
 
-TEXT = dict(vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
-            num_key_value_heads=4, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}, rope_theta=10000.0,
-            bos_token_id=1, eos_token_id=2, pad_token_id=0)
-TOKENS = dict(image_token_id=IMG, video_token_id=VID, vision_start_token_id=VS, vision_end_token_id=VE)
+TEXT = {"vocab_size": 128, "hidden_size": 128, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 8,
+            "num_key_value_heads": 4, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}, "rope_theta": 10000.0,
+            "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+TOKENS = {"image_token_id": IMG, "video_token_id": VID, "vision_start_token_id": VS, "vision_end_token_id": VE}
 
 
 def _qwen2_vl():
     cfg = transformers.Qwen2VLConfig(
         text_config=dict(TEXT), **TOKENS,
-        vision_config=dict(depth=1, embed_dim=32, hidden_size=128, num_heads=2, patch_size=PATCH, spatial_merge_size=MERGE, temporal_patch_size=TPATCH),
+        vision_config={"depth": 1, "embed_dim": 32, "hidden_size": 128, "num_heads": 2, "patch_size": PATCH, "spatial_merge_size": MERGE, "temporal_patch_size": TPATCH},
     )
     return transformers.Qwen2VLForConditionalGeneration(cfg)
 
@@ -31,8 +31,8 @@ def _qwen2_vl():
 def _qwen2_5_vl():
     cfg = transformers.Qwen2_5_VLConfig(
         text_config=dict(TEXT), **TOKENS,
-        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=128, patch_size=PATCH,
-                           spatial_merge_size=MERGE, temporal_patch_size=TPATCH, window_size=16, fullatt_block_indexes=[0], tokens_per_second=2),
+        vision_config={"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 128, "patch_size": PATCH,
+                           "spatial_merge_size": MERGE, "temporal_patch_size": TPATCH, "window_size": 16, "fullatt_block_indexes": [0], "tokens_per_second": 2},
     )
     return transformers.Qwen2_5_VLForConditionalGeneration(cfg)
 
@@ -73,11 +73,11 @@ def _batch(name, with_video=True):
     grids_vid = torch.tensor([vid, vid])
     g = torch.Generator().manual_seed(1)
     feat = 3 * TPATCH * PATCH * PATCH
-    kw = dict(
-        input_ids=ids, attention_mask=mask,
-        pixel_values=torch.randn(int(grids_img.prod(-1).sum()), feat, generator=g), image_grid_thw=grids_img,
-        pixel_values_videos=torch.randn(int(grids_vid.prod(-1).sum()), feat, generator=g), video_grid_thw=grids_vid,
-    )
+    kw = {
+        "input_ids": ids, "attention_mask": mask,
+        "pixel_values": torch.randn(int(grids_img.prod(-1).sum()), feat, generator=g), "image_grid_thw": grids_img,
+        "pixel_values_videos": torch.randn(int(grids_vid.prod(-1).sum()), feat, generator=g), "video_grid_thw": grids_vid,
+    }
     if name == "qwen2_5_vl":
         kw["second_per_grid_ts"] = torch.tensor([1.0, 1.0])
     types = (ids == IMG).long() + 2 * (ids == VID).long()
@@ -191,7 +191,7 @@ def test_manual_cached_decode_uses_rope_deltas(name, scheme):
         cache, steps = out.past_key_values, []
         nxt = out.logits[:, -1:].argmax(-1)
         for _ in range(3):
-            extra = dict(cache_position=torch.tensor([ids.shape[1]])) if takes_cache_position else {}
+            extra = {"cache_position": torch.tensor([ids.shape[1]])} if takes_cache_position else {}
             out = model(input_ids=nxt, past_key_values=cache, use_cache=True, **extra)
             cache = out.past_key_values
             steps.append(out.logits[:, -1])
@@ -208,7 +208,7 @@ def test_manual_cached_decode_uses_rope_deltas(name, scheme):
 def _text_batch():
     ids = torch.tensor([[0, 0, 5, 6, 7, 8, 9], [3, 4, 5, 6, 7, 8, 9]])
     mask = (torch.arange(7) >= torch.tensor([[2], [0]])).long()
-    return dict(input_ids=ids, attention_mask=mask)
+    return {"input_ids": ids, "attention_mask": mask}
 
 
 @pytest.mark.parametrize("name", list(MODELS))

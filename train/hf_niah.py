@@ -41,10 +41,10 @@ def build_model(vocab_size: int, ids: dict[str, int], seed: int):
 
     torch.manual_seed(seed)
     cfg = Qwen2VLConfig(
-        text_config=dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=4, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}, rope_theta=10000.0,
-                         pad_token_id=0),
-        vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, patch_size=PATCH, spatial_merge_size=MERGE, temporal_patch_size=TPATCH),
+        text_config={"vocab_size": vocab_size, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                         "num_key_value_heads": 4, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}, "rope_theta": 10000.0,
+                         "pad_token_id": 0},
+        vision_config={"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "patch_size": PATCH, "spatial_merge_size": MERGE, "temporal_patch_size": TPATCH},
         **ids,
     )
     return Qwen2VLForConditionalGeneration(cfg)
@@ -69,7 +69,7 @@ def batch(ds: NIAHDataset, idx: list[int], vocab: NIAHVocab, ids: dict[str, int]
     for b, r in enumerate(rows):  # left padding: the answer (or the next token) is last in every row
         input_ids[b, L - len(r):] = torch.tensor(r)
         mask[b, L - len(r):] = 1
-    kw = dict(input_ids=input_ids, attention_mask=mask, pixel_values_videos=torch.cat(pix), video_grid_thw=torch.tensor(grids))
+    kw = {"input_ids": input_ids, "attention_mask": mask, "pixel_values_videos": torch.cat(pix), "video_grid_thw": torch.tensor(grids)}
     return kw, torch.tensor(answers)
 
 
@@ -96,9 +96,9 @@ def main(argv=None) -> dict:
     torch.set_num_threads(1)
     vocab = NIAHVocab()
     base = len(vocab)
-    ids = dict(video_token_id=base, image_token_id=base + 1, vision_start_token_id=base + 2, vision_end_token_id=base + 3)
+    ids = {"video_token_id": base, "image_token_id": base + 1, "vision_start_token_id": base + 2, "vision_end_token_id": base + 3}
     model = build_model(base + 4, ids, args.seed)
-    options = {"hope": dict(gamma=0.75), "v2pe": dict(delta=0.25)}.get(args.scheme, {})
+    options = {"hope": {"gamma": 0.75}, "v2pe": {"delta": 0.25}}.get(args.scheme, {})
     apply_position_scheme(model, args.scheme, **options)
     train = NIAHDataset(args.steps * args.batch_size, args.train_frames, frame_size=args.frame_size, patch=PATCH, seed=args.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.05)
@@ -115,10 +115,10 @@ def main(argv=None) -> dict:
         sched.step()
         if step % 50 == 0 or step == args.steps - 1:
             acc = (logits.argmax(-1) == answers).float().mean().item()
-            log.append(dict(step=step, loss=round(loss.item(), 4), train_acc=round(acc, 3)))
+            log.append({"step": step, "loss": round(loss.item(), 4), "train_acc": round(acc, 3)})
             print(log[-1], flush=True)
     model.eval()
-    result = dict(scheme=args.scheme, steps=args.steps, train_frames=args.train_frames, train_seconds=round(time.time() - t0, 1), log=log, eval={})
+    result = {"scheme": args.scheme, "steps": args.steps, "train_frames": args.train_frames, "train_seconds": round(time.time() - t0, 1), "log": log, "eval": {}}
     with torch.no_grad():
         for n in (int(x) for x in args.eval_frames.split(",")):
             ds = NIAHDataset(args.eval_episodes, n, depths=[0, 0.25, 0.5, 0.75, 1], frame_size=args.frame_size, patch=PATCH, seed=args.seed + 1000)

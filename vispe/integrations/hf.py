@@ -281,7 +281,7 @@ def _probe_conventions(original: Any, signature: inspect.Signature, config: Any,
     vs, img = config.vision_start_token_id, config.image_token_id
     ve = getattr(config, "vision_end_token_id", vs)
     ids = torch.tensor([[0, vs, img, ve, 0]])
-    kw: dict[str, Any] = dict(input_ids=ids, image_grid_thw=torch.tensor([[1, m, m]]), attention_mask=torch.tensor([[0, 1, 1, 1, 1]]))
+    kw: dict[str, Any] = {"input_ids": ids, "image_grid_thw": torch.tensor([[1, m, m]]), "attention_mask": torch.tensor([[0, 1, 1, 1, 1]])}
     if "mm_token_type_ids" in signature.parameters:
         kw["mm_token_type_ids"] = (ids == img).long()
     pos, delta = original(**kw)
