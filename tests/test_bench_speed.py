@@ -9,10 +9,9 @@ import pytest
 import timm
 import torch
 
-import vispe
 from vispe.benchmarks.speed import TARGETS, format_table, main, parse_encoding_specs
 from vispe.cli import main as cli_main
-from vispe.encodings import PositionGrid, apply_rotary, rotary_table
+from vispe.encodings import apply_rotary, rotary_table
 
 
 def test_bench_speed_command_runs_one_iteration(tmp_path, capsys):

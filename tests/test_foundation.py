@@ -22,8 +22,8 @@ class ShiftedGrid(PositionGrid):
         super().__init__(shape, num_prefix_tokens)
         object.__setattr__(self, "offset", offset)
 
-    def indices(self, device=None):
-        return super().indices(device) + self.offset
+    def indices(self, device=None, rescale_to=None):
+        return super().indices(device, rescale_to) + self.offset
 
 
 def _copy_eva_weights(eva, model):
@@ -64,6 +64,23 @@ def test_learned_is_bit_exact_with_timm_vit():
     with torch.no_grad():
         assert torch.equal(ref(x), model(x))
         assert torch.equal(ref.forward_features(x), model.forward_features(x))
+
+
+def test_learned_init_options():
+    from timm.layers import build_sincos2d_pos_embed, trunc_normal_
+
+    # default: exactly timm's init (its trunc_normal_, std 0.02) for the same seed
+    torch.manual_seed(0)
+    table = create_encoding("learned", dim=64, grid_size=(8, 8)).pos_embed
+    torch.manual_seed(0)
+    assert torch.equal(table.detach(), trunc_normal_(torch.zeros(1, 65, 64), std=0.02))
+    assert abs(create_encoding("learned", dim=64, grid_size=(8, 8), init_std=0.5).pos_embed.std().item() - 0.5) < 0.1
+    # sincos2d start: lattice rows are timm's fixed sin-cos table, prefix rows zero; still a parameter
+    enc = create_encoding("learned", dim=64, grid_size=(6, 8), init="sincos2d")
+    assert torch.equal(enc.pos_embed[0, 1:].detach(), build_sincos2d_pos_embed([6, 8], dim=64))
+    assert torch.equal(enc.pos_embed[0, 0].detach(), torch.zeros(64)) and enc.pos_embed.requires_grad
+    with pytest.raises(ValueError, match="init"):
+        create_encoding("learned", dim=64, grid_size=(8, 8), init="xavier")
 
 
 def _patch_logits(enc, grid, q, k, layer=0):
@@ -210,9 +227,9 @@ def test_rotary_table_cache_reused_and_invalidated():
     with torch.no_grad():
         model(torch.randn(1, 3, 32, 32))
         model(torch.randn(1, 3, 48, 48))
-        n = len(model.pos_encoding._table_cache)
+        n = len(model.pos_encoding._state_cache)
         model(torch.randn(1, 3, 48, 48))
-    assert n == 2 and len(model.pos_encoding._table_cache) == 2
+    assert n == 2 and len(model.pos_encoding._state_cache) == 2
     mixed = _tiny("rope_mixed")
     with torch.no_grad():
         a = mixed.pos_encoding.prepare(PositionGrid((4, 4), 1), None).table

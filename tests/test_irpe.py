@@ -154,7 +154,7 @@ def test_forward_backward_grids_and_bf16(opts):
         model(torch.randn(2, 3, *hw)).sum().backward()
         assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.pos_encoding.parameters())
     assert sum(p.numel() for p in model.pos_encoding.parameters()) == n_params  # no resizing
-    assert len(model.pos_encoding._ids_cache) == 3  # one bucket map per grid
+    assert len(model.pos_encoding._state_cache) == 3  # one bucket map per grid
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = model(torch.randn(2, 3, 40, 32))
     assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()

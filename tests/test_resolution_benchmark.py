@@ -47,3 +47,63 @@ def test_bad_arguments_fail_before_training(tmp_path, capsys):
     assert main(["--recipe", "cpu", "--parts", "fashion_mnist", "--data-dir", str(tmp_path / "nowhere"), "--out", str(tmp_path)]) == 2
     assert "needs 'fashion-mnist'" in capsys.readouterr().err
     assert not any((tmp_path).glob("*/*/checkpoints"))
+
+
+def test_claims_verdicts_follow_the_figures():
+    from vispe.benchmarks.resolution_benchmark import claims
+
+    def row(enc, policy, means, spread, seeds=3):
+        return {"part": "p", "encoding": enc, "extrapolation": policy, "seeds": seeds, "train_size": 28,
+                "mean": dict(means), "spread": {s: spread for s in means}}
+
+    rows = [
+        row("learned", "own (no option)", {28: 90.0, 35: 80.0, 56: 40.0}, 1.0),
+        row("rope_mixed", "extend", {28: 90.0, 35: 90.5, 56: 60.0}, 1.0),
+        row("rope_mixed", "interpolate", {28: 90.0, 35: 10.0, 56: 10.0}, 1.0),  # not the default policy: ignored
+        row("comrope_ap", "own (no option)", {28: 90.0, 35: 85.0, 56: 40.5}, 1.0),
+        row("comrope_ld", "own (no option)", {28: 90.0, 35: 85.0, 56: 20.0}, 1.0),
+    ]
+    got = {c["claim"].rsplit(" (", 1)[0]: c for c in claims(rows)}
+    mixed = got["RoPE-Mixed keeps more accuracy than APE (learned) at 2x the training size"]
+    assert mixed["verdict"] == "holds" and mixed["difference"] == pytest.approx(20.0)
+    assert mixed["se"] == pytest.approx((2 / 3) ** 0.5)
+    assert got["ComRoPE-AP keeps more accuracy than APE (learned) at 2x the training size"]["verdict"].startswith("not resolved")
+    assert got["ComRoPE-LD keeps more accuracy than APE (learned) at 2x the training size"]["verdict"] == "does not hold"
+    above = got["RoPE-Mixed improves slightly above the training size"]
+    assert above["encoding"] == "rope_mixed @ 35px" and above["verdict"].startswith("not resolved")
+
+
+def test_same_command_same_numbers(tmp_path):
+    """Run to run on one machine the benchmark's numbers are identical (seeded runs, one thread each)."""
+    tables = []
+    for out in (tmp_path / "a", tmp_path / "b"):
+        assert main(["--recipe", "tiny", "--out", str(out), "--encodings", "rope_axial"]) == 0
+        tables.append([(r["encoding"], r["extrapolation"], r["mean"]) for r in json.loads((out / "summary.json").read_text())["rows"]])
+    assert tables[0] == tables[1]
+
+
+def _data_root():
+    import os
+    from pathlib import Path
+
+    env = os.environ.get("VISPE_TEST_DATA")
+    root = Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "data"
+    return root if (root / "cifar10-jpeg").is_dir() else None
+
+
+@pytest.mark.skipif(_data_root() is None, reason="real data folder (../shared/data or $VISPE_TEST_DATA) with cifar10-jpeg not present")
+def test_gpu_recipe_trains_on_cpu_with_a_tiny_budget(tmp_path):
+    """No GPU here: the GPU recipe's own fit command (its model, schedule, data) runs 2 steps on CPU."""
+    import os
+    import subprocess
+
+    from vispe.benchmarks.resolution_benchmark import _fit_command
+
+    part = RECIPES["gpu"][0]
+    cmd = _fit_command(part, "rope_mixed", 0, tmp_path, str(_data_root()))
+    assert "--trainer.accelerator" in cmd and cmd[cmd.index("--trainer.accelerator") + 1] == "gpu"
+    cmd += ["--trainer.accelerator", "cpu", "--trainer.precision", "32-true", "--trainer.max_steps", "2", "--trainer.max_epochs", "1",
+            "--trainer.limit_val_batches", "1", "--data.init_args.train_subset", "64", "--data.init_args.eval_subset", "64"]
+    run = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert list(tmp_path.glob("rope_mixed-s0/**/checkpoints/last.ckpt")) or list(tmp_path.glob("rope_mixed-s0/checkpoints/last.ckpt"))

@@ -16,7 +16,7 @@ TINY = ["--num-samples", "120", "--grid", "6", "--cell-size", "2", "--embed-dim"
         "--num-heads", "2", "--batch-size", "16", "--no-progress", "--threads", "1"]
 
 
-def test_three_cell_command_trains_two_encodings(tmp_path, capsys):
+def test_three_cell_command_trains_two_encodings(tmp_path, capsys, restore_torch_global_state):
     out = tmp_path / "tc"
     rc = vispe_main(["three-cell", "--encodings", "none,sincos2d", "--max-steps", "3", "--out", str(out), *TINY])
     assert rc == 0
@@ -44,7 +44,7 @@ def test_three_cell_command_trains_two_encodings(tmp_path, capsys):
     assert (merged / "results.png").exists()
 
 
-def test_three_cell_command_rejects_bad_input(tmp_path, capsys):
+def test_three_cell_command_rejects_bad_input(tmp_path, capsys, restore_torch_global_state):
     assert vispe_main(["three-cell", "--encodings", "nope", "--out", str(tmp_path), *TINY]) == 2
     assert "unknown or non-2D encoding" in capsys.readouterr().err
     with pytest.raises(SystemExit):
@@ -69,3 +69,54 @@ def test_task_rejects_bad_arguments():
         ThreeCellTask("not_a_model")
     with pytest.raises(ValueError, match="num_classes"):
         ThreeCellTask("vispe_vit_tiny_patch16_224", dict(num_classes=10))
+
+
+@pytest.fixture
+def restore_torch_global_state():
+    # the command pins torch's thread count and switches on deterministic algorithms for its process
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    yield
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(deterministic)
+
+
+# encodings whose parameters are position tables (LFF's MLP weights are ordinary weights and are decayed)
+@pytest.mark.parametrize("encoding", ["learned", "irpe", "rope_mixed"])
+def test_task_optimizer_keeps_position_parameters_out_of_weight_decay(encoding):
+    import lightning.pytorch as pl
+
+    task = ThreeCellTask("vispe_vit_tiny_patch16_224", {"patch_size": 2, "embed_dim": 16, "depth": 1, "num_heads": 2},
+                         pos_encoding=encoding, img_size=12, weight_decay=0.05)
+    task.trainer = pl.Trainer(max_steps=10, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    optimizer = task.configure_optimizers()["optimizer"]
+    decay_of = {id(p): g["weight_decay"] for g in optimizer.param_groups for p in g["params"]}
+    names = dict(task.model.named_parameters())
+    assert len(decay_of) == len(names)  # every trainable parameter is in exactly one group
+    pe_names = [n for n in names if n.startswith("pos_encoding.")]
+    assert pe_names, f"{encoding} has no learned position parameters"
+    # the model's own list (timm's contract) names every position parameter ...
+    assert set(pe_names) <= set(task.model.no_weight_decay())
+    # ... and the task's optimizer honours it: position parameters and the cls token are not decayed
+    for n in [*pe_names, "cls_token"]:
+        assert decay_of[id(names[n])] == 0.0, n
+    assert decay_of[id(names["blocks.0.attn.qkv.weight"])] == 0.05
+    assert decay_of[id(names["patch_embed.proj.weight"])] == 0.05
+
+
+def _table_rows(out) -> dict:
+    rows = json.loads((out / "results.json").read_text())["results"]
+    return {r["encoding"]: {k: v for k, v in r.items() if k not in ("wall_s", "train_s", "cpu_s")} for r in rows}
+
+
+def test_three_cell_command_is_deterministic_whatever_the_callers_thread_count(tmp_path, restore_torch_global_state):
+    # the user-visible failure: the same command printing different accuracies depending on the process's
+    # torch thread count (torch defaults to one thread per core); the command pins its own
+    args = ["three-cell", "--encodings", "none,rope_mixed", "--max-steps", "12", "--no-pesi", *TINY[:-2]]
+    rows = []
+    for i, threads in enumerate((2, 1, 2)):
+        torch.set_num_threads(threads)
+        assert vispe_main([*args, "--out", str(tmp_path / f"run{i}")]) == 0
+        rows.append(_table_rows(tmp_path / f"run{i}"))
+    assert rows[0] == rows[1] == rows[2]
+    assert rows[0]["rope_mixed"]["steps"] == 12
+    assert json.loads((tmp_path / "run0" / "results.json").read_text())["recipe"]["threads"] == 1

@@ -37,8 +37,8 @@ import math
 import numbers
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Union
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Union
 
 import torch
 
@@ -46,6 +46,9 @@ __all__ = [
     "HOPE_TRAIN_GAMMAS",
     "NUM_COORDS",
     "POSITION_SCHEMES",
+    "PositionScheme",
+    "SCHEMES",
+    "get_scheme",
     "V2PE_TRAIN_DELTAS",
     "BatchPositions",
     "Segment",
@@ -85,10 +88,6 @@ class Visual:
 
 
 Segment = Union[Text, Visual]
-
-#: Coordinates per token for each scheme.
-NUM_COORDS = {"rope_1d": 1, "mrope": 3, "mrope_interleave": 3, "mhrope": 3, "vrope": 4, "hope": 3, "v2pe": 1}
-POSITION_SCHEMES = tuple(NUM_COORDS)
 
 #: HoPE's dynamic temporal scaling set used at training (one draw per visual block).
 HOPE_TRAIN_GAMMAS = (0.5, 0.75, 1.0, 1.25, 1.5)
@@ -324,43 +323,107 @@ def _v2pe(
     return cols, nxt
 
 
-_BUILDERS: dict[str, Callable[..., tuple[list[torch.Tensor], float]]] = {
-    "rope_1d": _rope_1d,
-    "mrope": _mrope,
-    "mrope_interleave": _reset,
-    "mhrope": _reset,
-    "vrope": _vrope,
-    "hope": _hope,
-    "v2pe": _v2pe,
+def _always_integer(kw: dict[str, Any]) -> bool:
+    return True
+
+
+def _never_integer(kw: dict[str, Any]) -> bool:
+    return False  # fractional scales by design
+
+
+def _mrope_integer(kw: dict[str, Any]) -> bool:
+    timed = kw.get("fps") is not None or kw.get("seconds_per_grid") is not None or kw.get("_any_block_time", False)
+    return not timed or kw.get("time_floor", True)
+
+
+def _stride_integer(kw: dict[str, Any]) -> bool:
+    return float(kw.get("temporal_stride", 1.0)).is_integer()
+
+
+@dataclass(frozen=True)
+class PositionScheme:
+    """Everything vispe knows about one multimodal position scheme, registered once in :data:`SCHEMES`.
+
+    The rotary encoding registered under the same ``name`` (``vispe.create_encoding(name, ...)``) holds the
+    frequency layout; the video-LLM, the NIAH task and benchmark, and the HF integration read this record.
+
+    Attributes:
+        name: the scheme's (and its rotary encoding's) registry name.
+        label: display name in tables and plots.
+        num_coords: coordinates per token (``K`` of ``pos (K, L)``).
+        builder: ``builder(segments, **options) -> (columns, next_free_position)``.
+        integer_valued: whether the options can only give integer positions (decides the dtype).
+        train_draws: the builder draws a scale per visual block while training (``training=`` option).
+        eval_options: evaluation-time options the NIAH task and benchmark use by default.
+        bool_options: options that must be ``bool``.
+        qwen2vl_native: Qwen2-VL's own scheme: a Hugging Face model's ``mrope_section`` and (Qwen2.5-VL)
+            ``tokens_per_second`` carry over to it.
+    """
+
+    name: str
+    label: str
+    num_coords: int
+    builder: Callable[..., tuple[list[torch.Tensor], float]]
+    integer_valued: Callable[[dict[str, Any]], bool] = _always_integer
+    train_draws: bool = False
+    eval_options: Mapping[str, Any] = field(default_factory=dict)
+    bool_options: tuple[str, ...] = ()
+    qwen2vl_native: bool = False
+
+    def options(self) -> list[str]:
+        """The builder's option names."""
+        import inspect
+
+        return [p for p in inspect.signature(self.builder).parameters if p != "segments"]
+
+    def builder_options(self, options: Mapping[str, Any], training: bool) -> dict[str, Any]:
+        """``options`` plus the train/eval switch for schemes that draw scales while training."""
+        kw = dict(options)
+        if self.train_draws:
+            kw.setdefault("training", training)
+        return kw
+
+
+#: The registered multimodal position schemes, in the order tables list them.
+SCHEMES: dict[str, PositionScheme] = {
+    rec.name: rec
+    for rec in (
+        PositionScheme("rope_1d", "1D RoPE", 1, _rope_1d),
+        PositionScheme("mrope", "M-RoPE", 3, _mrope, _mrope_integer, qwen2vl_native=True),
+        PositionScheme("mrope_interleave", "MRoPE-I", 3, _reset, _stride_integer, bool_options=("spatial_reset",)),
+        PositionScheme("mhrope", "MHRoPE", 3, _reset, _stride_integer, bool_options=("spatial_reset",)),
+        PositionScheme("vrope", "VRoPE", 4, _vrope),
+        # HoPE: the paper's V-NIAH gamma; V2PE: delta = 64/256 (its README's long-context setting)
+        PositionScheme("hope", "HoPE", 3, _hope, _never_integer, train_draws=True, eval_options={"gamma": 0.75}),
+        PositionScheme("v2pe", "V2PE", 1, _v2pe, _never_integer, train_draws=True, eval_options={"delta": 0.25}),
+    )
 }
+#: Coordinates per token for each scheme (a view of :data:`SCHEMES`).
+NUM_COORDS = {name: rec.num_coords for name, rec in SCHEMES.items()}
+POSITION_SCHEMES = tuple(SCHEMES)
 
 
-def _integer_valued(scheme: str, kw: dict[str, Any]) -> bool:
-    """Whether the scheme's options can only give integer positions (decides the output dtype)."""
-    if scheme in ("rope_1d", "vrope"):
-        return True
-    if scheme == "mrope":
-        timed = kw.get("fps") is not None or kw.get("seconds_per_grid") is not None or kw.get("_any_block_time", False)
-        return not timed or kw.get("time_floor", True)
-    if scheme in ("mrope_interleave", "mhrope"):
-        return float(kw.get("temporal_stride", 1.0)).is_integer()
-    return False  # hope, v2pe: fractional scales by design
+def get_scheme(scheme: str) -> PositionScheme:
+    """The record of a registered scheme; an unknown name raises ``ValueError`` listing the valid ones."""
+    rec = SCHEMES.get(scheme) if isinstance(scheme, str) else None
+    if rec is None:
+        raise ValueError(f"unknown position scheme {scheme!r}; choose one of {list(POSITION_SCHEMES)}")
+    return rec
 
 
 def _check_scheme(scheme: str) -> None:
-    if scheme not in _BUILDERS:
-        raise ValueError(f"unknown position scheme {scheme!r}; choose one of {list(POSITION_SCHEMES)}")
+    get_scheme(scheme)
 
 
 def _scheme_kwargs(scheme: str, kwargs: dict[str, Any]) -> dict[str, Any]:
-    import inspect
-
-    allowed = [p for p in inspect.signature(_BUILDERS[scheme]).parameters if p != "segments"]
+    rec = get_scheme(scheme)
+    allowed = rec.options()
     unknown = [k for k in kwargs if k not in allowed]
     if unknown:
         raise TypeError(f"position scheme {scheme!r} got unknown option(s) {unknown}; valid options: {allowed}")
-    if scheme in ("mrope_interleave", "mhrope") and "spatial_reset" in kwargs and not isinstance(kwargs["spatial_reset"], bool):
-        raise TypeError(f"spatial_reset must be a bool, got {kwargs['spatial_reset']!r}")
+    for name in rec.bool_options:
+        if name in kwargs and not isinstance(kwargs[name], bool):
+            raise TypeError(f"{name} must be a bool, got {kwargs[name]!r}")
     return kwargs
 
 
@@ -387,12 +450,13 @@ def build_positions(
     _check_scheme(scheme)
     segs = validate_segments(segments, spatial_merge_size)
     kw = _scheme_kwargs(scheme, dict(scheme_kwargs))
-    cols, nxt = _BUILDERS[scheme](segs, **kw)
+    rec = get_scheme(scheme)
+    cols, nxt = rec.builder(segs, **kw)
     pos = torch.cat(cols, dim=1)
     L = pos.shape[1]
-    if scheme == "mrope" and any(isinstance(s, Visual) and s.seconds_per_grid is not None for s in segs):
-        kw = dict(kw, _any_block_time=True)
-    dtype = torch.int64 if _integer_valued(scheme, kw) else torch.float32
+    if any(isinstance(s, Visual) and s.seconds_per_grid is not None for s in segs):
+        kw = dict(kw, _any_block_time=True)  # per-block absolute time (read by M-RoPE's dtype rule)
+    dtype = torch.int64 if rec.integer_valued(kw) else torch.float32
     return pos.to(dtype), torch.tensor(nxt - L, dtype=torch.float64).to(dtype)
 
 

@@ -40,7 +40,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from vispe.encodings.base import PositionalEncoding
+from vispe.encodings.base import AttentionBiasEncoding, PositionalEncoding, TokenEncoding
+from vispe.encodings.rotary import RotaryEncoding
 from vispe.encodings.grid import PositionGrid
 
 __all__ = [
@@ -102,7 +103,7 @@ def materialize_pe(
     name = enc.registry_name or type(enc).__name__
     h, w = grid_size
 
-    if enc.kind == "token":
+    if isinstance(enc, TokenEncoding):
         if dim is None:
             if model is None or not hasattr(model, "embed_dim"):
                 raise ValueError(f"dim is required to materialise the token encoding {name!r} given bare")
@@ -115,25 +116,25 @@ def materialize_pe(
         out = enc.embed_tokens(x, grid, state, image=image)
         return out[0, num_prefix_tokens:].float().reshape(h, w, -1)
 
-    if enc.kind == "rotary":
-        angles_fn = getattr(enc, "angles", None)
-        if angles_fn is None:
+    if isinstance(enc, RotaryEncoding):
+        if not enc.pairwise_phases:
             raise ValueError(
-                f"rotary encoding {name!r} has no angles() (e.g. ComRoPE's matrix rotations): use similarity_maps(), "
-                f"which measures the rotation kernel through the encoding's attend() hook"
+                f"rotary encoding {name!r} rotates by blocks, not per-pair phases (e.g. ComRoPE's matrix rotations): use "
+                f"similarity_maps(), which measures the rotation kernel through the encoding's attend() hook"
             )
-        ang = angles_fn(grid, device).float()  # (..., N, P) over patch tokens
+        ang = enc.angles(grid, device).float()  # (..., N, P) over patch tokens
         ang = ang.reshape(-1, *ang.shape[-2:]).permute(1, 0, 2).reshape(h * w, -1)
         # the all-ones probe rotated by a is (cos a - sin a, sin a + cos a): the same cosine similarities
         # (mean over pairs of cos(a_i - a_j)) as the features (cos a, sin a) used here
         vec = torch.cat([torch.cos(ang), torch.sin(ang)], dim=-1)
         return vec.reshape(h, w, -1)
 
-    why = {
-        "none": "it adds no position information at all",
-        "bias": "it is a pairwise (and possibly query-dependent) attention-logit term, not a vector per position",
-        "conditional": "it is computed from the tokens themselves (a convolution), so it depends on the content and the layer",
-    }.get(enc.kind, f"its kind {enc.kind!r} has no per-position vector")
+    if isinstance(enc, AttentionBiasEncoding):
+        why = "it is a pairwise (and possibly query-dependent) attention-logit term, not a vector per position"
+    elif enc.uses_attention() or type(enc).after_block is not PositionalEncoding.after_block:
+        why = "it is computed from the tokens themselves (e.g. a convolution), so it depends on the content and the layer"
+    else:
+        why = "it adds no position information at all"
     raise ValueError(
         f"encoding {name!r} cannot be materialised as a PE tensor for PESI: {why}. "
         f"Materialisable kinds: 'token' (learned, sincos2d, lff, loope, ...) and 'rotary' (rope_axial, rope_mixed, comrope_*, ...)"
@@ -196,7 +197,7 @@ def rotary_kernel_maps(
 def similarity_maps(model_or_encoding: nn.Module, **kwargs: Any) -> torch.Tensor:
     """Cosine-similarity maps ``(H, W, H, W)`` of any materialisable encoding (token or rotary)."""
     enc = _encoding_of(model_or_encoding)
-    if enc.kind == "rotary":
+    if isinstance(enc, RotaryEncoding):
         keys = ("grid_size", "num_heads", "head_dim", "depth", "num_prefix_tokens", "device")
         return rotary_kernel_maps(model_or_encoding, **{k: v for k, v in kwargs.items() if k in keys})
     return cosine_similarity_maps(materialize_pe(model_or_encoding, **kwargs))

@@ -19,13 +19,12 @@ import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
+from vispe.positions import POSITION_SCHEMES, SCHEMES
+
 __all__ = ["main", "build_parser", "run_one", "run_benchmark", "format_table", "plot_heatmaps", "plot_lines", "extrapolation_ratio", "DEFAULTS", "DEFAULT_SCHEMES"]
 
-DEFAULT_SCHEMES: tuple[str, ...] = ("rope_1d", "mrope", "mrope_interleave", "mhrope", "vrope", "hope", "v2pe")
-SCHEME_TITLES = {
-    "rope_1d": "1D RoPE", "mrope": "M-RoPE", "mrope_interleave": "MRoPE-I", "mhrope": "MHRoPE",
-    "vrope": "VRoPE", "hope": "HoPE", "v2pe": "V2PE",
-}
+DEFAULT_SCHEMES: tuple[str, ...] = POSITION_SCHEMES
+SCHEME_TITLES = {name: rec.label for name, rec in SCHEMES.items()}
 
 #: the default CPU recipe (see docs/video-retrieval.md)
 DEFAULTS: dict[str, Any] = dict(
@@ -45,8 +44,6 @@ DEFAULTS: dict[str, Any] = dict(
     weight_decay=0.05,
     warmup=20,
     seed=0,
-    hope_gamma=0.75,
-    v2pe_delta=0.25,
     keep=0.9,
 )
 
@@ -80,8 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     for k in ("dim", "depth", "num_heads"):
         m.add_argument(f"--{k.replace('_', '-')}", type=int, default=d[k])
     m.add_argument("--theta", type=float, default=d["theta"], help="rotary base")
-    m.add_argument("--hope-gamma", type=float, default=d["hope_gamma"], help="HoPE's temporal scale at evaluation")
-    m.add_argument("--v2pe-delta", type=float, default=d["v2pe_delta"], help="V2PE's visual step at evaluation")
+    for name, rec in SCHEMES.items():  # each scheme's evaluation-time options, e.g. --hope-gamma, --v2pe-delta
+        for opt, value in rec.eval_options.items():
+            m.add_argument(f"--{name}-{opt}", type=type(value), default=value, help=f"{rec.label}'s {opt} at evaluation")
     o = p.add_argument_group("optimisation")
     o.add_argument("--steps", type=int, default=d["steps"])
     o.add_argument("--batch-size", type=int, default=d["batch_size"])
@@ -126,7 +124,8 @@ def run_one(scheme: str, args: argparse.Namespace, datamodule: Any, seed: int = 
     from vispe.tasks.niah import VideoNIAH
 
     pl.seed_everything(seed, workers=True, verbose=False)
-    pos_kwargs = {"hope": {"gamma": args.hope_gamma}, "v2pe": {"delta": args.v2pe_delta}}.get(scheme, {})
+    # the scheme's evaluation options, each settable as --<scheme>-<option> (e.g. --hope-gamma)
+    pos_kwargs = {opt: getattr(args, f"{scheme}_{opt}") for opt in SCHEMES[scheme].eval_options}
     task = VideoNIAH(
         pos_scheme={"name": scheme, "theta": args.theta}, position_kwargs=pos_kwargs, visual_dim=datamodule.visual_dim,
         dim=args.dim, depth=args.depth, num_heads=args.num_heads, lr=args.lr, weight_decay=args.weight_decay,
@@ -257,14 +256,12 @@ def plot_lines(rows: Sequence[dict[str, Any]], path: str | Path, train_frames: i
 def run_benchmark(args: argparse.Namespace, partial: Any = None) -> list[dict[str, Any]]:
     import torch
 
-    from vispe.positions import NUM_COORDS
-
     if args.threads:
         torch.set_num_threads(args.threads)
     names = [s.strip() for s in args.schemes.split(",") if s.strip()]
-    bad = [s for s in names if s not in NUM_COORDS]
+    bad = [s for s in names if s not in SCHEMES]
     if bad:
-        raise ValueError(f"unknown scheme(s) {bad}; choose from {list(NUM_COORDS)}")
+        raise ValueError(f"unknown scheme(s) {bad}; choose from {list(SCHEMES)}")
     seeds = [int(x) for x in str(args.seeds).split(",") if x.strip()]
     dms = {seed: _datamodule(args, seed) for seed in seeds}
     for dm in dms.values():

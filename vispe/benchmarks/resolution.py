@@ -65,7 +65,7 @@ def _checkpoint(path: str | Path) -> dict[str, Any]:
 
 
 def _encoding_spec(hp: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
-    from vispe.models.vispe_vit import parse_pos_encoding
+    from vispe.encodings.spec import parse_pos_encoding
 
     spec = hp.get("pos_encoding")
     if spec is None:
@@ -85,7 +85,7 @@ def extrapolation_modes(encoding: str | None) -> tuple[str, ...]:
     param = inspect.signature(cls.__init__).parameters.get("extrapolation")
     if param is None:
         return ()
-    from vispe.encodings.absolute import EXTRAPOLATION_MODES
+    from vispe.encodings.spec import EXTRAPOLATION_MODES
 
     return tuple(EXTRAPOLATION_MODES)
 

@@ -164,7 +164,7 @@ def format_table(rows: Sequence[dict[str, Any]], chance: float, ceiling: float |
     views = list(rows[0]["views"])
     train_view, others = views[0], views[1:]
     head = (
-        f"| PE | kind | t2v R@1 | t2v R@5 | t2v R@10 | t2v MdR | t2v MnR | v2t R@1 | v2t R@5 | v2t R@10 | v2t MdR | "
+        "| PE | kind | t2v R@1 | t2v R@5 | t2v R@10 | t2v MdR | t2v MnR | v2t R@1 | v2t R@5 | v2t R@10 | v2t MdR | "
         + "".join(f"t2v R@1 {v} | " for v in others) + "train (s) |"
     )
     sep = "|---|---|" + "---:|" * (10 + len(others) + 1)

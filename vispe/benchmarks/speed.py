@@ -28,11 +28,9 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import math
 import os
-import platform
 import statistics
 import sys
 import time
@@ -42,7 +40,6 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 __all__ = ["main", "parse_encoding_specs", "BENCH_CONFIGS", "TARGETS"]
 
@@ -127,45 +124,11 @@ TARGETS: dict[str, tuple[float, float]] = {
 
 
 def parse_encoding_specs(text: str) -> list[tuple[str, str, dict[str, Any]]]:
-    """``'learned,irpe[mode=contextual,skip=1],rope_mixed'`` -> ``[(label, name, kwargs), ...]``.
+    """``'learned,irpe[mode=contextual,skip=1],rope_mixed'`` -> ``[(label, name, kwargs), ...]`` (vispe's one
+    spec grammar, :func:`vispe.encodings.spec.parse_encoding_list`)."""
+    from vispe.encodings.spec import parse_encoding_list
 
-    Commas inside ``[...]`` separate options; values are Python literals or bare strings.
-    """
-    specs, depth, cur = [], 0, ""
-    for ch in text:
-        if ch == "[":
-            depth += 1
-        elif ch == "]":
-            depth -= 1
-            if depth < 0:
-                raise ValueError(f"unbalanced ']' in --encodings {text!r}")
-        if ch == "," and depth == 0:
-            specs.append(cur)
-            cur = ""
-        else:
-            cur += ch
-    if depth:
-        raise ValueError(f"unbalanced '[' in --encodings {text!r}")
-    specs.append(cur)
-    out = []
-    for spec in (s.strip() for s in specs):
-        if not spec:
-            continue
-        name, kwargs = spec, {}
-        if "[" in spec:
-            if not spec.endswith("]"):
-                raise ValueError(f"encoding spec {spec!r}: options go in a trailing [key=value,...]")
-            name, opts = spec[:-1].split("[", 1)
-            for item in filter(None, (o.strip() for o in opts.split(","))):
-                if "=" not in item:
-                    raise ValueError(f"encoding spec {spec!r}: option {item!r} is not key=value")
-                k, v = item.split("=", 1)
-                try:
-                    kwargs[k.strip()] = ast.literal_eval(v.strip())
-                except (ValueError, SyntaxError):
-                    kwargs[k.strip()] = v.strip()
-        out.append((spec, name.strip(), kwargs))
-    return out
+    return parse_encoding_list(text)
 
 
 def default_encoding_specs(every: bool = False, cfg: BenchConfig | None = None) -> str:
@@ -179,120 +142,8 @@ def default_encoding_specs(every: bool = False, cfg: BenchConfig | None = None) 
     return ",".join(names if every else [n for n in cfg.default_encodings if n in names])
 
 
-# ----------------------------------------------------------------------------------------------
-# One benchmarked model
-# ----------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Entry:
-    config: str
-    label: str  # 'timm:ape', 'vispe:rope_axial', ...
-    family: str  # 'timm' | 'vispe'
-    encoding: str  # encoding name ('ape' for timm's APE)
-    mode: str  # 'eager' | 'compile'
-    model: nn.Module
-    runner: nn.Module | Callable
-    optimizer: torch.optim.Optimizer
-    param_count: int
-    build_s: float
-    inner_train: int = 1
-    inner_infer: int = 1
-    train_s: list[float] = field(default_factory=list)  # per-step wall seconds, one value per round
-    infer_s: list[float] = field(default_factory=list)
-    train_cpu_s: list[float] = field(default_factory=list)  # per-step process CPU seconds
-    infer_cpu_s: list[float] = field(default_factory=list)
-    train_peak: float | None = None  # bytes
-    infer_peak: float | None = None
-    error: str | None = None
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def train_step(entry: Entry, x: torch.Tensor, y: torch.Tensor) -> None:
-    entry.model.train()
-    entry.optimizer.zero_grad(set_to_none=True)
-    out = entry.runner(x)
-    loss = F.cross_entropy(out, y)
-    loss.backward()
-    entry.optimizer.step()
-    # free the gradients now: all models of a run live in one process, and each would otherwise
-    # hold a full set of gradients between its steps
-    entry.optimizer.zero_grad(set_to_none=True)
-
-
-def infer_step(entry: Entry, x: torch.Tensor) -> None:
-    entry.model.eval()
-    with torch.inference_mode():
-        entry.runner(x)
-
-
-def _timed(fn: Callable[[], None], n: int, device: torch.device) -> tuple[float, float]:
-    """Seconds per call of ``fn``: (wall clock, CPU time of this process)."""
-    _sync(device)
-    t0, c0 = time.perf_counter(), time.process_time()
-    for _ in range(n):
-        fn()
-    _sync(device)
-    return (time.perf_counter() - t0) / n, (time.process_time() - c0) / n
-
-
-def _resident_bytes(entry: Entry, with_optimizer: bool) -> int:
-    seen: set[int] = set()
-    total = 0
-
-    def add(t: torch.Tensor) -> None:
-        nonlocal total
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in seen:
-            seen.add(ptr)
-            total += t.untyped_storage().nbytes()
-
-    for t in list(entry.model.parameters()) + list(entry.model.buffers()):
-        add(t)
-    if with_optimizer:
-        for st in entry.optimizer.state.values():
-            for v in st.values():
-                if torch.is_tensor(v):
-                    add(v)
-    return total
-
-
-def _cpu_step_peak(fn: Callable[[], None]) -> int:
-    """Peak bytes allocated above the starting level during ``fn``, from the profiler's allocator events."""
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events: list[tuple[int, int]] = []
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        ev = stack.pop()
-        if ev.tag == _EventType.Allocation:
-            events.append((ev.start_time_ns, ev.extra_fields.alloc_size))
-        stack.extend(ev.children)
-    events.sort()
-    cur = peak = 0
-    for _, nbytes in events:
-        cur += nbytes
-        peak = max(peak, cur)
-    return peak
-
-
-def measure_peak(entry: Entry, fn: Callable[[], None], device: torch.device, train: bool) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        fn()
-        torch.cuda.synchronize(device)
-        return float(torch.cuda.max_memory_allocated(device))
-    if train:
-        entry.optimizer.zero_grad(set_to_none=True)  # grads are allocated inside the step
-    return float(_resident_bytes(entry, with_optimizer=train) + _cpu_step_peak(fn))
+from .speed_measure import Entry, infer_step, measure_peak, train_step, _timed  # noqa: F401  (re-exported)
+from .speed_report import _machine, format_markdown, format_table  # noqa: F401  (re-exported)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -509,100 +360,6 @@ def summarise(
 
 
 # ----------------------------------------------------------------------------------------------
-# Output
-# ----------------------------------------------------------------------------------------------
-
-
-def _f(v: Any, fmt: str) -> str:
-    return "-" if v is None else format(v, fmt)
-
-
-_COLUMNS = [
-    ("config", "config", None),
-    ("mode", "mode", None),
-    ("model", "model", None),
-    ("train ms", "train_step_ms", ".1f"),
-    ("train x", "train_ratio", ".3f"),
-    ("train x range", "train_ratio_range", None),
-    ("infer img/s", "infer_samples_per_sec", ".1f"),
-    ("infer x", "infer_ratio", ".3f"),
-    ("train MB", "train_peak_mb", ".0f"),
-    ("mem x", "train_mem_ratio", ".3f"),
-    ("infer MB", "infer_peak_mb", ".0f"),
-    ("imem x", "infer_mem_ratio", ".3f"),
-    ("target", "target", None),
-]
-
-
-def _cells(row: dict[str, Any]) -> list[str]:
-    out = []
-    for _, key, fmt in _COLUMNS:
-        v = row.get(key)
-        if key == "target":
-            if v is None:
-                out.append("-")
-            else:
-                missed = [w for w in ("time", "memory") if not v.get(f"{w}_met", v["met"])]
-                out.append(f"met (<={v['time']}x)" if v["met"] else f"MISSED {'+'.join(missed)} (<={v['time']}x/{v['memory']}x)")
-        elif key.endswith("_range"):
-            out.append("-" if v is None else f"{v[0]:.2f}-{v[1]:.2f}")
-        elif key == "model" and row.get("error"):
-            out.append(f"{v} [error]")
-        elif fmt is None:
-            out.append(str(v))
-        else:
-            out.append(_f(v, fmt))
-    return out
-
-
-def format_table(rows: list[dict[str, Any]]) -> str:
-    head = [c[0] for c in _COLUMNS]
-    body = [_cells(r) for r in rows]
-    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
-    line = lambda cells: "  ".join(c.rjust(w) if i >= 3 else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
-    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(b) for b in body])
-
-
-def format_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
-    head = [c[0] for c in _COLUMNS]
-    lines = [
-        "| " + " | ".join(head) + " |",
-        "|" + "|".join("---" if i < 3 else "---:" for i in range(len(head))) + "|",
-    ]
-    lines += ["| " + " | ".join(_cells(r)) + " |" for r in rows]
-    errors = [f"- `{r['config']}/{r['mode']}/{r['model']}`: {r['error']}" for r in rows if r.get("error")]
-    text = (
-        f"Machine: {meta['machine']}; torch {meta['torch']}, timm {meta['timm']}, {meta['threads']} threads, device `{meta['device']}`.\n"
-        f"Command: `{meta['command']}`; wall time {meta['wall_s']:.0f} s (process CPU {meta['process_cpu_s']:.0f} s)"
-        f"{'' if meta['complete'] else ' -- INCOMPLETE (partial results)'}; load average start/end {meta['loadavg_start']} / {meta['loadavg_end']}.\n\n"
-        + "\n".join(lines)
-        + f"\n\nTimes are {'process CPU time' if meta['clock'] == 'cpu' else 'wall clock'} per step (median over rounds); "
-        "`x` = median over rounds of (this model's time / the reference's time in the same round; the reference is timm's APE "
-        "ViT, and vispe's `learned_3d` video ViT for `video_s16`), `x range` = lowest-highest of those per-round ratios; "
-        "memory `x` = peak / the reference's peak; target = issue 8's time/memory limits (CPU eager). "
-        f"Peak memory: {meta['memory_method']}.\n"
-    )
-    if errors:
-        text += "\nErrors:\n" + "\n".join(errors) + "\n"
-    return text
-
-
-def _machine(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for ln in fh:
-                if ln.startswith("model name"):
-                    cpu = ln.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"{os.cpu_count()}-core CPU ({cpu})"
-
-
-# ----------------------------------------------------------------------------------------------
 # CLI
 # ----------------------------------------------------------------------------------------------
 
@@ -641,6 +398,46 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _split(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _checked_choices(args: argparse.Namespace):
+    """Validate the command line before anything is built: model sizes, modes, measurements, timm
+    references, encoding specs, iterations and threads (each error names the bad value and the choices)."""
+    from vispe.encodings import get_encoding_class
+
+    configs, modes, benches, refs = _split(args.models), _split(args.modes), _split(args.bench), _split(args.timm_refs)
+    for c in configs:
+        if c not in BENCH_CONFIGS:
+            raise ValueError(f"--models: unknown model size {c!r}; choose from {sorted(BENCH_CONFIGS)}")
+    for m in modes:
+        if m not in ("eager", "compile"):
+            raise ValueError(f"--modes: unknown mode {m!r}; choose 'eager' and/or 'compile'")
+    for b in benches:
+        if b not in ("train", "infer", "memory"):
+            raise ValueError(f"--bench: unknown measurement {b!r}; choose from train, infer, memory")
+    known_refs = sorted({r for c in BENCH_CONFIGS.values() for r in c.timm_refs})
+    for r in refs:
+        if r not in known_refs:
+            raise ValueError(f"--timm-refs: unknown timm reference {r!r}; choose from {known_refs}")
+    every = args.encodings in ("all", "all2d")
+    user_specs = None if args.encodings is None or every else parse_encoding_specs(args.encodings)
+    for _, name, _ in user_specs or ():
+        get_encoding_class(name)  # unknown names fail before anything is built
+    if args.iters < 1:
+        raise ValueError(f"--iters must be >= 1, got {args.iters}")
+    if args.threads < 0:
+        raise ValueError(f"--threads must be >= 0, got {args.threads}")
+
+    def specs_for(cfg: BenchConfig) -> list[tuple[str, str, dict[str, Any]]]:
+        if user_specs is None:
+            return parse_encoding_specs(default_encoding_specs(every, cfg))
+        return [sp for sp in user_specs if cfg.grid_ndim in get_encoding_class(sp[1]).grid_ndims]
+
+    return configs, modes, benches, refs, user_specs, specs_for
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "speed":  # 'vispe bench speed ...' arrives as ['speed', ...]
@@ -651,41 +448,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     t_start = time.perf_counter()
     load_start = tuple(round(v, 2) for v in os.getloadavg())
-
-    configs = [c.strip() for c in args.models.split(",") if c.strip()]
-    for c in configs:
-        if c not in BENCH_CONFIGS:
-            raise ValueError(f"--models: unknown model size {c!r}; choose from {sorted(BENCH_CONFIGS)}")
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    for m in modes:
-        if m not in ("eager", "compile"):
-            raise ValueError(f"--modes: unknown mode {m!r}; choose 'eager' and/or 'compile'")
-    benches = [b.strip() for b in args.bench.split(",") if b.strip()]
-    for b in benches:
-        if b not in ("train", "infer", "memory"):
-            raise ValueError(f"--bench: unknown measurement {b!r}; choose from train, infer, memory")
-    refs = [r.strip() for r in args.timm_refs.split(",") if r.strip()]
-    known_refs = sorted({r for c in BENCH_CONFIGS.values() for r in c.timm_refs})
-    for r in refs:
-        if r not in known_refs:
-            raise ValueError(f"--timm-refs: unknown timm reference {r!r}; choose from {known_refs}")
-    from vispe.encodings import get_encoding_class
-
-    every = args.encodings in ("all", "all2d")
-    user_specs = None if args.encodings is None or every else parse_encoding_specs(args.encodings)
-    for _, name, _ in user_specs or ():
-        get_encoding_class(name)  # unknown names fail before anything is built
-
-    def specs_for(cfg: BenchConfig) -> list[tuple[str, str, dict[str, Any]]]:
-        if user_specs is None:
-            return parse_encoding_specs(default_encoding_specs(every, cfg))
-        return [sp for sp in user_specs if cfg.grid_ndim in get_encoding_class(sp[1]).grid_ndims]
-    if args.iters < 1:
-        raise ValueError(f"--iters must be >= 1, got {args.iters}")
+    configs, modes, benches, refs, user_specs, specs_for = _checked_choices(args)
     device = torch.device(args.device)
     clock = args.clock or ("wall" if device.type == "cuda" else "cpu")
-    if args.threads < 0:
-        raise ValueError(f"--threads must be >= 0, got {args.threads}")
     if args.threads and device.type == "cpu":
         torch.set_num_threads(args.threads)
 

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 __all__ = ["main", "build_parser", "run_leaderboard", "format_table", "plot_results", "QUICK_ENCODINGS", "DEFAULTS"]
 
 #: ``--quick``: no PE and the two RoPE-ViT baselines; they learn the task within the quick budget
-#: (sin-cos and the learned table need the full recipe's steps before they leave the no-PE plateau)
+#: (the additive encodings, sin-cos and the learned table, leave the no-PE plateau later than RoPE)
 QUICK_ENCODINGS: tuple[str, ...] = ("none", "rope_axial", "rope_mixed")
 GROUP_TITLES: dict[str, str] = {"distance": "Distance", "orientation": "Orientation", "area": "Area", "vector_sum": "Vector Sum"}
 
@@ -33,6 +33,9 @@ DEFAULTS: dict[str, Any] = dict(
     depth=2,
     num_heads=4,
     mlp_ratio=2.0,
+    # read the prediction from the mean of the patch tokens, not the cls token: with the cls readout the
+    # additive/bias encodings (learned, irpe) never leave the majority-answer plateau (docs/three-cell.md)
+    global_pool="avg",
     num_samples=10_000,
     epochs=10,
     batch_size=32,
@@ -42,6 +45,10 @@ DEFAULTS: dict[str, Any] = dict(
     warmup=0.05,
     seed=0,
     vector_sum="and",
+    # one thread: a run is bit-identical on every machine with the same PyTorch build and CPU kind, whatever
+    # its core count (torch's default, one thread per core, changes the float summation order and with it,
+    # after a few hundred steps, which run leaves the majority-answer plateau first)
+    threads=1,
 )
 #: ``--quick`` overrides (smaller budget; every other default unchanged)
 QUICK: dict[str, Any] = dict(epochs=4)
@@ -71,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--depth", type=int, default=DEFAULTS["depth"])
     g.add_argument("--num-heads", type=int, default=DEFAULTS["num_heads"])
     g.add_argument("--mlp-ratio", type=float, default=DEFAULTS["mlp_ratio"])
+    g.add_argument("--global-pool", choices=("avg", "token"), default=DEFAULTS["global_pool"],
+                   help="readout: mean of the patch tokens, or the cls token (DeiT, the paper's model)")
     g = p.add_argument_group("recipe")
     g.add_argument("--epochs", type=int, default=None, help=f"default {DEFAULTS['epochs']} ({QUICK['epochs']} with --quick)")
     g.add_argument("--max-steps", type=int, default=-1, help="stop after this many steps (overrides --epochs when > 0)")
@@ -80,7 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--weight-decay", type=float, default=DEFAULTS["weight_decay"])
     g.add_argument("--warmup", type=float, default=DEFAULTS["warmup"], help="warm-up steps, or a fraction of all steps when < 1")
     g.add_argument("--seed", type=int, default=DEFAULTS["seed"], help="data and initialisation seed")
-    g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    g.add_argument("--threads", type=int, default=DEFAULTS["threads"],
+                   help="torch CPU threads; part of the recipe: the reduction order of CPU kernels depends on it, so runs "
+                        "are bit-identical only at the same thread count (and PyTorch build / CPU)")
     g.add_argument("--no-val", action="store_true", help="skip the per-epoch validation pass")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--no-pesi", action="store_true", help="skip the PESI metrics / similarity maps of the trained encodings")
@@ -95,11 +106,13 @@ def _resolve_encodings(spec: str | None, quick: bool) -> list[str]:
         spec = ",".join(QUICK_ENCODINGS) if quick else "all"
     if spec.strip() == "all":
         return available
-    names = [s.strip() for s in spec.split(",") if s.strip()]
-    bad = [n for n in names if n not in available]
-    if bad or not names:
+    from vispe.encodings.spec import parse_encoding_list
+
+    specs = parse_encoding_list(spec)  # names, or specs with options: 'learned[init=sincos2d]'
+    bad = [name for _, name, _ in specs if name not in available]
+    if bad or not specs:
         raise ValueError(f"unknown or non-2D encoding(s) {bad or spec!r}; choose from {available} or 'all'")
-    return names
+    return [label for label, _, _ in specs]
 
 
 def _count_params(module: Any) -> int:
@@ -139,9 +152,14 @@ def run_one(name: str, args: argparse.Namespace, pe_options: dict[str, Any], dat
     from vispe.tasks.three_cell import GROUPS, ThreeCellTask
 
     pl.seed_everything(args.seed, workers=True, verbose=False)
-    pos_encoding: Any = {"name": name, **pe_options.get(name, {})} if pe_options.get(name) else name
+    from vispe.encodings.spec import parse_pos_encoding
+
+    base, options = parse_pos_encoding(name)  # ``name`` is a spec: 'learned' or 'learned[init=sincos2d]'
+    options = {**pe_options.get(base, {}), **options}
+    pos_encoding: Any = {"name": base, **options} if options else base
     model_kwargs = dict(
         patch_size=args.cell_size, embed_dim=args.embed_dim, depth=args.depth, num_heads=args.num_heads, mlp_ratio=args.mlp_ratio,
+        global_pool=args.global_pool,
     )
     task = ThreeCellTask(
         args.model, model_kwargs, pos_encoding=pos_encoding, img_size=args.grid * args.cell_size, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay, warmup_steps=args.warmup,
@@ -150,7 +168,7 @@ def run_one(name: str, args: argparse.Namespace, pe_options: dict[str, Any], dat
         callbacks=[_EpochPrinter(name)],
         accelerator="cpu", devices=1, max_epochs=args.epochs, max_steps=args.max_steps, logger=False,
         enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=not args.no_progress,
-        num_sanity_val_steps=0, limit_val_batches=0 if args.no_val else None, deterministic=False,
+        num_sanity_val_steps=0, limit_val_batches=0 if args.no_val else None, deterministic=True,
     )
     start, cpu_start = time.perf_counter(), time.process_time()
     trainer.fit(task, datamodule=datamodule)
@@ -159,7 +177,7 @@ def run_one(name: str, args: argparse.Namespace, pe_options: dict[str, Any], dat
     wall_s = time.perf_counter() - start
     cpu_s = time.process_time() - cpu_start
     row: dict[str, Any] = {"encoding": name, "kind": task.model.pos_encoding.kind if hasattr(task.model, "pos_encoding") else "?"}
-    row["options"] = pe_options.get(name, {})
+    row["options"] = options
     row["params"] = _count_params(task.model)
     row["pe_params"] = _count_params(task.model.pos_encoding) if hasattr(task.model, "pos_encoding") else 0
     for g in (*GROUPS, "avg"):
@@ -245,7 +263,7 @@ def plot_results(rows: Sequence[dict[str, Any]], path: str | Path, title: str = 
 
 
 def _recipe(args: argparse.Namespace) -> dict[str, Any]:
-    keys = ["model", "grid", "cell_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "num_samples", "epochs", "max_steps",
+    keys = ["model", "grid", "cell_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "global_pool", "num_samples", "epochs", "max_steps",
             "batch_size", "lr", "min_lr", "weight_decay", "warmup", "seed", "vector_sum", "threads"]
     return {k: getattr(args, k) for k in keys}
 
@@ -333,10 +351,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.out is None and not args.quick:
         args.out = os.path.join("outputs", "three-cell")
-    if args.threads:
-        import torch
+    if args.threads < 1:
+        parser.error(f"--threads must be >= 1, got {args.threads}")
+    import torch
 
-        torch.set_num_threads(args.threads)
+    # fixed thread count + deterministic kernels: same command, same numbers (see docs/three-cell.md, "Determinism")
+    torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
     warnings.filterwarnings("ignore", message=".*GPU available but not used.*")
     try:

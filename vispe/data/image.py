@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from .base import ImageDataModule, TensorImageDataset, channel_fix, make_pil_to_uint8, resolve_data_path
+from .base import ImageDataModule, TensorImageDataset, make_pil_to_uint8, resolve_data_path
 
 __all__ = [
     "CIFAR10_CLASSES",

@@ -1,56 +1,16 @@
 """The Three Cell Experiment data (LOOPE, Chowdhury et al. 2025): a reference generator.
 
-Each image is a ``H x W`` grid of flat square cells (14 x 14 cells of 16 px in the paper) on a
-black background. Exactly three cells are coloured: red (the reference ``R``), green (``G``) and
-blue (``B``). They are distinct and never colinear. Every cell is one ViT patch when the patch
-size equals ``cell_size``, so a patch is either black or one flat colour: a model can only solve
-the task from *where* the coloured patches are, i.e. from its positional encoding.
-
-Coordinates (used everywhere in this module, the labels and the docs):
-    ``x`` = column index (0 at the left, grows to the right),
-    ``y`` = row index    (0 at the top,  grows downwards), i.e. image/array order.
-
-Target: 6 bits (multi-label, train with BCE, never a softmax)::
-
-    0  d(R,G) > d(R,B)          distance     (both distance bits 0 when the distances are equal)
-    1  d(R,B) > d(R,G)          distance
-    2  cross > 0                orientation  cross = (x_G-x_R)(y_B-y_R) - (y_G-y_R)(x_B-x_R)
-    3  A(R,G) > A(R,B)          area         A(R,X) = 1/2 |(y_R+y_X)(x_X-x_R)|
-    4  A(R,B) > A(R,G)          area         (both area bits 0 when the areas are equal)
-    5  vector sum out of range  vector sum   s = p_R+p_G+p_B; see ``vector_sum`` below
-
-* Orientation: with ``y`` pointing down, ``cross > 0`` means R -> G -> B turns *clockwise on
-  screen* (it would be counter-clockwise in a y-up frame, the paper's wording).
-* Area: ``A(R,X)`` is the trapezium between segment RX and the line ``y = 0`` (the top edge of
-  the image in this convention).
-* Vector sum: the paper's text says "x_s > 13 and y_s > 13", its equation writes
-  ``sum(p) - (13, 13) > 0``. The reference point generalises to ``(W-1, H-1)``.
-  ``vector_sum='and'`` (default) sets the bit when *both* coordinates of the sum exceed it,
-  ``'or'`` when *either* does. 'and' is the default because it follows the prose and gives a
-  positive rate of about 0.58 on a 14 x 14 grid (0.54 on 8 x 8), close to the paper's no-PE
-  vector-sum accuracy (62.6; a ViT without PE is permutation-invariant, so it can only predict
-  the majority class); 'or' gives a positive rate of about 0.94, far from it.
-
-Generation (supplement Algorithm 4, plus the colinearity rejection the text requires):
-``L = (H-1)^2 + (W-1)^2`` (= 338 for 14 x 14); a table maps every ``n = a^2 + b^2`` with
-``0 < n <= L`` and integers ``|a|, |b| <= floor(sqrt(L))`` to its offset pairs ``(a, b)``
-(``a`` along x, ``b`` along y); keys with a single pair are dropped. A mode is drawn uniformly
-from {1, 2, 3} and ``R`` uniformly on the grid. Mode 1: one key, two different offsets of it
-(equal distances). Mode 2: two different keys, G takes the smaller (G nearer than B). Mode 3: G
-takes the larger. The keys and offsets are redrawn (R and the mode are kept, so both stay
-exactly uniform) until G and B lie in the grid, the three cells differ and they are not colinear.
-
-Sample ``i`` depends only on ``(seed, i)``, so datasets are reproducible and a larger dataset
-extends a smaller one. The split is by index: the first 80 % train, the next 10 % val, the
-last 10 % test. Images are rendered on the fly from the cell coordinates; the compact on-disk
-format (``save_npz`` / ``load_npz``) stores only coordinates, modes and labels (~20 bytes/sample).
+A grid of flat square cells with three coloured ones (R, G, B; distinct, never colinear); the 6-bit
+multi-label target (distance, orientation, area, vector sum) can only be read from where the coloured
+patches are. Reproducible per ``(seed, index)``; split 80/10/10 by index. Coordinates, label formulas,
+the paper's ambiguities and the generation algorithm: ``docs/design/three-cell-data.md``.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch

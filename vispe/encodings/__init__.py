@@ -12,6 +12,7 @@ from .base import (
     sdpa,
 )
 from .rotary import ROTARY_LAYOUTS, RotaryEncoding, RotaryState, apply_rotary, rotary_table
+from .spec import EXTRAPOLATION_MODES, PosEncodingArg, parse_encoding_list, parse_pos_encoding
 
 # registered encodings (import order does not matter; each module registers its names)
 from . import absolute, rope_vit  # noqa: F401,E402
@@ -36,4 +37,8 @@ __all__ = [
     "list_encodings",
     "register_encoding",
     "sdpa",
+    "parse_pos_encoding",
+    "parse_encoding_list",
+    "PosEncodingArg",
+    "EXTRAPOLATION_MODES",
 ]

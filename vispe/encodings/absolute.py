@@ -2,27 +2,18 @@
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
-from typing import Any, Callable, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn as nn
 from timm.layers import build_sincos2d_pos_embed, resample_abs_pos_embed, trunc_normal_
 
+from .._checks import check_choice
 from .base import PositionalEncoding, TokenEncoding, register_encoding
 from .grid import PositionGrid
+from .spec import EXTRAPOLATION_MODES
 
-__all__ = ["NoPE", "LearnedAbsolute", "FixedTableEncoding", "SinCos2d", "EXTRAPOLATION_MODES"]
-
-#: How an absolute table reaches a grid it was not built for.
-#: 'extend' evaluates the formula at the new integer indices; 'interpolate' resamples the
-#: training-grid table to the new grid (positions keep their relative place in the image).
-EXTRAPOLATION_MODES = ("extend", "interpolate")
-
-
-def _check_choice(name: str, value: Any, choices: Sequence[Any]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name}={value!r} is not valid; choose one of {list(choices)}")
+__all__ = ["NoPE", "LearnedAbsolute", "FixedTableEncoding", "SinCos2d", "EXTRAPOLATION_MODES"]  # EXTRAPOLATION_MODES: from .spec
 
 
 @register_encoding("none")
@@ -33,6 +24,10 @@ class NoPE(PositionalEncoding):
     prefix_policy = "nothing is added anywhere"
 
 
+#: how the learned table starts: timm's truncated normal (std ``init_std``), or the 2D sin-cos table
+LEARNED_INITS: tuple[str, ...] = ("trunc_normal", "sincos2d")
+
+
 @register_encoding("learned")
 class LearnedAbsolute(TokenEncoding):
     """timm's learned absolute position embedding, resampled for new grids.
@@ -40,7 +35,8 @@ class LearnedAbsolute(TokenEncoding):
     The table has timm's layout ``(1, S + N, D)`` (``embed_prefix=True``, timm's default) or
     ``(1, N, D)`` (``embed_prefix=False``, timm's ``no_embed_class``), timm's init
     (truncated normal, std 0.02) and timm's resampler (bicubic, antialiased), so a timm ViT
-    checkpoint's ``pos_embed`` drops in unchanged.
+    checkpoint's ``pos_embed`` drops in unchanged. ``init='sincos2d'`` starts the lattice rows from the
+    fixed 2D sin-cos table (prefix rows zero) instead; ``init_std`` sets the truncated-normal std.
     """
 
     grid_ndims = (2,)
@@ -54,8 +50,13 @@ class LearnedAbsolute(TokenEncoding):
         embed_prefix: bool = True,
         interpolation: str = "bicubic",
         antialias: bool = True,
+        init: str = "trunc_normal",
+        init_std: float = 0.02,
     ) -> None:
         super().__init__()
+        check_choice("init", init, LEARNED_INITS)
+        if init_std < 0:
+            raise ValueError(f"init_std must be >= 0, got {init_std!r}")
         self.grid_size = tuple(int(g) for g in grid_size)
         self.embed_prefix = embed_prefix
         self.num_prefix_rows = num_prefix_tokens if embed_prefix else 0
@@ -63,8 +64,15 @@ class LearnedAbsolute(TokenEncoding):
         self.antialias = antialias
         rows = self.num_prefix_rows + math.prod(self.grid_size)
         self.pos_embed = nn.Parameter(torch.zeros(1, rows, dim))
-        trunc_normal_(self.pos_embed, std=0.02)
-        self._resample_cache: OrderedDict[Any, torch.Tensor] = OrderedDict()
+        if init == "sincos2d":
+            # the fixed 2D sin-cos table as a starting point (prefix rows zero): a table that already has
+            # the lattice's geometry, as a pretrained one does, instead of unstructured noise
+            if dim % 4:
+                raise ValueError(f"init='sincos2d' needs an embedding dim divisible by 4, got dim={dim}")
+            with torch.no_grad():
+                self.pos_embed[0, self.num_prefix_rows :] = build_sincos2d_pos_embed(list(self.grid_size), dim=dim)
+        elif init_std > 0:
+            trunc_normal_(self.pos_embed, std=init_std)
 
     def resample(self, table: torch.Tensor, old: tuple[int, ...], new: tuple[int, ...]) -> torch.Tensor:
         return resample_abs_pos_embed(
@@ -76,21 +84,10 @@ class LearnedAbsolute(TokenEncoding):
         self.check_grid(grid)
         if grid.shape == self.grid_size:
             return self.pos_embed
-        if torch.is_grad_enabled() and self.pos_embed.requires_grad:
-            return self.resample(self.pos_embed, self.grid_size, grid.shape)
-        # no gradient flows into the table: resample once per (grid, table version), not per call
+        # while no gradient flows into the table, resample once per (grid, table version), not per call
         p = self.pos_embed
-        key = (grid.shape, p.data_ptr(), p._version, p.device, p.dtype)
-        table = self._resample_cache.get(key)
-        if table is None:
-            with torch.inference_mode(False), torch.no_grad():  # a plain tensor, reusable when training resumes
-                table = self.resample(p, self.grid_size, grid.shape)
-            self._resample_cache[key] = table
-            while len(self._resample_cache) > 8:
-                self._resample_cache.popitem(last=False)
-        else:
-            self._resample_cache.move_to_end(key)
-        return table
+        key = ("resample", grid.shape, p.device, p.dtype)
+        return self.cached(key, lambda: self.resample(p, self.grid_size, grid.shape), uses_parameters=True)
 
     def embed_tokens(self, x, grid, state=None, image=None):
         if self.embed_prefix and grid.num_prefix_tokens != self.num_prefix_rows:
@@ -104,10 +101,6 @@ class LearnedAbsolute(TokenEncoding):
         s = grid.num_prefix_tokens
         return x + torch.cat([pe.new_zeros(1, s, pe.shape[-1]), pe], dim=1)
 
-    def _apply(self, fn, *args, **kwargs):  # device/dtype moves invalidate resampled tables
-        self._resample_cache.clear()
-        return super()._apply(fn, *args, **kwargs)
-
     @torch.no_grad()
     def set_grid_size(self, grid_size: Sequence[int]) -> None:
         new = tuple(int(g) for g in grid_size)
@@ -116,7 +109,7 @@ class LearnedAbsolute(TokenEncoding):
                 self.resample(self.pos_embed.data, self.grid_size, new), requires_grad=self.pos_embed.requires_grad
             )
             self.grid_size = new
-            self._resample_cache.clear()
+            self.clear_cache()
 
     def no_weight_decay(self) -> set[str]:
         return {"pos_embed"}
@@ -146,31 +139,20 @@ class FixedTableEncoding(TokenEncoding):
     """
 
     prefix_policy = "prefix tokens get nothing added"
-    cache_size = 16
+    cache_size = 16  # lattice and sequence tables per grid
 
     def __init__(self, dim: int) -> None:
         super().__init__()
         self.dim = dim
-        self._cache: dict[Any, torch.Tensor] = {}
 
     def build_table(self, grid: PositionGrid, device: torch.device | None) -> torch.Tensor:
         """The lattice table ``(1, N, D)`` of ``grid`` (float32)."""
         raise NotImplementedError
 
-    def _cached(self, key: Any, build: Callable[[], torch.Tensor]) -> torch.Tensor:
-        table = self._cache.get(key)
-        if table is None:
-            with torch.inference_mode(False), torch.no_grad():  # cached: a plain tensor, usable later in training
-                table = build()
-            if len(self._cache) > self.cache_size:
-                self._cache.clear()
-            self._cache[key] = table
-        return table
-
     def table_for(self, grid: PositionGrid, device: torch.device | None) -> torch.Tensor:
         """``(1, N, D)``: the lattice table of ``grid`` (cached)."""
         self.check_grid(grid)
-        return self._cached((grid.shape, str(device)), lambda: self.build_table(grid, device))
+        return self.cached(("lattice", grid.shape, str(device)), lambda: self.build_table(grid, device))
 
     def sequence_table(self, grid: PositionGrid, device: torch.device | None, dtype: torch.dtype) -> torch.Tensor:
         """``(1, S + N, D)``: zero rows for the prefix tokens, then the lattice table, in ``dtype`` (cached)."""
@@ -179,15 +161,10 @@ class FixedTableEncoding(TokenEncoding):
             lattice = self.table_for(grid, device)
             return torch.cat([lattice.new_zeros(1, grid.num_prefix_tokens, self.dim), lattice], dim=1).to(dtype)
 
-        return self._cached(("seq", grid.shape, grid.num_prefix_tokens, str(device), dtype), build)
+        return self.cached(("seq", grid.shape, grid.num_prefix_tokens, str(device), dtype), build)
 
     def embed_tokens(self, x, grid, state=None, image=None):
         return x + self.sequence_table(grid, x.device, x.dtype)
-
-    def set_grid_size(self, grid_size: Sequence[int]) -> None:
-        self.grid_size = tuple(int(g) for g in grid_size)
-        self._cache.clear()
-
 
 @register_encoding("sincos2d")
 class SinCos2d(FixedTableEncoding):
@@ -209,7 +186,7 @@ class SinCos2d(FixedTableEncoding):
         super().__init__(dim)
         if dim % 4:
             raise ValueError(f"sincos2d needs an embedding dim divisible by 4, got dim={dim}")
-        _check_choice("extrapolation", extrapolation, EXTRAPOLATION_MODES)
+        check_choice("extrapolation", extrapolation, EXTRAPOLATION_MODES)
         self.grid_size = tuple(int(g) for g in grid_size)
         self.temperature = temperature
         self.extrapolation = extrapolation

@@ -18,7 +18,9 @@ import torch.nn.functional as F
 from timm.layers import trunc_normal_
 from torch import nn
 
-from .absolute import EXTRAPOLATION_MODES, FixedTableEncoding, _check_choice
+from .._checks import check_choice
+from .absolute import FixedTableEncoding
+from .spec import EXTRAPOLATION_MODES
 from .base import TokenEncoding, register_encoding
 from .grid import PositionGrid
 from .rope3d import grid_thw
@@ -46,12 +48,6 @@ def sincos3d_table(idx: torch.Tensor, dim: int, temperature: float = 10000.0) ->
     return torch.cat(parts, dim=-1)
 
 
-def _add_to_lattice(x: torch.Tensor, pe: torch.Tensor, s: int) -> torch.Tensor:
-    if s == 0:
-        return x + pe
-    return torch.cat([x[:, :s], x[:, s:] + pe], dim=1)
-
-
 @register_encoding("sincos3d")
 class SinCos3d(FixedTableEncoding):
     """Fixed 3D sin-cos table added to the lattice tokens (t, h, w parts of the width)."""
@@ -62,7 +58,7 @@ class SinCos3d(FixedTableEncoding):
         super().__init__(dim)
         if dim % 2 or dim < 6:
             raise ValueError(f"sincos3d needs an even embedding dim >= 6, got dim={dim}")
-        _check_choice("extrapolation", extrapolation, EXTRAPOLATION_MODES)
+        check_choice("extrapolation", extrapolation, EXTRAPOLATION_MODES)
         self.grid_size = tuple(int(g) for g in grid_size)
         self.temperature = temperature
         self.extrapolation = extrapolation
@@ -107,11 +103,7 @@ class Learned3d(TokenEncoding):
         s = grid.num_prefix_tokens
         if self.embed_prefix and s != self.num_prefix_rows:
             raise ValueError(f"learned_3d has {self.num_prefix_rows} prefix rows but the sequence has {s} prefix tokens")
-        pe = self.resample(self.pos_embed, grid.shape).flatten(1, 3).to(x.dtype)
-        if self.prefix_embed is not None:
-            pe = torch.cat([self.prefix_embed.to(x.dtype), pe], dim=1)
-            return x + pe
-        return _add_to_lattice(x, pe, s)
+        return self.add_to_tokens(x, self.resample(self.pos_embed, grid.shape).flatten(1, 3), grid, self.prefix_embed)
 
     @torch.no_grad()
     def set_grid_size(self, grid_size: Sequence[int]) -> None:

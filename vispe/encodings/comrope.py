@@ -1,56 +1,22 @@
 """ComRoPE (Yu et al., CVPR 2025): rotary encoding with trainable, pairwise-commuting angle matrices.
 
-Each token at coordinate ``x in R^N`` rotates its query and key by ``R(x) = exp(sum_i x_i A_i)``
-with skew-symmetric generators ``A_i``. The score ``(R(x) q)^T (R(y) k) = q^T R(y - x) k`` depends
-only on ``y - x`` exactly when the ``A_i`` commute, so both variants build commuting sets from
-block-diagonal generators with ``m = head_dim / b`` blocks of size ``b x b`` per head and layer:
-
-* **AP** (axis partition): block ``j`` belongs to axis ``j mod N``; ``B_ij = P_j - P_j^T`` on its
-  axis and 0 elsewhere.
-* **LD** (linearly dependent): ``B_ij = theta_ij (P_j - P_j^T)``: one base matrix per block and one
-  scalar per (axis, block) (per head by default, as in the paper's parameter count; the released
-  code shares the scalars across heads -- ``shared_scalars=True``).
-
-The rotations for all layers are computed once per forward in :meth:`prepare` (cached per grid when
-no gradient flows), in float32 with autocast off, from ``torch.linalg.matrix_exp`` of ``b x b``
-blocks. Because the generators commute, ``R(x) = prod_a exp(x_a G_a)`` and every axis only takes
-the lattice values ``(i + 0.5) / n`` (odd multiples of ``1 / 2n``; the centre 0.5 is ``n`` of them):
-one ``matrix_exp(G_a / 2n)`` per (layer, head, block, axis) and a few batched products by doubling
-give every line, which are then gathered per token (and, for LD, multiplied across axes).
-:meth:`ComRopeBase.reference_rotations` does the naive thing (one ``matrix_exp`` per token and block)
-and the tests check the two agree; the naive form costs ~100k ``matrix_exp`` per ViT-S forward and
-its backward is ~3x slower than the whole model. Rotations are applied **blockwise** (batched
-``b x b`` products over contiguous channel blocks, q and k of the whole batch folded into the matrix
-columns), never as a dense ``head_dim x head_dim`` matrix; in attention the per-token rotations are
-gathered from the per-layer line tables -- LD keeps one factor table per axis, not the product over
-all line combinations -- and multiplied inside a custom autograd function (:func:`rotate_pair_gathered`),
-so no per-token rotations are stored for the backward (they are recomputed there). The rotated
-q/k are written token-major (memory order ``(B, L, H, dh)`` like timm's qkv, unit channel stride), which
-keeps SDPA on its fused kernel and its output token-major (the head merge stays a view); SDPA does not
-store them either -- attention rebuilds them in the backward (:func:`~vispe.encodings.base.save_as_recomputed`).
-
-Coordinates are patch centres normalised per axis to (0, 1) (``PositionGrid.centers``); every prefix
-token (cls, registers) sits at the centre ``(0.5, ..., 0.5)`` and is rotated like a patch (the
-paper's choice; RoPE-ViT leaves cls unrotated). A new resolution samples the same unit square more
-densely. Optional training-time perturbation ``sigma``: coordinates move by ``N(0, (0.5 sigma)^2)``
-patches clamped to +-0.5 patch before normalisation (released code's magnitude), drawn per lattice
-line and per forward, shared by the batch (vispe's choice: the released code draws per patch and
-sample, which would need one ``matrix_exp`` per token and sample); off in eval mode.
-``zero_init=True`` starts from the identity (plain attention), for inserting into
-pretrained models. Registered as ``comrope_ap``, ``comrope_ld`` (2D) and ``comrope_ld_3d`` (video
-``(t, h, w)`` grids).
+Each token at coordinate ``x`` rotates q and k by ``R(x) = exp(sum_i x_i A_i)`` with commuting,
+block-diagonal skew-symmetric generators: AP (axis partition) and LD (linearly dependent) variants,
+2D and 3D. A member of the rotary family (:class:`~vispe.encodings.rotary.RotaryEncoding`) that rotates
+by blocks through :meth:`ComRopeBase.rotate_qk`. How the rotations are built, applied and recomputed,
+coordinates, and choices against the released code: ``docs/design/comrope.md``.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Any, ClassVar, Sequence
+from dataclasses import dataclass, replace
+from typing import ClassVar, Optional, Sequence
 
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from .base import PositionalEncoding, autocast_off_in_backward, register_encoding, save_as_recomputed, sdpa
+from .base import autocast_off_in_backward, register_encoding
+from .rotary import RotaryEncoding
 from .grid import PositionGrid
 
 __all__ = [
@@ -305,6 +271,22 @@ def rotate_pair_gathered(
     return q2.to(q.dtype), k2.to(k.dtype)
 
 
+def rotate_pair_selected(
+    q: torch.Tensor, k: torch.Tensor, rotations: torch.Tensor, token_index: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate ``q, k`` ``(B, H, n, m*b)`` by per-token block rotations ``(H, L, m, b, b)`` taken at each
+    sample's rows ``token_index`` ``(B, n)`` (the tokens patch dropout kept); float32 maths, q's dtype out."""
+    m, b = rotations.shape[2], rotations.shape[3]
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        rot = rotations.float()[:, token_index].movedim(1, 0)  # (B, H, n, m, b, b)
+
+        def one(x: torch.Tensor) -> torch.Tensor:
+            cols = x.float().unflatten(-1, (m, b)).unsqueeze(-1)
+            return torch.matmul(rot, cols).squeeze(-1).flatten(-2).to(x.dtype)
+
+        return one(q), one(k)
+
+
 def _odd_powers(half_step: torch.Tensor, count: int) -> torch.Tensor:
     """``A^1 .. A^count`` of ``A = half_step`` ``(..., b, b)`` by doubling: ``(..., count, b, b)``."""
     pows = half_step.unsqueeze(-3)
@@ -381,6 +363,8 @@ class ComRopeState:
     tables: tuple[tuple[torch.Tensor, ...], ...]
     flat_index: torch.Tensor
     num_blocks: int
+    #: after patch dropout: each sample's present tokens, rows ``(B, n)`` of the full sequence
+    token_index: Optional[torch.Tensor] = None
 
     @classmethod
     def build(cls, tables: Sequence[torch.Tensor], index: torch.Tensor) -> "ComRopeState":
@@ -398,13 +382,16 @@ class ComRopeState:
         return _gathered_product(tables, self.flat_index)[1][-1].reshape(heads, -1, self.num_blocks, b, b)
 
 
-class ComRopeBase(PositionalEncoding):
-    """Shared machinery of the ComRoPE variants; subclasses define :meth:`coefficients`."""
+class ComRopeBase(RotaryEncoding):
+    """Shared machinery of the ComRoPE variants; subclasses define :meth:`coefficients`.
 
-    kind = "rotary"
+    A rotary encoding whose per-token rotations are commuting ``b x b`` block rotations rather than
+    per-pair phases: it keeps the rotary family's attention path and overrides :meth:`rotate_qk`.
+    """
+
+    pairwise_phases = False
     prefix_policy = "prefix tokens (cls, registers) sit at the grid centre (0.5, ...) and are rotated like patches"
     num_axes: ClassVar[int] = 2
-    cache_size: ClassVar[int] = 8
 
     def __init__(
         self,
@@ -437,7 +424,6 @@ class ComRopeBase(PositionalEncoding):
         b, m = block_size, self.num_blocks
         # raw (unconstrained) matrices P; the generator block is P - P^T
         self.base = nn.Parameter(torch.empty(depth, num_heads, m, b, b))
-        self._cache: OrderedDict[Any, ComRopeState] = OrderedDict()
 
     def reset_parameters(self) -> None:
         if self.zero_init:
@@ -512,41 +498,27 @@ class ComRopeBase(PositionalEncoding):
 
     def prepare(self, grid: PositionGrid, device: torch.device | None = None) -> ComRopeState:
         self.check_grid(grid)
-        if not self.cacheable():
-            return ComRopeState.build(*self.line_tables(grid, device))
-        key = (grid.shape, grid.num_prefix_tokens, str(device), tuple(p._version for p in self.parameters()))
-        state = self._cache.get(key)
-        if state is None:
-            with torch.no_grad():
-                state = ComRopeState.build(*self.line_tables(grid, device))
-            self._cache[key] = state
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
-        else:
-            self._cache.move_to_end(key)
-        return state
+        key = ("comrope", grid.shape, grid.num_prefix_tokens, str(device))
+        return self.cached(key, lambda: ComRopeState.build(*self.line_tables(grid, device)), uses_parameters=True)
 
-    def attend(self, q, k, v, *, layer=0, state=None, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
-        if state is not None:
-            n_tok = state.flat_index.shape[-1] // state.num_blocks
-            if n_tok != q.shape[-2]:
-                raise ValueError(
-                    f"ComRoPE rotations cover {n_tok} tokens but attention got {q.shape[-2]} "
-                    f"(token dropout is not supported by {self.registry_name!r})"
-                )
-            q0, k0, tables = q, k, state.tables[layer]
-            q, k = rotate_pair_gathered(q0, k0, tables, state.flat_index)
-            # keep the unrotated q/k (views of the qkv projection) and re-rotate in backward, not SDPA's copies
-            with save_as_recomputed((q, k), lambda: rotate_pair_gathered(q0, k0, tables, state.flat_index)):
-                return sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale)
-        return sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale)
+    def keep_tokens(self, state: ComRopeState, grid: PositionGrid) -> ComRopeState:
+        return replace(state, token_index=grid.sequence_index())
+
+    def rotate_qk(self, q: torch.Tensor, k: torch.Tensor, state: ComRopeState, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        n_tok = state.flat_index.shape[-1] // state.num_blocks if state.token_index is None else state.token_index.shape[1]
+        if n_tok != q.shape[-2]:
+            raise ValueError(
+                f"ComRoPE rotations cover {n_tok} tokens but attention got {q.shape[-2]} "
+                f"(patch dropout must narrow the state through keep_tokens)"
+            )
+        if state.token_index is not None:
+            # patch dropout: each sample keeps other tokens, so the batch-shared gathered kernel does not
+            # apply; rotate by the dense per-token rotations, selected per sample (plain autograd)
+            return rotate_pair_selected(q, k, state.for_layer(layer), state.token_index)
+        return rotate_pair_gathered(q, k, state.tables[layer], state.flat_index)
 
     def no_weight_decay(self) -> set[str]:
         return set()  # the released code decays the generators with everything else
-
-    def _apply(self, fn, *args, **kwargs):
-        self._cache.clear()
-        return super()._apply(fn, *args, **kwargs)
 
     def extra_repr(self) -> str:
         return f"block_size={self.block_size}, num_blocks={self.num_blocks}, sigma={self.sigma}, zero_init={self.zero_init}"
@@ -554,8 +526,6 @@ class ComRopeBase(PositionalEncoding):
 
 class ComRopeAPBase(ComRopeBase):
     """Axis partition: block ``j`` rotates with the coordinate of axis ``j mod N``."""
-
-    supports_token_dropout = False
 
     def __init__(self, head_dim: int, num_heads: int, depth: int, block_size: int = 8, init_std: float = 1.0,
                  zero_init: bool = False, sigma: float = 0.0) -> None:
@@ -593,8 +563,6 @@ class ComRopeAPBase(ComRopeBase):
 
 class ComRopeLDBase(ComRopeBase):
     """Linearly dependent: block ``j`` of axis ``i`` is ``theta_ij (P_j - P_j^T)``."""
-
-    supports_token_dropout = False
 
     def __init__(self, head_dim: int, num_heads: int, depth: int, block_size: int = 8, init_std: float = 1.0,
                  zero_init: bool = False, sigma: float = 0.0, shared_scalars: bool = False) -> None:

@@ -44,11 +44,18 @@ class PEG(nn.Module):
         s = grid.num_prefix_tokens
         h, w = grid.shape
         bsz, length, dim = x.shape
-        if length != grid.seq_len:
-            raise ValueError(f"PEG expects {grid.seq_len} tokens for grid {grid.shape} + {s} prefix, got {length}")
+        keep = grid.keep
+        present = grid.seq_len if keep is None else s + keep.shape[1]
+        if length != present:
+            raise ValueError(f"PEG expects {present} tokens for grid {grid.shape} + {s} prefix, got {length}")
         patches = x[:, s:]
-        feat = patches.transpose(1, 2).reshape(bsz, dim, h, w)  # row-major fold
-        patches = patches + self.proj(feat).flatten(2).transpose(1, 2)
+        lattice = patches
+        if keep is not None:  # after patch dropout the dropped tokens are zeros on the lattice
+            rows = keep[..., None].expand(-1, -1, dim)
+            lattice = patches.new_zeros(bsz, h * w, dim).scatter(1, rows, patches)
+        feat = lattice.transpose(1, 2).reshape(bsz, dim, h, w)  # row-major fold
+        conv = self.proj(feat).flatten(2).transpose(1, 2)
+        patches = patches + (conv if keep is None else conv.gather(1, rows))
         return torch.cat([x[:, :s], patches], dim=1) if s else patches
 
 
@@ -63,7 +70,6 @@ class ConditionalPE(PositionalEncoding):
 
     kind = "conditional"
     grid_ndims = (2,)
-    supports_token_dropout = False
     prefix_policy = "prefix tokens bypass the PEG (only the lattice tokens are convolved)"
 
     def __init__(self, dim: int, depth: int, positions: Sequence[int] = (0,), kernel_size: int = 3) -> None:

@@ -1,53 +1,13 @@
 """iRPE -- image relative position encoding (Wu et al., ICCV 2021), pure PyTorch.
 
-Each (query, key) pair gets a bucket ``t(i, j)`` from the 2D offset between the two patches,
-mapped through a piecewise index function ``g`` (exact near zero, logarithmic further out,
-clipped; ``alpha = r, beta = 2r, gamma = 8r``). A learned table per bucket then enters attention:
-
-* ``mode='bias'``: a scalar per bucket (and head, unless shared) added to the logits;
-* ``mode='contextual'``: a ``head_dim`` vector per bucket, dotted with the query (key side ``'k'``),
-  with the key (query side ``'q'``), or summed into the output with the attention weights
-  (value side ``'v'``).
-
-Methods (``method=``) turn an offset into buckets: ``'euclidean'`` and ``'quant'`` (undirected),
-``'cross'`` (row and column buckets in two tables whose terms add) and ``'product'`` (row x column
-joint buckets: 49 for ``r=1.9``). With prefix tokens (cls, registers) one extra bucket per table
-holds every pair that involves a prefix token. Defaults are the released DeiT configuration:
-contextual, product, shared head, key side, every block, ``r=1.9``, zero-initialised tables.
-
-Attention stays on SDPA for the q/k terms: the contextual key-side term is computed as
-``Z = (q @ R) s`` over buckets (``(B, H, L, n_buckets)``, cost ``L * n_buckets * dh``), gathered by the
-cached ``(L, L)`` bucket map and passed as the additive ``attn_mask``; the query side is the same
-with ``k`` and a transpose. While training, this goes through :func:`~vispe.encodings.base.sdpa_with_bias`:
-the forward runs SDPA's fused kernel, and the backward rebuilds the term (and this layer's
-probabilities) from q and the table, so no ``(B, H, L, L)`` tensor is kept per layer (autograd through
-SDPA with a bias that needs a gradient would fall back to the math kernel and keep three of them).
-Only a layer with a value-side table runs explicit
-``softmax(QK^T) V`` attention, because that term needs the probabilities. Bucket maps depend only
-on the grid: they are recomputed for every new ``(h, w)`` (cached per grid and device) and the
-tables are reused unchanged -- no interpolation at a new patch count; a larger grid just puts more
-pairs into the clipped outer buckets.
-
-Paper vs released code (vispe follows the code unless stated):
-
-1. **Quantization method**: the paper applies ``g`` to the *rank* of the distance among the sorted
-   distinct distances; the code applies ``g`` to the *squared* distance ``dr^2 + dc^2``. vispe:
-   code (``method='quant'``).
-2. **Bias-mode scaling**: the paper writes ``(q.k + b) / sqrt(dh)``; the code adds ``b`` to the
-   already scaled logits. vispe: code (the bias goes into ``attn_mask`` unscaled).
-3. **Query-side direction**: the paper writes ``r_ij``; the code evaluates the table with the key
-   as the row, i.e. the bucket of ``p_j - p_i``, and transposes. vispe: code (checkpoints load).
-4. **Weight decay on the tables**: the supplement says none; the released DeiT code leaves them
-   in the decayed group. vispe: paper (:meth:`IRPE.no_weight_decay` lists the tables); the paper
-   reports the effect as negligible.
-
-Also from the code: ``g`` clips against the float ``beta`` and then truncates to an integer, so
-buckets span ``[-beta_int, beta_int]`` with ``beta_int = floor(beta)``.
+Each (query, key) pair gets a bucket of its 2D offset (piecewise index function); a learned table per
+bucket enters attention as a logit bias (``mode='bias'``) or a vector dotted with q / k or summed into the
+output (``mode='contextual'``, sides ``q``/``k``/``v``). Defaults are the released DeiT configuration.
+The maths, the SDPA path and the paper-vs-code choices: ``docs/design/irpe.md``.
 """
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
@@ -55,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .base import PositionalEncoding, fold_causal_mask, merge_attn_mask, register_encoding, sdpa, sdpa_with_bias
+from .base import AttentionBiasEncoding, fold_causal_mask, merge_attn_mask, register_encoding, sdpa, sdpa_with_bias
 from .grid import PositionGrid
 
 __all__ = ["IRPE", "IRPEState", "piecewise_index", "irpe_bucket_ids", "IRPE_METHODS", "IRPE_MODES", "IRPE_SIDES"]
@@ -128,9 +88,19 @@ def irpe_bucket_ids(
 class IRPEState:
     """Per-forward bucket maps ``(T, L, L)`` (int64) and the same with the table offset folded in."""
 
-    ids: torch.Tensor  # (T, L, L) ids into the concatenated table (table t offset by t * buckets)
+    ids: torch.Tensor  # (T, L, L) ids into the concatenated table (table t offset by t * buckets); (T, B, n, n) after patch dropout
     ids_t: torch.Tensor  # the transpose (key as row), for the query side
     num_buckets: int  # total columns of the concatenated tables
+
+    def select(self, index: torch.Tensor) -> "IRPEState":
+        """The maps among each sample's present tokens ``index`` ``(B, n)``: ``(T, B, n, n)``."""
+        rows, cols = index[:, :, None], index[:, None, :]
+        return IRPEState(self.ids[:, rows, cols], self.ids_t[:, rows, cols], self.num_buckets)
+
+
+def _expand_ids(ids: torch.Tensor, bsz: int, heads: int, length: int) -> torch.Tensor:
+    """One table's map ``(L, L)`` or per-sample ``(B, L, L)`` as a ``(B, H, L, L)`` gather index (a view)."""
+    return (ids if ids.ndim == 2 else ids[:, None]).expand(bsz, heads, length, length)
 
 
 def _parse_sides(sides: str | Iterable[str]) -> tuple[str, ...]:
@@ -142,8 +112,11 @@ def _parse_sides(sides: str | Iterable[str]) -> tuple[str, ...]:
 
 
 @register_encoding("irpe")
-class IRPE(PositionalEncoding):
+class IRPE(AttentionBiasEncoding):
     """iRPE attention term (see the module docstring for the maths and paper/code choices).
+
+    An attention bias: :meth:`bias` is the additive logit term; :meth:`attend` rebuilds it in the
+    backward instead of keeping it, and adds the value-side term when ``'v'`` is among the sides.
 
     Args:
         mode: ``'contextual'`` (default) or ``'bias'``.
@@ -156,11 +129,8 @@ class IRPE(PositionalEncoding):
         init_std: 0 (default, released code) zero-initialises; otherwise truncated normal std.
     """
 
-    kind = "bias"
     grid_ndims = (2,)
-    supports_token_dropout = False
     prefix_policy = "every pair involving a prefix token (cls/registers) uses one extra learned bucket per table"
-    cache_size = 8
 
     def __init__(
         self,
@@ -216,27 +186,19 @@ class IRPE(PositionalEncoding):
             if init_std > 0:
                 nn.init.trunc_normal_(table, std=init_std)
             self.register_parameter(f"table_{side}", table)
-        self._ids_cache: OrderedDict[Any, IRPEState] = OrderedDict()
 
     # -- grid-dependent bucket maps ---------------------------------------------------------------
     def prepare(self, grid: PositionGrid, device: torch.device | None = None) -> IRPEState:
         self.check_grid(grid)
-        key = (grid.shape, grid.num_prefix_tokens, str(device))
-        state = self._ids_cache.get(key)
-        if state is None:
-            # the cached ids outlive this call: build them as normal tensors even under inference_mode,
-            # or a later training step could not save them (gather indices) for backward
-            with torch.inference_mode(False), torch.no_grad():
-                ids, per_table = irpe_bucket_ids(grid, self.method, self.ratio, self.prefix_bucket, device)
-                offsets = torch.arange(ids.shape[0], device=ids.device)[:, None, None] * per_table
-                ids = ids + offsets
-                state = IRPEState(ids.contiguous(), ids.transpose(-1, -2).contiguous(), per_table * ids.shape[0])
-            self._ids_cache[key] = state
-            while len(self._ids_cache) > self.cache_size:
-                self._ids_cache.popitem(last=False)
-        else:
-            self._ids_cache.move_to_end(key)
-        return state
+        return self.cached(("irpe", grid.shape, grid.num_prefix_tokens, str(device)), lambda: self._bucket_state(grid, device))
+
+    def _bucket_state(self, grid: PositionGrid, device: torch.device | None) -> IRPEState:
+        ids, per_table = irpe_bucket_ids(grid, self.method, self.ratio, self.prefix_bucket, device)
+        ids = ids + torch.arange(ids.shape[0], device=ids.device)[:, None, None] * per_table
+        return IRPEState(ids.contiguous(), ids.transpose(-1, -2).contiguous(), per_table * ids.shape[0])
+
+    def keep_tokens(self, state: IRPEState, grid: PositionGrid) -> IRPEState:
+        return state.select(grid.sequence_index())
 
     # -- attention terms --------------------------------------------------------------------------
     @staticmethod
@@ -245,17 +207,17 @@ class IRPE(PositionalEncoding):
         bsz, heads, length, _ = z.shape
         out = None
         for t in range(ids.shape[0]):
-            term = torch.gather(z, -1, ids[t].expand(bsz, heads, length, length))
+            term = torch.gather(z, -1, _expand_ids(ids[t], bsz, heads, length))
             out = term if out is None else out + term
         return out
 
     def _bias_term(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Bias mode: ``(1, H', L, L)`` from a ``(H', nb)`` table."""
+        """Bias mode: ``(1, H', L, L)`` from a ``(H', nb)`` table (``(B, H', n, n)`` for per-sample maps)."""
         out = None
         for t in range(ids.shape[0]):
-            term = table[:, ids[t]]  # (H', L, L)
+            term = table[:, ids[t]]  # (H', L, L) or (H', B, n, n)
             out = term if out is None else out + term
-        return out[None]
+        return out[None] if ids.ndim == 3 else out.transpose(0, 1)
 
     def _contextual_term(self, x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, scale: float, side: str) -> torch.Tensor:
         """Key side: ``(s q_i) . r_{b(i, j)}``; query side: ``(s k_j) . r_{b(j, i)}`` (key as the row, transposed)."""
@@ -277,7 +239,7 @@ class IRPE(PositionalEncoding):
         if state.ids.shape[-1] != q.shape[-2]:
             raise ValueError(
                 f"iRPE bucket map covers {state.ids.shape[-1]} tokens but attention got {q.shape[-2]} "
-                f"(token dropout is not supported by 'irpe')"
+                f"(patch dropout must narrow the maps through keep_tokens)"
             )
         inputs: list[torch.Tensor] = []
         parts: list[tuple[int, Any]] = []  # (number of inputs, fn of them)
@@ -309,6 +271,9 @@ class IRPE(PositionalEncoding):
         src = self.logit_sources(q, k, layer, state, scale)
         return None if src is None else src[1](*src[0])
 
+    def bias(self, q: torch.Tensor, k: torch.Tensor, *, layer: int, state: IRPEState) -> torch.Tensor | None:
+        return self.logit_term(q, k, layer, state, q.shape[-1] ** -0.5)
+
     def attend(self, q, k, v, *, layer=0, state=None, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
         if state is None:
             return sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale)
@@ -334,16 +299,12 @@ class IRPE(PositionalEncoding):
         bsz, heads, length, _ = attn.shape
         weights = attn.new_zeros(bsz, heads, length, state.num_buckets)
         for t in range(state.ids.shape[0]):
-            weights = weights.scatter_add(-1, state.ids[t].expand(bsz, heads, length, length), attn)
+            weights = weights.scatter_add(-1, _expand_ids(state.ids[t], bsz, heads, length), attn)
         return out + torch.matmul(weights, table_v)
 
     # -- misc -------------------------------------------------------------------------------------
     def no_weight_decay(self) -> set[str]:
         return {f"table_{side}" for side in self.sides}  # paper supplement: no decay on the tables
-
-    def _apply(self, fn, *args, **kwargs):
-        self._ids_cache.clear()
-        return super()._apply(fn, *args, **kwargs)
 
     def extra_repr(self) -> str:
         return (

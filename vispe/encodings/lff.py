@@ -103,16 +103,7 @@ class LearnableFourierPE(TokenEncoding):
         return self.features(coords)  # (N, D)
 
     def embed_tokens(self, x, grid, state=None, image=None):
-        pe = self.table_for(grid, x.device).to(x.dtype)[None]
-        s = grid.num_prefix_tokens
-        if s == 0:
-            return x + pe
-        prefix = x[:, :s]
-        if self.prefix_embed is not None:
-            if self.prefix_embed.shape[1] != s:
-                raise ValueError(f"lff has {self.prefix_embed.shape[1]} prefix vectors but the sequence has {s} prefix tokens")
-            prefix = prefix + self.prefix_embed.to(x.dtype)
-        return torch.cat([prefix, x[:, s:] + pe], dim=1)
+        return self.add_to_tokens(x, self.table_for(grid, x.device)[None], grid, self.prefix_embed)
 
     def no_weight_decay(self) -> set[str]:
         names = {"features.freqs"}

@@ -29,8 +29,7 @@ a clear error. ``offset=False`` is the fixed-order "Hilbert" variant (``X_C = 0`
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn as nn
@@ -113,7 +112,6 @@ class LOOPE(TokenEncoding):
     """
 
     grid_ndims = (2,)
-    supports_token_dropout = True
     prefix_policy = "prefix tokens get their own learned vectors (zeros init); no curve position"
 
     def __init__(
@@ -144,22 +142,16 @@ class LOOPE(TokenEncoding):
             LoopeContext(in_chans, tuple(patch_size), head, math.prod(self.grid_size), linear_bias) if offset else None
         )
         self.prefix_embed = nn.Parameter(torch.zeros(1, num_prefix_tokens, dim)) if num_prefix_tokens else None
-        self._order_cache: OrderedDict[Any, torch.Tensor] = OrderedDict()
 
     def curve_positions(self, grid: PositionGrid, device: torch.device | None) -> torch.Tensor:
         """``X_G`` for the lattice tokens in row-major order, float32 ``(N,)`` (scaled per ``order_scale``)."""
-        key = (grid.shape, str(device))
-        pos = self._order_cache.get(key)
-        if pos is None:
-            with torch.inference_mode(False):  # cached beyond this call: never an inference tensor
-                pos = gilbert_order(*grid.shape, device=device).float()
-            n, n_train = grid.num_patches, math.prod(self.grid_size)
-            if self.order_scale == "normalized" and n != n_train and n > 1:
-                with torch.inference_mode(False):
-                    pos = pos * ((n_train - 1) / (n - 1))
-            self._order_cache[key] = pos
-            while len(self._order_cache) > 8:
-                self._order_cache.popitem(last=False)
+        return self.cached(("curve", grid.shape, str(device)), lambda: self._curve_positions(grid, device))
+
+    def _curve_positions(self, grid: PositionGrid, device: torch.device | None) -> torch.Tensor:
+        pos = gilbert_order(*grid.shape, device=device).float()
+        n, n_train = grid.num_patches, math.prod(self.grid_size)
+        if self.order_scale == "normalized" and n != n_train and n > 1:
+            pos = pos * ((n_train - 1) / (n - 1))
         return pos
 
     def positions(self, grid: PositionGrid, image: torch.Tensor | None, device: torch.device | None) -> torch.Tensor:
@@ -176,23 +168,13 @@ class LOOPE(TokenEncoding):
         with torch.autocast(device_type=x.device.type, enabled=False):
             pos = self.positions(grid, image, x.device)
             pe = sinusoid_1d(pos, self.dim, self.temperature)  # (B or 1, N, D), float32
-        s = grid.num_prefix_tokens
-        patches = x[:, s:] + pe.to(x.dtype)
-        if s == 0:
-            return patches
-        prefix = x[:, :s]
-        if self.prefix_embed is not None:
-            if self.prefix_embed.shape[1] != s:
-                raise ValueError(f"loope has {self.prefix_embed.shape[1]} prefix vectors but the sequence has {s} prefix tokens")
-            prefix = prefix + self.prefix_embed.to(x.dtype)
-        return torch.cat([prefix, patches], dim=1)
+        return self.add_to_tokens(x, pe, grid, self.prefix_embed)
 
     def set_grid_size(self, grid_size: Sequence[int]) -> None:
         new = tuple(int(g) for g in grid_size)
         if self.context is not None and self.context.head_kind == "linear" and math.prod(new) != self.context.num_patches:
             raise ValueError(f"loope head='linear' is tied to {self.context.num_patches} patches; cannot move to grid {new}")
-        self.grid_size = new
-        self._order_cache.clear()
+        super().set_grid_size(new)
 
     def no_weight_decay(self) -> set[str]:
         return {"prefix_embed"} if self.prefix_embed is not None else set()

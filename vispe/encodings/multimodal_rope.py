@@ -39,7 +39,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..positions import NUM_COORDS, Text, Visual, build_positions
+from ..positions import POSITION_SCHEMES, Text, Visual, build_positions, get_scheme
 from .base import register_encoding
 from .grid import PositionGrid
 from .rotary import ROTARY_LAYOUTS, RotaryEncoding, apply_rotary, rotary_table
@@ -56,7 +56,7 @@ __all__ = [
     "VRope",
 ]
 
-MULTIMODAL_SCHEMES = tuple(NUM_COORDS)
+MULTIMODAL_SCHEMES = POSITION_SCHEMES
 
 
 def _check_layout(layout: str) -> None:
@@ -76,8 +76,11 @@ class MultimodalRotary(RotaryEncoding):
     kind = "rotary"
     grid_ndims = (1, 2, 3)
     prefix_policy: ClassVar[str] = "lattice use only: prefix tokens are not rotated (identity rotation)"
-    supports_token_dropout = False
-    num_coords: ClassVar[int] = 1
+
+    @property
+    def num_coords(self) -> int:
+        """Coordinates per token, from the scheme record (:data:`vispe.positions.SCHEMES`)."""
+        return get_scheme(self.registry_name).num_coords
 
     def __init__(self, head_dim: int, theta: float = 10000.0, layout: str = "half") -> None:
         super().__init__()
@@ -183,21 +186,18 @@ def _check_section(name: str, section: Sequence[int], total: int, what: str) -> 
 class Rope1d(MultimodalRotary):
     """Plain 1D RoPE over all pairs (the text LLM baseline; visual tokens get consecutive indices)."""
 
-    num_coords = 1
 
 
 @register_encoding("v2pe")
 class V2PE(MultimodalRotary):
     """V2PE (Ge et al. 2024): 1D RoPE; visual tokens advance by ``delta`` in :mod:`vispe.positions`."""
 
-    num_coords = 1
 
 
 @register_encoding("mrope")
 class MRope(MultimodalRotary):
     """M-RoPE (Qwen2-VL): contiguous t / h / w pair chunks given by ``mrope_section`` (pairs)."""
 
-    num_coords = 3
 
     def __init__(self, head_dim: int, mrope_section: Sequence[int] | None = None, theta: float = 10000.0, layout: str = "half") -> None:
         super().__init__(head_dim, theta, layout)
@@ -214,7 +214,6 @@ class MRope(MultimodalRotary):
 class MRopeInterleave(MultimodalRotary):
     """MRoPE-Interleave (Huang et al. 2025): pairs cycle t, h, w (``mrope_section`` counts pairs, default 24:20:20)."""
 
-    num_coords = 3
 
     def __init__(self, head_dim: int, mrope_section: Sequence[int] | None = None, theta: float = 10000.0, layout: str = "half") -> None:
         super().__init__(head_dim, theta, layout)
@@ -244,7 +243,6 @@ class MHRope(MultimodalRotary):
     for 8 heads); heads beyond the sum are NoPE.
     """
 
-    num_coords = 3
 
     def __init__(
         self, head_dim: int, num_heads: int, mrope_section: Sequence[int] | None = None, theta: float = 10000.0, layout: str = "half"
@@ -272,7 +270,6 @@ class MHRope(MultimodalRotary):
 class VRope(MultimodalRotary):
     """VRoPE (Liu et al. 2025): four diagonal coordinates read cyclically, ``a(i) = i mod 4``."""
 
-    num_coords = 4
 
     def axis_map(self) -> torch.Tensor:
         return torch.arange(self.num_pairs) % 4
@@ -284,7 +281,6 @@ class HoPE(MultimodalRotary):
     ``temporal_pairs`` (default ``P // 4``, 16 of 64 for ``d = 128``). Positions: VideoRoPE layout with ``gamma``.
     """
 
-    num_coords = 3
 
     def __init__(self, head_dim: int, temporal_pairs: int | None = None, theta: float = 10000.0, layout: str = "half") -> None:
         super().__init__(head_dim, theta, layout)

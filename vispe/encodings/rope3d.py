@@ -23,7 +23,8 @@ import torch
 from timm.layers.pos_embed_sincos import init_random_2d_freqs
 from torch import nn
 
-from .absolute import EXTRAPOLATION_MODES, _check_choice
+from .._checks import check_choice
+from .spec import EXTRAPOLATION_MODES
 from .base import register_encoding
 from .grid import PositionGrid
 from .rotary import RotaryEncoding
@@ -33,11 +34,7 @@ __all__ = ["RopeAxial3d", "RopeMixed3d", "grid_thw"]
 
 def grid_thw(grid: PositionGrid, device, train_grid: Sequence[int] | None = None) -> torch.Tensor:
     """Integer ``(t, h, w)`` indices ``(N, 3)`` float32; with ``train_grid`` rescaled into its index range."""
-    idx = grid.indices(device)
-    if train_grid is not None and tuple(train_grid) != grid.shape:
-        scale = torch.tensor([tr / g for tr, g in zip(train_grid, grid.shape, strict=True)], device=device, dtype=torch.float32)
-        idx = idx * scale
-    return idx
+    return grid.indices(device, rescale_to=train_grid)
 
 
 def _check_sections(sections: Sequence[int], P: int) -> tuple[int, int, int]:
@@ -64,7 +61,7 @@ class RopeAxial3d(RotaryEncoding):
         super().__init__()
         if head_dim % 2 or head_dim < 6:
             raise ValueError(f"rope_axial_3d needs an even head_dim >= 6 (at least one pair per axis), got head_dim={head_dim}")
-        _check_choice("extrapolation", extrapolation, EXTRAPOLATION_MODES)
+        check_choice("extrapolation", extrapolation, EXTRAPOLATION_MODES)
         P = head_dim // 2
         if sections is None:
             s = P // 3
@@ -84,10 +81,6 @@ class RopeAxial3d(RotaryEncoding):
         idx = grid_thw(grid, device, train)
         parts = [idx[:, a : a + 1] * self.bands(n, device) for a, n in enumerate(self.sections)]
         return torch.cat(parts, dim=-1)  # (N, P)
-
-    def set_grid_size(self, grid_size):
-        self.grid_size = tuple(int(g) for g in grid_size)
-        self._table_cache.clear()
 
 
 @register_encoding("rope_mixed_3d")
@@ -111,8 +104,8 @@ class RopeMixed3d(RotaryEncoding):
         super().__init__()
         if head_dim % 4:
             raise ValueError(f"rope_mixed_3d needs head_dim divisible by 4 (RoPE-Mixed init), got head_dim={head_dim}")
-        _check_choice("temporal_init", temporal_init, ("ladder", "zero"))
-        _check_choice("extrapolation", extrapolation, EXTRAPOLATION_MODES)
+        check_choice("temporal_init", temporal_init, ("ladder", "zero"))
+        check_choice("extrapolation", extrapolation, EXTRAPOLATION_MODES)
         self.grid_size = tuple(int(g) for g in grid_size)
         self.extrapolation = extrapolation
         P = head_dim // 2
@@ -130,10 +123,6 @@ class RopeMixed3d(RotaryEncoding):
         idx = grid_thw(grid, device, train)  # (N, 3)
         f = self.freqs.float()  # (3, depth, H, P)
         return sum(idx[:, a, None] * f[a][..., None, :] for a in range(3))  # (depth, H, N, P)
-
-    def set_grid_size(self, grid_size):
-        self.grid_size = tuple(int(g) for g in grid_size)
-        self._table_cache.clear()
 
     def no_weight_decay(self) -> set[str]:
         return {"freqs"}

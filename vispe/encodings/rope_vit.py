@@ -13,7 +13,8 @@ import torch
 import torch.nn as nn
 from timm.layers.pos_embed_sincos import init_random_2d_freqs
 
-from .absolute import EXTRAPOLATION_MODES, _check_choice
+from .._checks import check_choice
+from .spec import EXTRAPOLATION_MODES
 from .base import register_encoding
 from .grid import PositionGrid
 from .rotary import RotaryEncoding
@@ -35,12 +36,8 @@ def grid_xy(grid: PositionGrid, device, train_grid: Sequence[int] | None = None)
     With ``train_grid`` the indices are rescaled so the new grid spans the training grid's index
     range ('interpolate' policy) instead of extending past it.
     """
-    idx = grid.indices(device)
-    t_y, t_x = idx[:, 0], idx[:, 1]
-    if train_grid is not None and tuple(train_grid) != grid.shape:
-        t_y = t_y * (train_grid[0] / grid.shape[0])
-        t_x = t_x * (train_grid[1] / grid.shape[1])
-    return t_x, t_y
+    idx = grid.indices(device, rescale_to=train_grid)
+    return idx[:, 1], idx[:, 0]
 
 
 @register_encoding("rope_axial")
@@ -57,7 +54,7 @@ class RopeAxial(RotaryEncoding):
     def __init__(self, head_dim: int, grid_size: Sequence[int] = (14, 14), theta: float = 100.0, extrapolation: str = "extend") -> None:
         super().__init__()
         _check_head_dim("rope_axial", head_dim)
-        _check_choice("extrapolation", extrapolation, EXTRAPOLATION_MODES)
+        check_choice("extrapolation", extrapolation, EXTRAPOLATION_MODES)
         self.head_dim = head_dim
         self.theta = theta
         self.grid_size = tuple(int(g) for g in grid_size)
@@ -73,10 +70,6 @@ class RopeAxial(RotaryEncoding):
         t_x, t_y = grid_xy(grid, device, train)
         b = self.bands(device)
         return torch.cat([t_x[:, None] * b, t_y[:, None] * b], dim=-1)  # (N, dh/2)
-
-    def set_grid_size(self, grid_size):
-        self.grid_size = tuple(int(g) for g in grid_size)
-        self._table_cache.clear()
 
 
 @register_encoding("rope_mixed")
@@ -100,7 +93,7 @@ class RopeMixed(RotaryEncoding):
     ) -> None:
         super().__init__()
         _check_head_dim("rope_mixed", head_dim)
-        _check_choice("extrapolation", extrapolation, EXTRAPOLATION_MODES)
+        check_choice("extrapolation", extrapolation, EXTRAPOLATION_MODES)
         self.grid_size = tuple(int(g) for g in grid_size)
         self.extrapolation = extrapolation
         self.freqs = nn.Parameter(init_random_2d_freqs(head_dim, depth, num_heads, temperature=theta, rotate=True))
@@ -111,10 +104,6 @@ class RopeMixed(RotaryEncoding):
         f = self.freqs.float()
         # (depth, H, N, P) as an outer product by broadcasting (keeps float32 under autocast)
         return t_x[:, None] * f[0][..., None, :] + t_y[:, None] * f[1][..., None, :]
-
-    def set_grid_size(self, grid_size):
-        self.grid_size = tuple(int(g) for g in grid_size)
-        self._table_cache.clear()
 
     def no_weight_decay(self) -> set[str]:
         return {"freqs"}

@@ -15,7 +15,6 @@ concatenation.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -85,6 +84,18 @@ class RotaryState:
     def for_layer(self, layer: int) -> torch.Tensor:
         return self.table[layer] if self.per_layer else self.table
 
+    def select(self, index: torch.Tensor) -> "RotaryState":
+        """Per-sample token rows ``index`` ``(B, n)``: tables become ``(B, 1|H, n, P)`` (``(depth, B, H, n, P)``)."""
+        bsz, n = index.shape
+        t = self.table.index_select(-2, index.reshape(-1)).unflatten(-2, (bsz, n))  # (..., B, n, P)
+        if self.per_layer:
+            t = t.movedim(-3, 1)
+        elif t.ndim == 3:
+            t = t.unsqueeze(1)
+        else:
+            t = t.movedim(-3, 0)
+        return RotaryState(t, per_layer=self.per_layer)
+
 
 class RotaryEncoding(PositionalEncoding):
     """Base for encodings that rotate q and k by per-pair angles.
@@ -96,14 +107,11 @@ class RotaryEncoding(PositionalEncoding):
 
     kind = "rotary"
     prefix_policy: ClassVar[str] = "prefix tokens are not rotated (identity rotation)"
+    #: The rotation is a phase per channel pair given by :meth:`angles` (False: general block rotations).
+    pairwise_phases: ClassVar[bool] = True
     #: Angle tables carry a leading ``depth`` dimension (one table per layer).
     per_layer: bool = False
     layout: str = "interleaved"
-    cache_size: ClassVar[int] = 8
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._table_cache: OrderedDict[Any, RotaryState] = OrderedDict()
 
     # -- to implement --------------------------------------------------------------------
     def angles(self, grid: PositionGrid, device: torch.device | None) -> torch.Tensor:
@@ -114,15 +122,7 @@ class RotaryEncoding(PositionalEncoding):
         """Angles for prefix tokens (``(..., S, P)``), or ``None`` for the identity (no rotation)."""
         return None
 
-    def cacheable(self) -> bool:
-        """Tables can be reused while no gradient must flow into them."""
-        return not (torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()))
-
     # -- shared machinery ----------------------------------------------------------------
-    def _cache_key(self, grid: PositionGrid, device: torch.device | None) -> Any:
-        versions = tuple(p._version for p in self.parameters())
-        return (grid.shape, grid.num_prefix_tokens, str(device), versions)
-
     def build_state(self, grid: PositionGrid, device: torch.device | None) -> RotaryState:
         dev_type = torch.device(device).type if device is not None else "cpu"
         with torch.autocast(device_type=dev_type, enabled=False):
@@ -140,34 +140,25 @@ class RotaryEncoding(PositionalEncoding):
 
     def prepare(self, grid: PositionGrid, device: torch.device | None = None) -> RotaryState:
         self.check_grid(grid)
-        if not self.cacheable():
-            return self.build_state(grid, device)
-        key = self._cache_key(grid, device)
-        state = self._table_cache.get(key)
-        if state is None:
-            # a cached table outlives this call: build it as a plain tensor even under
-            # inference_mode, or a later training step could not save it for backward
-            with torch.inference_mode(False), torch.no_grad():
-                state = self.build_state(grid, device)
-            self._table_cache[key] = state
-            while len(self._table_cache) > self.cache_size:
-                self._table_cache.popitem(last=False)
-        else:
-            self._table_cache.move_to_end(key)
-        return state
+        key = ("rotary", grid.shape, grid.num_prefix_tokens, str(device))
+        return self.cached(key, lambda: self.build_state(grid, device), uses_parameters=True)
+
+    def keep_tokens(self, state: RotaryState, grid: PositionGrid) -> RotaryState:
+        return state.select(grid.sequence_index())
 
     def rotate(self, x: torch.Tensor, state: RotaryState, layer: int = 0) -> torch.Tensor:
         return apply_rotary(x, state.for_layer(layer), self.layout)
+
+    def rotate_qk(self, q: torch.Tensor, k: torch.Tensor, state: Any, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate one layer's q and k (one call, so a family that rotates the pair jointly, as ComRoPE's
+        block rotations do, overrides this and nothing else of the attention path)."""
+        return self.rotate(q, state, layer), self.rotate(k, state, layer)
 
     def attend(self, q, k, v, *, layer=0, state=None, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
         if state is None:
             return sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale)
         q0, k0 = q, k
-        q, k = self.rotate(q0, state, layer), self.rotate(k0, state, layer)
+        q, k = self.rotate_qk(q0, k0, state, layer)
         # SDPA would keep the rotated q/k for backward; re-rotating the unrotated ones is cheaper than the memory
-        with save_as_recomputed((q, k), lambda: (self.rotate(q0, state, layer), self.rotate(k0, state, layer))):
+        with save_as_recomputed((q, k), lambda: self.rotate_qk(q0, k0, state, layer)):
             return sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale)
-
-    def _apply(self, fn, *args, **kwargs):  # moving devices/dtypes invalidates cached tables
-        self._table_cache.clear()
-        return super()._apply(fn, *args, **kwargs)

@@ -40,7 +40,7 @@ from torch import nn
 from ..encodings import EncodingContext, create_encoding
 from ..encodings.multimodal_rope import MultimodalRotary
 from ..encodings.rotary import apply_rotary
-from ..positions import NUM_COORDS, POSITION_SCHEMES, Segment, Text, Visual, build_positions
+from ..positions import NUM_COORDS, POSITION_SCHEMES, Segment, Text, Visual, build_positions, get_scheme
 
 __all__ = [
     "SUPPORTED_MODELS",
@@ -57,7 +57,13 @@ TRANSFORMERS_REQUIREMENT = "transformers>=4.57,<6"
 _MIN_VERSION, _MAX_VERSION = (4, 57), (6, 0)
 SUPPORTED_MODELS = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
 #: Options that configure the rotary table (the rest go to the position builder).
-ROTARY_OPTIONS = {"mrope": ("mrope_section",), "mrope_interleave": ("mrope_section",), "mhrope": ("mrope_section",), "hope": ("temporal_pairs",)}
+def rotary_options(scheme: str) -> tuple[str, ...]:
+    """Options of the scheme's rotary encoding that apply in an HF model (its frequency layout: sections,
+    HoPE's temporal pairs); the rotary base and pair layout are the model's own."""
+    from ..encodings import get_encoding_class
+
+    sig = inspect.signature(get_encoding_class(scheme).__init__)
+    return tuple(p for p in list(sig.parameters)[1:] if p not in ("head_dim", "num_heads", "depth", "theta", "layout"))
 
 
 def check_transformers_version() -> str:
@@ -196,10 +202,9 @@ class _Patch:
     hooks: list = field(default_factory=list)
 
     def builder_options(self, training: bool) -> dict[str, Any]:
-        kw = dict(self.position_options)
-        if self.scheme in ("hope", "v2pe"):
-            kw.setdefault("training", training)
-        if self.scheme == "mrope" and self.tokens_per_second is not None:
+        rec = get_scheme(self.scheme)
+        kw = rec.builder_options(self.position_options, training)
+        if rec.qwen2vl_native and self.tokens_per_second is not None:
             kw.setdefault("tokens_per_second", self.tokens_per_second)
         return kw
 
@@ -245,7 +250,7 @@ def _vispe_get_rope_index(model: nn.Module, patch: _Patch, *args: Any, **kwargs:
         types = (input_ids == patch.image_token_id).long() + 2 * (input_ids == patch.video_token_id).long()
     grids = {k: iter(g.tolist()) if g is not None else iter(()) for k, g in ((1, a.get("image_grid_thw")), (2, a.get("video_grid_thw")))}
     spg = a.get("second_per_grid_ts")
-    timed = patch.scheme == "mrope" and patch.tokens_per_second is not None
+    timed = get_scheme(patch.scheme).qwen2vl_native and patch.tokens_per_second is not None
     times = iter(spg.tolist()) if spg is not None else itertools.repeat(1.0)  # HF's default: 1 s per temporal patch
     options = patch.builder_options(model.training)
     built = []
@@ -334,8 +339,8 @@ def apply_position_scheme(model: nn.Module, scheme: str, **options: Any) -> nn.M
     m = int(vcfg.spatial_merge_size)
 
     options = dict(options)
-    rotary_kw = {k: options.pop(k) for k in ROTARY_OPTIONS.get(scheme, ()) if k in options}
-    if scheme == "mrope" and "mrope_section" not in rotary_kw and _mrope_section(tcfg) is not None:
+    rotary_kw = {k: options.pop(k) for k in rotary_options(scheme) if k in options}
+    if get_scheme(scheme).qwen2vl_native and "mrope_section" not in rotary_kw and _mrope_section(tcfg) is not None:
         rotary_kw["mrope_section"] = _mrope_section(tcfg)
     context = EncodingContext(dim=head_dim * num_kv, num_heads=num_kv, depth=int(tcfg.num_hidden_layers), grid_size=(1, 1, 1), num_prefix_tokens=0)
     encoding = create_encoding(scheme, context, **rotary_kw)

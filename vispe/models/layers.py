@@ -15,7 +15,7 @@ from typing import Any, Iterator, NamedTuple, Optional
 import torch
 import torch.fx
 import torch.nn as nn
-from timm.layers import Attention, register_notrace_function
+from timm.layers import Attention, PatchDropoutWithIndices, register_notrace_function
 from timm.models.vision_transformer import Block
 from torch.utils.checkpoint import checkpoint
 
@@ -27,16 +27,25 @@ __all__ = [
     "PEBlock",
     "run_blocks",
     "encoding_prepare",
+    "encoding_keep_tokens",
     "encoding_embed_tokens",
     "encoding_after_block",
     "encoding_attend",
+    "drop_patches",
+    "NOT_PREPARED",
 ]
 
 
 @register_notrace_function
 def encoding_prepare(encoding: PositionalEncoding, grid: Any, like: torch.Tensor) -> Any:
-    """``encoding.prepare`` on ``like``'s device (one traced node)."""
+    """``encoding.prepare`` on ``like``'s device (one traced node): the first hook of every forward."""
     return encoding.prepare(grid, like.device)
+
+
+@register_notrace_function
+def encoding_keep_tokens(encoding: PositionalEncoding, state: Any, grid: Any) -> Any:
+    """After patch dropout (``grid.keep``), the state narrowed to the kept tokens; otherwise unchanged."""
+    return state if getattr(grid, "keep", None) is None else encoding.keep_tokens(state, grid)
 
 
 @register_notrace_function
@@ -66,8 +75,21 @@ def encoding_attend(
 
 # torch.fx.wrap patches these names in this module's globals for any FX tracer (timm's registration
 # above only reaches modules whose forward the tracer enters through a module call)
-for _fn in ("encoding_prepare", "encoding_embed_tokens", "encoding_after_block", "encoding_attend"):
+for _fn in ("encoding_prepare", "encoding_keep_tokens", "encoding_embed_tokens", "encoding_after_block", "encoding_attend"):
     torch.fx.wrap(_fn)
+
+
+#: ``run_blocks(state=NOT_PREPARED)``: the caller has not run ``prepare`` (``None`` is a valid state).
+NOT_PREPARED: Any = type("NotPrepared", (), {"__repr__": lambda self: "NOT_PREPARED"})()
+
+
+def drop_patches(patch_drop: nn.Module, x: torch.Tensor, grid: Any) -> tuple[torch.Tensor, Any]:
+    """timm's patch dropout; with ``PatchDropoutWithIndices`` the kept indices travel in the grid
+    (``grid.keep``) to the encoding's ``keep_tokens``. Any other module (``Identity``) is just applied."""
+    if isinstance(patch_drop, PatchDropoutWithIndices):
+        x, keep = patch_drop(x)
+        return x, grid.with_keep(keep)
+    return patch_drop(x), grid
 
 
 class LayerPE(NamedTuple):
@@ -131,13 +153,16 @@ def run_blocks(
     is_causal: bool = False,
     grad_checkpointing: bool = False,
     last_index: Optional[int] = None,
+    state: Any = NOT_PREPARED,
 ) -> Iterator[tuple[int, torch.Tensor]]:
     """The one loop that drives an encoding through a stack of :class:`PEBlock`.
 
-    Position-only work (``prepare``) is done once for all layers; each block gets its
-    :class:`LayerPE`; ``after_block`` runs between blocks. Yields ``(index, tokens)`` after each block.
+    ``state`` is what the host's ``prepare`` gave at the start of the forward (prepared here, for all
+    layers at once, when the caller has none); each block gets its :class:`LayerPE`; ``after_block`` runs
+    between blocks. Yields ``(index, tokens)`` after each block.
     """
-    state = encoding_prepare(encoding, grid, x)
+    if state is NOT_PREPARED:
+        state = encoding_keep_tokens(encoding, encoding_prepare(encoding, grid, x), grid)
     use_ckpt = grad_checkpointing and not torch.jit.is_scripting() and torch.is_grad_enabled()
     for i, blk in enumerate(blocks):
         if last_index is not None and i > last_index:

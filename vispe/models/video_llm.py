@@ -49,14 +49,14 @@ from ..encodings import EncodingContext, create_encoding
 from ..encodings.base import sdpa
 from ..encodings.multimodal_rope import MultimodalRotary
 from ..positions import (
-    NUM_COORDS,
+    SCHEMES,
     Segment,
     Text,
     Visual,
     build_positions_batch,
     decode_positions,
 )
-from .vispe_vit import PosEncodingArg, parse_pos_encoding
+from ..encodings.spec import PosEncodingArg, parse_pos_encoding
 
 __all__ = ["DecoderBlock", "KVCache", "LLMOutput", "MultimodalBatch", "VideoLLM", "VisualFeatures", "VisualProjector"]
 
@@ -153,8 +153,8 @@ class DecoderAttention(nn.Module):
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         B, L, C = x.shape
         q, k, v = self.qkv(x).reshape(B, L, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        q = encoding.rotate(q, table)
-        k = encoding.rotate(k, table)
+        # the rotary family's one rotation hook (the rotated keys are what the KV cache keeps)
+        q, k = encoding.rotate_qk(q, k, table)
         if past is not None:
             k = torch.cat([past[0], k], dim=2)
             v = torch.cat([past[1], v], dim=2)
@@ -217,13 +217,14 @@ class VideoLLM(nn.Module):
     ) -> None:
         super().__init__()
         name, rope_kwargs = parse_pos_encoding(pos_scheme)
-        if name not in NUM_COORDS:
-            raise ValueError(f"pos_scheme {name!r} is not a multimodal scheme; choose one of {list(NUM_COORDS)}")
+        if name not in SCHEMES:
+            raise ValueError(f"pos_scheme {name!r} is not a multimodal scheme; choose one of {list(SCHEMES)}")
         if dim % num_heads or (dim // num_heads) % 2:
             raise ValueError(f"dim={dim} must split into num_heads={num_heads} heads of even width (got head_dim {dim / num_heads})")
         self.vocab_size, self.dim, self.num_heads = vocab_size, dim, num_heads
         self.pos_scheme = name
-        self.num_coords = NUM_COORDS[name]
+        self.scheme = SCHEMES[name]
+        self.num_coords = self.scheme.num_coords
         self.position_kwargs = dict(position_kwargs or {})
         self.pad_token_id = pad_token_id
         self.spatial_merge_size = spatial_merge_size
@@ -264,10 +265,7 @@ class VideoLLM(nn.Module):
     # positions and packing
     # ------------------------------------------------------------------------------------
     def _pos_kwargs(self, training: bool) -> dict[str, Any]:
-        kw = dict(self.position_kwargs)
-        if self.pos_scheme in ("hope", "v2pe"):
-            kw.setdefault("training", training)
-        return kw
+        return self.scheme.builder_options(self.position_kwargs, training)
 
     def build_positions(self, segments: Sequence[Sequence[Segment]], padding_side: str = "left"):
         """``vispe.positions.build_positions_batch`` with this model's scheme and options (train-mode draws for HoPE/V2PE)."""

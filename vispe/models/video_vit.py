@@ -19,7 +19,8 @@
   ``'token'`` (cls), ``'avg'`` (mean of lattice tokens) or ``''`` (no pooling).
 
 Stable API (used by the video-LLM and retrieval code):
-    ``embed(x) -> (tokens (B, S+N, D), grid)``; ``iter_blocks(x, grid)``;
+    ``embed(x) -> (tokens (B, S+N, D), grid)`` (``embed_with_state`` adds the encoding's prepared state);
+    ``iter_blocks(x, grid, state=...)``;
     ``forward_features(x) -> (B, S+N, D)`` (normed);
     ``forward_video_tokens(x) -> (B, T', H', W', D)`` lattice tokens (normed, no prefix tokens);
     ``forward_head(feats, pre_logits=False)``; ``forward(x) -> (B, num_classes)``;
@@ -38,7 +39,7 @@ from typing import Any
 
 import torch
 import torch.fx
-from timm.layers import LayerNorm, register_notrace_function, trunc_normal_
+from timm.layers import LayerNorm, PatchDropoutWithIndices, register_notrace_function, trunc_normal_
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 from torch import nn
@@ -49,8 +50,8 @@ from ..encodings import (
     create_encoding,
     get_encoding_class,
 )
-from .layers import PEAttention, PEBlock, encoding_embed_tokens, run_blocks
-from .vispe_vit import PosEncodingArg, parse_pos_encoding
+from .layers import NOT_PREPARED, PEAttention, PEBlock, drop_patches, encoding_embed_tokens, encoding_keep_tokens, encoding_prepare, run_blocks
+from ..encodings.spec import PosEncodingArg, parse_pos_encoding
 
 __all__ = ["TubeletEmbed", "VispeVideoViT"]
 
@@ -91,7 +92,8 @@ def _tubelet_grid(tokens: torch.Tensor, num_prefix_tokens: int) -> PositionGrid:
 
 torch.fx.wrap("_as_video")  # opaque under any FX tracer (see vispe.models.layers)
 torch.fx.wrap("_tubelet_grid")
-torch.fx.wrap("encoding_embed_tokens")
+for _fn in ("encoding_prepare", "encoding_embed_tokens", "encoding_keep_tokens"):
+    torch.fx.wrap(_fn)
 
 
 class TubeletEmbed(nn.Module):
@@ -126,7 +128,8 @@ class VispeVideoViT(nn.Module):
         tubelet_size: frames per tubelet; patch_size: spatial patch.
         num_classes, global_pool, class_token, reg_tokens, embed_dim, depth, num_heads, mlp_ratio,
         qkv_bias, qk_norm, init_values, drop_rate, pos_drop_rate, attn_drop_rate, proj_drop_rate,
-        drop_path_rate: as in timm's ``VisionTransformer``.
+        patch_drop_rate, drop_path_rate: as in timm's ``VisionTransformer`` (patch dropout drops tubelet
+        tokens in training; the encoding follows the kept ones, as timm's Eva does with RoPE).
     """
 
     def __init__(
@@ -152,6 +155,7 @@ class VispeVideoViT(nn.Module):
         pos_drop_rate: float = 0.0,
         attn_drop_rate: float = 0.0,
         proj_drop_rate: float = 0.0,
+        patch_drop_rate: float = 0.0,
         drop_path_rate: float = 0.0,
         norm_layer: type[nn.Module] | None = None,
     ) -> None:
@@ -182,6 +186,11 @@ class VispeVideoViT(nn.Module):
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if class_token else None
         self.reg_token = nn.Parameter(torch.zeros(1, reg_tokens, embed_dim)) if reg_tokens else None
         self.pos_drop = nn.Dropout(pos_drop_rate)
+        if not 0.0 <= patch_drop_rate < 1.0:
+            raise ValueError(f"patch_drop_rate={patch_drop_rate!r} must be in [0, 1)")
+        self.patch_drop = (
+            PatchDropoutWithIndices(patch_drop_rate, num_prefix_tokens=self.num_prefix_tokens) if patch_drop_rate > 0 else nn.Identity()
+        )
         dpr = [x.item() for x in torch.linspace(0, drop_path_rate, depth)]
         self.blocks = nn.Sequential(
             *[
@@ -226,6 +235,11 @@ class VispeVideoViT(nn.Module):
     # ------------------------------------------------------------------------------------
     def embed(self, x: torch.Tensor) -> tuple[torch.Tensor, PositionGrid]:
         """Tubelet-embed, prepend prefix tokens, apply token encodings. Returns tokens and their grid."""
+        x, grid, _ = self.embed_with_state(x)
+        return x, grid
+
+    def embed_with_state(self, x: torch.Tensor) -> tuple[torch.Tensor, PositionGrid, Any]:
+        """:meth:`embed` plus the encoding's per-forward state (``prepare`` first, narrowed after patch dropout)."""
         video = x
         x = self.patch_embed(x)  # (B, t, h, w, D)
         B = x.shape[0]
@@ -238,16 +252,19 @@ class VispeVideoViT(nn.Module):
             prefix.append(self.reg_token.expand(B, -1, -1))
         if prefix:
             x = torch.cat(prefix + [x], dim=1)
-        x = encoding_embed_tokens(self.pos_encoding, x, grid, None, video)
-        return self.pos_drop(x), grid
+        state = encoding_prepare(self.pos_encoding, grid, x)
+        x = encoding_embed_tokens(self.pos_encoding, x, grid, state, video)
+        x, grid = drop_patches(self.patch_drop, self.pos_drop(x), grid)
+        return x, grid, encoding_keep_tokens(self.pos_encoding, state, grid)
 
-    def iter_blocks(self, x: torch.Tensor, grid: PositionGrid, attn_mask: torch.Tensor | None = None):
-        """Run the blocks, yielding ``(index, tokens)`` after each (position-only work done once)."""
-        yield from run_blocks(self.blocks, self.pos_encoding, x, grid, attn_mask, False, self.grad_checkpointing)
+    def iter_blocks(self, x: torch.Tensor, grid: PositionGrid, attn_mask: torch.Tensor | None = None, state: Any = NOT_PREPARED):
+        """Run the blocks, yielding ``(index, tokens)`` after each (``state`` from :meth:`embed_with_state`;
+        prepared here when not given)."""
+        yield from run_blocks(self.blocks, self.pos_encoding, x, grid, attn_mask, False, self.grad_checkpointing, state=state)
 
     def forward_features_grid(self, x: torch.Tensor) -> tuple[torch.Tensor, PositionGrid]:
-        tokens, grid = self.embed(x)
-        for _, tokens in self.iter_blocks(tokens, grid):  # noqa: B007,B020
+        tokens, grid, state = self.embed_with_state(x)
+        for _, tokens in self.iter_blocks(tokens, grid, state=state):  # noqa: B007,B020
             pass
         return self.norm(tokens), grid
 
@@ -275,10 +292,10 @@ class VispeVideoViT(nn.Module):
         if output_fmt not in ("NCTHW", "NCHW", "NLC"):
             raise ValueError(f"output_fmt={output_fmt!r}; choose 'NCTHW', 'NCHW' or 'NLC'")
         take_indices, max_index = feature_take_indices(len(self.blocks), indices)
-        tokens, grid = self.embed(x)
+        tokens, grid, state = self.embed_with_state(x)
         intermediates = []
         for i, tokens in run_blocks(self.blocks, self.pos_encoding, tokens, grid, None, False, self.grad_checkpointing,
-                                    max_index if stop_early else None):
+                                    max_index if stop_early else None, state):
             if i in take_indices:
                 intermediates.append(self.norm(tokens) if norm else tokens)
         npt = self.num_prefix_tokens

@@ -7,39 +7,21 @@ the hooks of :class:`vispe.encodings.PositionalEncoding`, so the model never loo
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.fx
-from timm.layers import register_notrace_function, to_2tuple
+from timm.layers import PatchDropoutWithIndices, register_notrace_function, to_2tuple
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 from timm.models.vision_transformer import VisionTransformer
 
 from ..encodings import EncodingContext, PositionGrid, create_encoding, get_encoding_class
+from ..encodings.spec import PosEncodingArg, parse_pos_encoding
 from .checkpoint import timm_checkpoint_filter
-from .layers import PEAttention, PEBlock, encoding_embed_tokens, run_blocks
+from .layers import NOT_PREPARED, PEAttention, PEBlock, drop_patches, encoding_embed_tokens, encoding_keep_tokens, encoding_prepare, run_blocks
 
-__all__ = ["VispeVisionTransformer", "parse_pos_encoding"]
-
-PosEncodingArg = Union[str, Mapping[str, Any], Sequence[Any]]
-
-
-def parse_pos_encoding(spec: PosEncodingArg) -> tuple[str, dict[str, Any]]:
-    """``'rope_axial'``, ``{'name': 'irpe', 'mode': 'bias'}`` or ``('irpe', {'mode': 'bias'})`` -> ``(name, kwargs)``."""
-    if isinstance(spec, str):
-        return spec, {}
-    if isinstance(spec, Mapping):
-        spec = dict(spec)
-        if "name" not in spec:
-            raise ValueError(f"pos_encoding mapping needs a 'name' key, got keys {sorted(spec)}")
-        name = spec.pop("name")
-        kwargs = dict(spec.pop("kwargs", {}) or {})
-        kwargs.update(spec)
-        return name, kwargs
-    if isinstance(spec, (tuple, list)) and len(spec) == 2 and isinstance(spec[0], str) and isinstance(spec[1], Mapping):
-        return spec[0], dict(spec[1])
-    raise ValueError(f"pos_encoding must be a name, a mapping with 'name', or (name, kwargs); got {spec!r}")
+__all__ = ["VispeVisionTransformer", "parse_pos_encoding"]  # parse_pos_encoding: re-exported from vispe.encodings.spec
 
 
 @register_notrace_function
@@ -71,7 +53,7 @@ def _patch_grid(patch_embed: torch.nn.Module, patches: torch.Tensor, image: torc
     return PositionGrid(grid_hw, num_prefix_tokens)
 
 
-for _fn in ("_check_image_input", "_patch_grid", "encoding_embed_tokens"):
+for _fn in ("_check_image_input", "_patch_grid", "encoding_prepare", "encoding_embed_tokens", "encoding_keep_tokens", "drop_patches"):
     torch.fx.wrap(_fn)  # opaque under any FX tracer (see vispe.models.layers)
 
 
@@ -116,12 +98,21 @@ class VispeVisionTransformer(VisionTransformer):
             patch_size=tuple(self.patch_embed.patch_size),
         )
         self.pos_encoding = create_encoding(name, context, **pe_kwargs)
-        if kwargs.get("patch_drop_rate", 0.0) > 0 and not self.pos_encoding.supports_token_dropout:
-            raise ValueError(f"patch_drop_rate > 0 drops tokens, which encoding {name!r} cannot follow; set patch_drop_rate=0")
+        if kwargs.get("patch_drop_rate", 0.0) > 0:
+            if not self.pos_encoding.supports_token_dropout:
+                raise ValueError(f"patch_drop_rate > 0 drops tokens, which encoding {name!r} cannot follow; set patch_drop_rate=0")
+            # as timm's Eva: the kept indices go to the encoding, which narrows its tables to them
+            self.patch_drop = PatchDropoutWithIndices(kwargs["patch_drop_rate"], num_prefix_tokens=self.num_prefix_tokens)
 
     # ------------------------------------------------------------------------------------
     def embed(self, x: torch.Tensor) -> tuple[torch.Tensor, PositionGrid]:
         """Patchify, prepend prefix tokens, apply token encodings. Returns tokens and their grid."""
+        x, grid, _ = self.embed_with_state(x)
+        return x, grid
+
+    def embed_with_state(self, x: torch.Tensor) -> tuple[torch.Tensor, PositionGrid, Any]:
+        """:meth:`embed` plus the encoding's per-forward state: ``prepare`` runs first, its state feeds
+        ``embed_tokens``, is narrowed after patch dropout and is what every block receives."""
         image = x
         pe_ = self.patch_embed
         _check_image_input(x, tuple(pe_.patch_size), tuple(pe_.img_size), pe_.dynamic_img_pad, self.dynamic_img_size)
@@ -136,11 +127,13 @@ class VispeVisionTransformer(VisionTransformer):
             to_cat.append(self.reg_token.expand(x.shape[0], -1, -1))
         if to_cat:
             x = torch.cat(to_cat + [x], dim=1)
-        x = encoding_embed_tokens(self.pos_encoding, x, grid, None, image)
+        state = encoding_prepare(self.pos_encoding, grid, x)
+        x = encoding_embed_tokens(self.pos_encoding, x, grid, state, image)
         x = self.pos_drop(x)
-        x = self.patch_drop(x)
+        x, grid = drop_patches(self.patch_drop, x, grid)
+        state = encoding_keep_tokens(self.pos_encoding, state, grid)
         x = self.norm_pre(x)
-        return x, grid
+        return x, grid, state
 
     def iter_blocks(
         self,
@@ -149,13 +142,15 @@ class VispeVisionTransformer(VisionTransformer):
         attn_mask: Optional[torch.Tensor] = None,
         is_causal: bool = False,
         last_index: Optional[int] = None,
+        state: Any = NOT_PREPARED,
     ):
-        """Run the blocks, yielding ``(index, tokens)`` after each (position-only work done once)."""
-        yield from run_blocks(self.blocks, self.pos_encoding, x, grid, attn_mask, is_causal, self.grad_checkpointing, last_index)
+        """Run the blocks, yielding ``(index, tokens)`` after each (``state`` from :meth:`embed_with_state`;
+        prepared here when not given)."""
+        yield from run_blocks(self.blocks, self.pos_encoding, x, grid, attn_mask, is_causal, self.grad_checkpointing, last_index, state)
 
     def forward_features(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False) -> torch.Tensor:
-        x, grid = self.embed(x)
-        for _, x in self.iter_blocks(x, grid, attn_mask, is_causal):
+        x, grid, state = self.embed_with_state(x)
+        for _, x in self.iter_blocks(x, grid, attn_mask, is_causal, state=state):
             pass
         return self.norm(x)
 
@@ -177,10 +172,10 @@ class VispeVisionTransformer(VisionTransformer):
             raise ValueError(f"output_fmt={output_fmt!r}; choose 'NCHW' or 'NLC'")
         take_indices, max_index = feature_take_indices(len(self.blocks), indices)
         B = x.shape[0]
-        x, grid = self.embed(x)
+        x, grid, state = self.embed_with_state(x)
         intermediates = []
         last = max_index if stop_early else None
-        for i, x in self.iter_blocks(x, grid, attn_mask, is_causal, last_index=last):
+        for i, x in self.iter_blocks(x, grid, attn_mask, is_causal, last_index=last, state=state):
             if i in take_indices:
                 intermediates.append(self.norm(x) if norm else x)
         npt = self.num_prefix_tokens

@@ -31,7 +31,7 @@ def build_model(
     Unknown model / encoding names raise ``ValueError`` naming the valid choices.
     """
     import vispe  # noqa: F401  (registers vispe_* models and the encodings)
-    from vispe.models.vispe_vit import parse_pos_encoding
+    from vispe.encodings.spec import parse_pos_encoding
 
     if not isinstance(model, str) or not timm.is_model(model):
         names = timm.list_models()

@@ -16,11 +16,12 @@ import lightning.pytorch as pl
 import torch
 
 from vispe.data.niah import NIAHVocab
+from vispe.positions import SCHEMES
 
 __all__ = ["VideoNIAH", "accuracy_grid", "EVAL_POSITION_DEFAULTS"]
 
-#: evaluation-time position options per scheme (HoPE: the paper's V-NIAH gamma; V2PE: the README's delta = 64/256)
-EVAL_POSITION_DEFAULTS: dict[str, dict[str, Any]] = {"hope": {"gamma": 0.75}, "v2pe": {"delta": 0.25}}
+#: evaluation-time position options per scheme (from the scheme records: HoPE's V-NIAH gamma, V2PE's delta)
+EVAL_POSITION_DEFAULTS: dict[str, dict[str, Any]] = {n: dict(r.eval_options) for n, r in SCHEMES.items() if r.eval_options}
 
 
 def accuracy_grid(records: Sequence[tuple[int, float, bool]]) -> dict[int, dict[float, float]]:
@@ -66,7 +67,7 @@ class VideoNIAH(pl.LightningModule):
     ) -> None:
         super().__init__()
         from vispe.models.video_llm import VideoLLM
-        from vispe.models.vispe_vit import parse_pos_encoding
+        from vispe.encodings.spec import parse_pos_encoding
 
         self.save_hyperparameters()
         if visual_projector not in ("linear", "merger"):

@@ -26,6 +26,7 @@ from torchmetrics import MetricCollection
 from torchmetrics.classification import BinaryAccuracy, MultilabelAccuracy
 
 from vispe.data.three_cell import LABEL_GROUPS, LABEL_NAMES
+from vispe.tasks.classification import param_groups_no_decay
 
 __all__ = ["ThreeCellTask", "GROUPS"]
 
@@ -136,16 +137,9 @@ class ThreeCellTask(LightningModule):
 
     def configure_optimizers(self):
         hp = self.hparams
-        skip = set(getattr(self.model, "no_weight_decay", lambda: set())())
-        decay, no_decay = [], []
-        for name, p in self.model.named_parameters():
-            if not p.requires_grad:
-                continue
-            (no_decay if p.ndim <= 1 or name in skip else decay).append(p)
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=hp.lr, betas=tuple(hp.betas),
-        )
+        # shared with the other tasks: no decay on biases, norms and the model's no_weight_decay() names
+        # (position tables such as pos_encoding.pos_embed, iRPE tables, RoPE frequencies, the cls token)
+        optimizer = torch.optim.AdamW(param_groups_no_decay(self.model, hp.weight_decay), lr=hp.lr, betas=tuple(hp.betas))
         total = max(1, int(self.trainer.estimated_stepping_batches))
         warmup = int(hp.warmup_steps * total) if hp.warmup_steps < 1 else int(hp.warmup_steps)
         floor = hp.min_lr / hp.lr

@@ -1,0 +1,126 @@
+"""Measuring one benchmarked model for ``vispe bench speed``: the model entry, a train / inference step,
+timing on the chosen clock and peak memory (see :mod:`vispe.benchmarks.speed` for the method)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# ----------------------------------------------------------------------------------------------
+# One benchmarked model
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Entry:
+    config: str
+    label: str  # 'timm:ape', 'vispe:rope_axial', ...
+    family: str  # 'timm' | 'vispe'
+    encoding: str  # encoding name ('ape' for timm's APE)
+    mode: str  # 'eager' | 'compile'
+    model: nn.Module
+    runner: nn.Module | Callable
+    optimizer: torch.optim.Optimizer
+    param_count: int
+    build_s: float
+    inner_train: int = 1
+    inner_infer: int = 1
+    train_s: list[float] = field(default_factory=list)  # per-step wall seconds, one value per round
+    infer_s: list[float] = field(default_factory=list)
+    train_cpu_s: list[float] = field(default_factory=list)  # per-step process CPU seconds
+    infer_cpu_s: list[float] = field(default_factory=list)
+    train_peak: float | None = None  # bytes
+    infer_peak: float | None = None
+    error: str | None = None
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train_step(entry: Entry, x: torch.Tensor, y: torch.Tensor) -> None:
+    entry.model.train()
+    entry.optimizer.zero_grad(set_to_none=True)
+    out = entry.runner(x)
+    loss = F.cross_entropy(out, y)
+    loss.backward()
+    entry.optimizer.step()
+    # free the gradients now: all models of a run live in one process, and each would otherwise
+    # hold a full set of gradients between its steps
+    entry.optimizer.zero_grad(set_to_none=True)
+
+
+def infer_step(entry: Entry, x: torch.Tensor) -> None:
+    entry.model.eval()
+    with torch.inference_mode():
+        entry.runner(x)
+
+
+def _timed(fn: Callable[[], None], n: int, device: torch.device) -> tuple[float, float]:
+    """Seconds per call of ``fn``: (wall clock, CPU time of this process)."""
+    _sync(device)
+    t0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(n):
+        fn()
+    _sync(device)
+    return (time.perf_counter() - t0) / n, (time.process_time() - c0) / n
+
+
+def _resident_bytes(entry: Entry, with_optimizer: bool) -> int:
+    seen: set[int] = set()
+    total = 0
+
+    def add(t: torch.Tensor) -> None:
+        nonlocal total
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in seen:
+            seen.add(ptr)
+            total += t.untyped_storage().nbytes()
+
+    for t in list(entry.model.parameters()) + list(entry.model.buffers()):
+        add(t)
+    if with_optimizer:
+        for st in entry.optimizer.state.values():
+            for v in st.values():
+                if torch.is_tensor(v):
+                    add(v)
+    return total
+
+
+def _cpu_step_peak(fn: Callable[[], None]) -> int:
+    """Peak bytes allocated above the starting level during ``fn``, from the profiler's allocator events."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events: list[tuple[int, int]] = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        ev = stack.pop()
+        if ev.tag == _EventType.Allocation:
+            events.append((ev.start_time_ns, ev.extra_fields.alloc_size))
+        stack.extend(ev.children)
+    events.sort()
+    cur = peak = 0
+    for _, nbytes in events:
+        cur += nbytes
+        peak = max(peak, cur)
+    return peak
+
+
+def measure_peak(entry: Entry, fn: Callable[[], None], device: torch.device, train: bool) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return float(torch.cuda.max_memory_allocated(device))
+    if train:
+        entry.optimizer.zero_grad(set_to_none=True)  # grads are allocated inside the step
+    return float(_resident_bytes(entry, with_optimizer=train) + _cpu_step_peak(fn))
