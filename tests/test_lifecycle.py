@@ -197,3 +197,38 @@ def test_grid_indices_any_number_of_axes_and_interpolate_rescale():
     assert torch.equal(PositionGrid((4, 6)).indices(rescale_to=(4, 6)), PositionGrid((4, 6)).indices())
     with pytest.raises(ValueError, match="axes"):
         PositionGrid((4, 6)).indices(rescale_to=(2, 3, 4))
+
+
+def test_rope_family_is_one_class_for_any_number_of_axes():
+    """RoPE-Axial / RoPE-Mixed take the number of axes from the training grid; the ``_3d`` names are the same
+    classes with video defaults, so a 3D encoding built either way is the same function."""
+    from vispe.encodings import EncodingContext, PositionGrid, create_encoding
+    from vispe.encodings.rope_vit import RopeAxial, RopeMixed
+
+    assert issubclass(get_encoding_class("rope_axial_3d"), RopeAxial) and issubclass(get_encoding_class("rope_mixed_3d"), RopeMixed)
+    grid = PositionGrid((3, 4, 5), 1)
+    a3 = create_encoding("rope_axial_3d", EncodingContext(64, 2, 2, grid.shape)).angles(grid, None)
+    assert torch.equal(a3, RopeAxial(head_dim=32, grid_size=grid.shape).angles(grid, None))
+    torch.manual_seed(0)
+    m3 = create_encoding("rope_mixed_3d", EncodingContext(64, 2, 2, grid.shape))
+    torch.manual_seed(0)
+    mn = RopeMixed(head_dim=32, num_heads=2, depth=2, grid_size=grid.shape)
+    assert torch.equal(m3.freqs, mn.freqs) and torch.equal(m3.angles(grid, None), mn.angles(grid, None))
+
+    # four axes: every axis gets a chunk, and each angle is linear in the indices (the relative property)
+    g4 = PositionGrid((2, 3, 2, 3))
+    for enc in (RopeAxial(head_dim=16, grid_size=g4.shape), RopeMixed(head_dim=16, num_heads=2, depth=1, grid_size=g4.shape)):
+        ang = enc.angles(g4, None).reshape(-1, g4.num_patches, 8)[0].reshape(*g4.shape, 8)
+        for axis in range(4):
+            step = ang.diff(dim=axis)  # one index step along `axis`: the same angle increment at every token
+            torch.testing.assert_close(step, step.narrow(axis, 0, 1).expand_as(step), atol=1e-5, rtol=0)
+            assert step.abs().sum() > 0  # ... and every axis moves some pair
+    assert RopeAxial(head_dim=16, grid_size=g4.shape).sections == (2, 2, 2, 2)
+    assert RopeMixed(head_dim=16, num_heads=2, depth=3, grid_size=g4.shape).freqs.shape == (4, 3, 2, 8)
+
+    with pytest.raises(ValueError, match="built for 2-axis grids"):
+        RopeAxial(head_dim=16, grid_size=(4, 4)).angles(PositionGrid((2, 4, 4)), None)
+    with pytest.raises(ValueError, match="chunk_axes must be a permutation"):
+        RopeAxial(head_dim=16, grid_size=(4, 4), chunk_axes=(0, 0))
+    with pytest.raises(ValueError, match="summing to P"):
+        RopeAxial(head_dim=16, grid_size=(2, 4, 4), sections=(1, 1, 1))

@@ -45,7 +45,7 @@ def test_rope_axial_3d_single_frame_equals_2d_rope_axial():
     e2 = create_encoding("rope_axial", ctx(head_dim, 2, (4, 6), 0))
     a3 = e3.angles(PositionGrid((1, 4, 6)), None)
     a2 = e2.angles(PositionGrid((4, 6)), None)
-    assert torch.allclose(a3, torch.cat([a2[:, 8:], a2[:, :8]], -1))
+    assert torch.equal(a3, torch.cat([a2[:, 8:], a2[:, :8]], -1))  # one implementation: bit-identical ladders
 
 
 def test_rope_axial_3d_relative_in_time():

@@ -23,7 +23,7 @@ from .absolute import FixedTableEncoding
 from .spec import EXTRAPOLATION_MODES
 from .base import TokenEncoding, register_encoding
 from .grid import PositionGrid
-from .rope3d import grid_thw
+from .rope_vit import grid_thw
 
 __all__ = ["Learned3d", "SinCos3d", "sincos3d_table"]
 

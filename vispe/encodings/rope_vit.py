@@ -1,9 +1,13 @@
-"""RoPE-Axial and RoPE-Mixed (Heo et al., ECCV 2024, "Rotary Position Embedding for Vision Transformer").
+"""RoPE-Axial and RoPE-Mixed (Heo et al., ECCV 2024, "Rotary Position Embedding for Vision Transformer")
+over lattices of any number of axes: images ``(h, w)`` and videos ``(t, h, w)`` are the same classes.
 
-Both rotate adjacent channel pairs ``(2k, 2k+1)`` of each head by angles built from integer
-patch indices ``t_x`` (column) and ``t_y`` (row); the cls/register tokens are not rotated.
-timm's Eva models ``vit_*_patch16_rope_224`` / ``..._rope_mixed_224`` implement the same maths
-and serve as the test oracle.
+Both rotate adjacent channel pairs ``(2k, 2k+1)`` of each head (``P = head_dim / 2`` pairs) by angles
+built from integer lattice indices; prefix tokens (cls, registers) are not rotated. The number of axes
+is the length of the training ``grid_size``. The pairs are cut into one chunk per axis, in the order
+``chunk_axes`` (grid axis of each chunk): on 2D grids Heo et al.'s and timm's order, column (``x``)
+first, then row (``y``); on other grids the axes in grid order (``t, h, w``). timm's Eva models
+``vit_*_patch16_rope_224`` / ``..._rope_mixed_224`` implement the same 2D maths and serve as the test
+oracle. The registered ``rope_axial_3d`` / ``rope_mixed_3d`` are these classes with video defaults.
 """
 from __future__ import annotations
 
@@ -14,20 +18,12 @@ import torch.nn as nn
 from timm.layers.pos_embed_sincos import init_random_2d_freqs
 
 from .._checks import check_choice
-from .spec import EXTRAPOLATION_MODES
 from .base import register_encoding
 from .grid import PositionGrid
 from .rotary import RotaryEncoding
+from .spec import EXTRAPOLATION_MODES
 
-__all__ = ["RopeAxial", "RopeMixed", "grid_xy"]
-
-
-def _check_head_dim(name: str, head_dim: int, multiple: int = 4) -> None:
-    if head_dim % multiple:
-        raise ValueError(
-            f"{name} splits each head into {multiple // 2} axes x pairs and needs head_dim divisible by {multiple}; "
-            f"got head_dim={head_dim} (embed_dim / num_heads). Choose num_heads so that embed_dim/num_heads is a multiple of {multiple}."
-        )
+__all__ = ["RopeAxial", "RopeMixed", "RopeAxial3d", "RopeMixed3d", "grid_xy", "grid_thw", "default_chunk_axes"]
 
 
 def grid_xy(grid: PositionGrid, device, train_grid: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,43 +36,125 @@ def grid_xy(grid: PositionGrid, device, train_grid: Sequence[int] | None = None)
     return idx[:, 1], idx[:, 0]
 
 
-@register_encoding("rope_axial")
-class RopeAxial(RotaryEncoding):
-    """RoPE-Axial: pairs ``0..dh/4-1`` rotate by ``t_x * theta_j``, the next ``dh/4`` by ``t_y * theta_j``,
-    ``theta_j = theta^(-4j/dh)`` with ``theta = 100``. No parameters.
+def grid_thw(grid: PositionGrid, device, train_grid: Sequence[int] | None = None) -> torch.Tensor:
+    """Integer ``(t, h, w)`` indices ``(N, 3)`` float32; with ``train_grid`` rescaled into its index range."""
+    return grid.indices(device, rescale_to=train_grid)
 
-    ``extrapolation='extend'`` (paper) uses the new grid's integer indices; ``'interpolate'``
-    rescales them into the training grid's range.
+
+def default_chunk_axes(ndim: int) -> tuple[int, ...]:
+    """Grid axis of each pair chunk: ``(1, 0)`` (x then y, Heo et al. / timm) in 2D, grid order otherwise."""
+    return (1, 0) if ndim == 2 else tuple(range(ndim))
+
+
+def _training_grid(grid_size: Sequence[int]) -> tuple[int, ...]:
+    gs = tuple(int(g) for g in grid_size)
+    if not gs or min(gs) < 1:
+        raise ValueError(f"grid_size must be a non-empty tuple of positive sizes, got {grid_size!r}")
+    return gs
+
+
+def _check_chunk_axes(name: str, chunk_axes: Sequence[int] | None, ndim: int) -> tuple[int, ...]:
+    if chunk_axes is None:
+        return default_chunk_axes(ndim)
+    axes = tuple(chunk_axes)
+    if sorted(axes) != list(range(ndim)):
+        raise ValueError(f"{name}: chunk_axes must be a permutation of the grid's axes {tuple(range(ndim))}, got {chunk_axes!r}")
+    return axes
+
+
+class _LatticeRotary(RotaryEncoding):
+    """What RoPE-Axial and RoPE-Mixed share: the training grid, the extrapolation policy, the chunk order."""
+
+    def __init__(self, name: str, head_dim: int, grid_size: Sequence[int], extrapolation: str, chunk_axes: Sequence[int] | None) -> None:
+        super().__init__()
+        check_choice("extrapolation", extrapolation, EXTRAPOLATION_MODES)
+        if head_dim % 2:
+            raise ValueError(f"{name} rotates channel pairs and needs an even head_dim, got head_dim={head_dim}")
+        self.head_dim = head_dim
+        self.grid_size = _training_grid(grid_size)
+        self.extrapolation = extrapolation
+        self.chunk_axes = _check_chunk_axes(name, chunk_axes, len(self.grid_size))
+
+    def check_grid(self, grid: PositionGrid) -> None:
+        # any number of axes: the training grid fixes it (``grid_ndims`` only says which hosts a name is listed for)
+        if grid.ndim != len(self.grid_size):
+            raise ValueError(
+                f"{self.registry_name!r} was built for {len(self.grid_size)}-axis grids (grid_size={self.grid_size}), "
+                f"got the {grid.ndim}-axis grid {grid.shape}"
+            )
+
+    def lattice_indices(self, grid: PositionGrid, device) -> torch.Tensor:
+        """``(N, ndim)`` float32 indices; rescaled into the training grid's range under ``'interpolate'``."""
+        self.check_grid(grid)
+        return grid.indices(device, rescale_to=self.grid_size if self.extrapolation == "interpolate" else None)
+
+
+@register_encoding("rope_axial")
+class RopeAxial(_LatticeRotary):
+    """RoPE-Axial: the pairs are cut into one chunk per axis (``sections`` pairs each, in grid-axis order);
+    pair ``k`` of an axis's chunk rotates by ``t_axis * theta^(-k / n_axis)`` (``n_axis`` = the chunk's
+    size). No parameters.
+
+    2D defaults are the paper's: two equal chunks, ``theta = 100``, so ``theta_k = 100^(-4k/dh)``.
+    Default ``sections`` on ``A`` axes: ``P // A`` pairs per axis, the remainder to the first axis
+    (``t`` in video). ``extrapolation='extend'`` (paper) uses the new grid's integer indices;
+    ``'interpolate'`` rescales them into the training grid's range.
     """
 
     grid_ndims = (2,)
 
-    def __init__(self, head_dim: int, grid_size: Sequence[int] = (14, 14), theta: float = 100.0, extrapolation: str = "extend") -> None:
-        super().__init__()
-        _check_head_dim("rope_axial", head_dim)
-        check_choice("extrapolation", extrapolation, EXTRAPOLATION_MODES)
-        self.head_dim = head_dim
-        self.theta = theta
-        self.grid_size = tuple(int(g) for g in grid_size)
-        self.extrapolation = extrapolation
+    def __init__(
+        self,
+        head_dim: int,
+        grid_size: Sequence[int] = (14, 14),
+        theta: float = 100.0,
+        extrapolation: str = "extend",
+        sections: Sequence[int] | None = None,
+        chunk_axes: Sequence[int] | None = None,
+    ) -> None:
+        name = self.registry_name
+        super().__init__(name, head_dim, grid_size, extrapolation, chunk_axes)
+        ndim, P = len(self.grid_size), head_dim // 2
+        if sections is None:
+            if ndim == 2 and head_dim % 4:
+                raise ValueError(
+                    f"{name} splits each head into 2 axes x pairs and needs head_dim divisible by 4; got head_dim={head_dim} "
+                    "(embed_dim / num_heads). Choose num_heads so that embed_dim/num_heads is a multiple of 4."
+                )
+            if P < ndim:
+                raise ValueError(f"{name} needs at least one pair per axis: head_dim >= {2 * ndim} for {ndim} axes, got head_dim={head_dim}")
+            per_axis = P // ndim
+            sections = (P - (ndim - 1) * per_axis,) + (per_axis,) * (ndim - 1)
+        sec = tuple(sections)
+        if len(sec) != ndim or any(not isinstance(s, int) or s < 0 for s in sec) or sum(sec) != P:
+            raise ValueError(
+                f"{name}: sections must be {ndim} non-negative pair counts (one per grid axis) summing to P = head_dim/2 = {P}, got {sections!r}"
+            )
+        self.sections = sec
+        self.theta = float(theta)
 
-    def bands(self, device) -> torch.Tensor:
-        nb = self.head_dim // 4
-        exp = torch.arange(0, nb, 1, dtype=torch.int64, device=device).to(torch.float32) / nb
+    def bands(self, n: int, device) -> torch.Tensor:
+        """``theta^(-k/n)`` for ``k < n``, computed as timm's ``freq_bands`` does (``1 / theta^(k/n)``)."""
+        exp = torch.arange(0, n, 1, dtype=torch.int64, device=device).to(torch.float32) / max(n, 1)
         return 1.0 / (self.theta**exp)
 
     def angles(self, grid, device):
-        train = self.grid_size if self.extrapolation == "interpolate" else None
-        t_x, t_y = grid_xy(grid, device, train)
-        b = self.bands(device)
-        return torch.cat([t_x[:, None] * b, t_y[:, None] * b], dim=-1)  # (N, dh/2)
+        idx = self.lattice_indices(grid, device)
+        chunks = [idx[:, a, None] * self.bands(self.sections[a], device) for a in self.chunk_axes]
+        return torch.cat(chunks, dim=-1)  # (N, P)
 
 
 @register_encoding("rope_mixed")
-class RopeMixed(RotaryEncoding):
-    """RoPE-Mixed: learned per-layer, per-head 2D frequencies ``(f_x, f_y)`` for every pair,
-    angle ``f_x t_x + f_y t_y``; init magnitudes ``theta^(-4j/dh)`` with ``theta = 10`` and a random
-    direction per head (timm/naver init). ``freqs`` is excluded from weight decay.
+class RopeMixed(_LatticeRotary):
+    """RoPE-Mixed: learned per-layer, per-head frequencies, one per axis for every pair; angle
+    ``sum_a f_a t_a``. ``freqs`` has shape ``(ndim, depth, H, P)``, row ``a`` multiplying grid axis
+    ``chunk_axes[a]`` (2D: ``(f_x, f_y)``, timm's layout; video: ``(f_t, f_y, f_x)``).
+
+    The last two axes (the image plane) start from timm's / naver's init: magnitudes ``theta^(-4j/dh)``,
+    ``theta = 10``, with a random direction per head. Earlier axes (time) start from a ladder
+    ``temporal_theta^(-j/P)`` over all pairs (``temporal_init='ladder'``, EVA02-AT-style joint
+    space-time RoPE at init) or from zero (``'zero'``: an image model at init). ``freqs`` is excluded
+    from weight decay.
     """
 
     grid_ndims = (2,)
@@ -90,24 +168,86 @@ class RopeMixed(RotaryEncoding):
         grid_size: Sequence[int] = (14, 14),
         theta: float = 10.0,
         extrapolation: str = "extend",
+        temporal_theta: float = 100.0,
+        temporal_init: str = "ladder",
+        chunk_axes: Sequence[int] | None = None,
     ) -> None:
-        super().__init__()
-        _check_head_dim("rope_mixed", head_dim)
-        check_choice("extrapolation", extrapolation, EXTRAPOLATION_MODES)
-        self.grid_size = tuple(int(g) for g in grid_size)
-        self.extrapolation = extrapolation
-        self.freqs = nn.Parameter(init_random_2d_freqs(head_dim, depth, num_heads, temperature=theta, rotate=True))
+        name = self.registry_name
+        super().__init__(name, head_dim, grid_size, extrapolation, chunk_axes)
+        if head_dim % 4:
+            raise ValueError(
+                f"{name} needs head_dim divisible by 4 (RoPE-Mixed init); got head_dim={head_dim} (embed_dim / num_heads). "
+                "Choose num_heads so that embed_dim/num_heads is a multiple of 4."
+            )
+        check_choice("temporal_init", temporal_init, ("ladder", "zero"))
+        ndim, P = len(self.grid_size), head_dim // 2
+        fxy = init_random_2d_freqs(head_dim, depth, num_heads, temperature=theta, rotate=True)  # (2, depth, H, P): (x, y)
+        if temporal_init == "ladder":
+            ft = (temporal_theta ** (-torch.arange(P, dtype=torch.float32) / P)).expand(depth, num_heads, P)
+        else:
+            ft = torch.zeros(depth, num_heads, P)
+        by_axis = {ndim - 1: fxy[0], ndim - 2: fxy[1]}
+        self.freqs = nn.Parameter(torch.stack([by_axis[a] if a in by_axis else ft.clone() for a in self.chunk_axes]))
 
     def angles(self, grid, device):
-        train = self.grid_size if self.extrapolation == "interpolate" else None
-        t_x, t_y = grid_xy(grid, device, train)
+        idx = self.lattice_indices(grid, device)
         f = self.freqs.float()
-        # (depth, H, N, P) as an outer product by broadcasting (keeps float32 under autocast)
-        return t_x[:, None] * f[0][..., None, :] + t_y[:, None] * f[1][..., None, :]
+        # (depth, H, N, P): per axis an outer product by broadcasting, summed in chunk order (float32 under autocast)
+        terms = (idx[:, a, None] * f[i][..., None, :] for i, a in enumerate(self.chunk_axes))
+        out = next(terms)
+        for t in terms:
+            out = out + t
+        return out
 
     def no_weight_decay(self) -> set[str]:
         return {"freqs"}
 
     def load_timm_rope_freqs(self, freqs: torch.Tensor) -> dict[str, torch.Tensor]:
         # timm's Eva RoPE-Mixed stores the same (2, depth, heads, dh/4) frequencies in the same pair order
+        if len(self.grid_size) != 2 or self.chunk_axes != (1, 0):
+            raise ValueError(f"timm RoPE-Mixed frequencies are 2D (x, y); this {self.registry_name!r} has chunk_axes={self.chunk_axes}")
         return {"freqs": freqs}
+
+
+# -- video presets: the same classes with (t, h, w) defaults -------------------------------------
+
+
+@register_encoding("rope_axial_3d")
+class RopeAxial3d(RopeAxial):
+    """:class:`RopeAxial` on ``(t, h, w)`` video lattices: chunks ``[t | h | w]``, default ``sections``
+    ``(P - 2*(P//3), P//3, P//3)``. With ``sections=(0, P/2, P/2)`` a single frame gets 2D rope_axial's
+    ladders (chunks in ``(h, w)`` order instead of ``(x, y)``)."""
+
+    grid_ndims = (3,)
+
+    def __init__(
+        self,
+        head_dim: int,
+        grid_size: Sequence[int] = (8, 14, 14),
+        sections: Sequence[int] | None = None,
+        theta: float = 100.0,
+        extrapolation: str = "extend",
+        chunk_axes: Sequence[int] | None = None,
+    ) -> None:
+        super().__init__(head_dim, grid_size, theta, extrapolation, sections, chunk_axes)
+
+
+@register_encoding("rope_mixed_3d")
+class RopeMixed3d(RopeMixed):
+    """:class:`RopeMixed` on ``(t, h, w)`` video lattices: ``freqs`` ``(3, depth, H, P)`` = ``(f_t, f_y, f_x)``."""
+
+    grid_ndims = (3,)
+
+    def __init__(
+        self,
+        head_dim: int,
+        num_heads: int,
+        depth: int,
+        grid_size: Sequence[int] = (8, 14, 14),
+        theta: float = 10.0,
+        temporal_theta: float = 100.0,
+        temporal_init: str = "ladder",
+        extrapolation: str = "extend",
+        chunk_axes: Sequence[int] | None = None,
+    ) -> None:
+        super().__init__(head_dim, num_heads, depth, grid_size, theta, extrapolation, temporal_theta, temporal_init, chunk_axes)
