@@ -226,7 +226,7 @@ def test_rope_family_is_one_class_for_any_number_of_axes():
     assert RopeAxial(head_dim=16, grid_size=g4.shape).sections == (2, 2, 2, 2)
     assert RopeMixed(head_dim=16, num_heads=2, depth=3, grid_size=g4.shape).freqs.shape == (4, 3, 2, 8)
 
-    with pytest.raises(ValueError, match="built for 2-axis grids"):
+    with pytest.raises(ValueError, match="takes 2-axis grids"):
         RopeAxial(head_dim=16, grid_size=(4, 4)).angles(PositionGrid((2, 4, 4)), None)
     with pytest.raises(ValueError, match="chunk_axes must be a permutation"):
         RopeAxial(head_dim=16, grid_size=(4, 4), chunk_axes=(0, 0))

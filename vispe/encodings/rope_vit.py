@@ -79,8 +79,9 @@ class _LatticeRotary(RotaryEncoding):
         # any number of axes: the training grid fixes it (``grid_ndims`` only says which hosts a name is listed for)
         if grid.ndim != len(self.grid_size):
             raise ValueError(
-                f"{self.registry_name!r} was built for {len(self.grid_size)}-axis grids (grid_size={self.grid_size}), "
-                f"got the {grid.ndim}-axis grid {grid.shape}"
+                f"{self.registry_name!r} takes {len(self.grid_size)}-axis grids (it was built for grid_size={self.grid_size}), "
+                f"got the {grid.ndim}-axis grid {grid.shape}; build it with a {grid.ndim}-axis grid_size or pick a variant "
+                "for this grid (see vispe.list_encodings())"
             )
 
     def lattice_indices(self, grid: PositionGrid, device) -> torch.Tensor:
