@@ -37,6 +37,18 @@ def test_tiny_recipe_end_to_end_and_resume(tmp_path, capsys):
     assert main(["--recipe", "tiny", "--out", str(tmp_path)]) == 0
     assert "start" not in capsys.readouterr().err
     assert stamps == {p: p.stat().st_mtime_ns for p in tmp_path.glob("synthetic/*/checkpoints/last.ckpt")}
+    # a run killed mid-way has a last.ckpt (written every epoch) but no recorded wall time: it is not
+    # skipped, it resumes from that checkpoint, and the table does not change
+    timings_path = tmp_path / "synthetic" / "timings.json"
+    timings = json.loads(timings_path.read_text())
+    del timings["rope_axial-s1"]
+    timings_path.write_text(json.dumps(timings))
+    capsys.readouterr()
+    assert main(["--recipe", "tiny", "--out", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert "start rope_axial seed 1" in err and "start rope_axial seed 0" not in err and "start none" not in err
+    assert "rope_axial-s1" in json.loads(timings_path.read_text())
+    assert json.loads((tmp_path / "summary.json").read_text())["rows"] == summary["rows"]
 
 
 def test_bad_arguments_fail_before_training(tmp_path, capsys):

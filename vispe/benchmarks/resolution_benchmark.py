@@ -6,8 +6,8 @@
 Each recipe is a list of parts (a data set, a model size, a schedule, the encodings and their seeds).
 Every run is ``vispe fit`` (LightningCLI, the same task and data modules as any user run) with the
 part's overrides; the sweep is :func:`vispe.benchmarks.resolution.run_sweep` with both extrapolation
-policies where an encoding has them. Runs whose ``last.ckpt`` exists are skipped, so an interrupted
-benchmark resumes. The summary groups the seeds of each (encoding, policy): mean +- standard
+policies where an encoding has them. Runs whose wall time is in ``timings.json`` are skipped and a run killed mid-way resumes from its
+``last.ckpt``, so an interrupted benchmark resumes. The summary groups the seeds of each (encoding, policy): mean +- standard
 deviation over seeds, and for a single seed the binomial standard error of the test accuracy
 ``sqrt(p (1 - p) / n)`` (what a bootstrap over the test set estimates), marked as such.
 
@@ -128,14 +128,23 @@ def train_part(part: Part, out: Path, jobs: int, threads: int, data_dir: str | N
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONHASHSEED="0")
     timings_path = out / "timings.json"
     timings = json.loads(timings_path.read_text()) if timings_path.is_file() else {}
-    todo = [(e, s) for e, s in part.runs() if not (out / f"{e}-s{s}" / "checkpoints" / "last.ckpt").is_file()]
+    # ``last.ckpt`` is rewritten every epoch, so it does not mean "finished": a run is finished once its
+    # wall time is recorded. A killed run has a ``last.ckpt`` but no timing and resumes from it.
+    todo = [(e, s) for e, s in part.runs() if f"{e}-s{s}" not in timings]
+
+    def command(enc: str, seed: int) -> list[str]:
+        cmd = _fit_command(part, enc, seed, out, data_dir)
+        if (out / f"{enc}-s{seed}" / "checkpoints" / "last.ckpt").is_file():
+            cmd += ["--ckpt_path", "last"]
+        return cmd
+
     if jobs == 1:  # one at a time: in this process (no interpreter start-up per run)
         from vispe.train_cli import main as fit
 
         for enc, seed in todo:
             log(f"[{time.strftime('%H:%M:%S')}] {part.name}: start {enc} seed {seed}")
             t0 = time.perf_counter()
-            fit(_fit_command(part, enc, seed, out, data_dir)[3:])
+            fit(command(enc, seed)[3:])
             timings[f"{enc}-s{seed}"] = round(time.perf_counter() - t0, 1)
             timings_path.write_text(json.dumps(timings, indent=2))
         return timings
@@ -143,9 +152,9 @@ def train_part(part: Part, out: Path, jobs: int, threads: int, data_dir: str | N
     while todo or running:
         while todo and len(running) < jobs:
             enc, seed = todo.pop(0)
-            cmd = _fit_command(part, enc, seed, out, data_dir)
+            cmd = command(enc, seed)
             (out / "logs").mkdir(parents=True, exist_ok=True)
-            fh = open(out / "logs" / f"{enc}-s{seed}.log", "w")
+            fh = open(out / "logs" / f"{enc}-s{seed}.log", "a")
             log(f"[{time.strftime('%H:%M:%S')}] {part.name}: start {enc} seed {seed}")
             running.append((f"{enc}-s{seed}", subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT), time.perf_counter(), fh))
         time.sleep(0.2)
