@@ -299,13 +299,16 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
     parts = list(dict.fromkeys(r["part"] for r in rows))
     fig, axes = plt.subplots(1, len(parts), figsize=(6.5 * len(parts), 4.5), squeeze=False)
+    colours = plt.get_cmap("tab20").colors  # more lines than tab10 has colours
     for ax, part in zip(axes[0], parts):
-        for r in (r for r in rows if r["part"] == part):
-            sizes = sorted(r["mean"])
+        for i, r in enumerate(r for r in rows if r["part"] == part):
+            sizes = sorted(r["mean"], key=int)
             m = [r["mean"][s] for s in sizes]
             e = [r["spread"][s] for s in sizes]
-            line, = ax.plot(sizes, m, marker="o", ms=3, label=_label(r))
-            ax.fill_between(sizes, [a - b for a, b in zip(m, e)], [a + b for a, b in zip(m, e)], color=line.get_color(), alpha=0.15)
+            xs = [int(s) for s in sizes]  # keys are strings once read back from summary.json
+            line, = ax.plot(xs, m, marker="o", ms=3, color=colours[i % len(colours)],
+                            ls="--" if r["extrapolation"] == "extend" else "-", label=_label(r))
+            ax.fill_between(xs, [a - b for a, b in zip(m, e)], [a + b for a, b in zip(m, e)], color=line.get_color(), alpha=0.15)
         ax.axvline(r["train_size"], color="grey", ls=":", lw=1)
         ax.set(title=part, xlabel="evaluation size (px)", ylabel="top-1 (%)")
         ax.legend(fontsize=6, ncol=2)
