@@ -86,3 +86,15 @@ def test_untileable_size_fails_before_evaluating(ckpts, tmp_path, capsys):
     assert "checkpoint not found" in capsys.readouterr().err
     with pytest.raises(ValueError, match="has no extrapolation option"):
         load_classifier(_checkpoint(ckpts["learned"][0]), "extend")
+
+
+def test_all_policies_add_the_frequency_rescalings_for_rotary_checkpoints(ckpts, tmp_path):
+    report = run_sweep([ckpts["rope_axial"][0], ckpts["learned"][0]], [16, 32], "all", tmp_path)
+    rows = {r["label"]: r for r in report["results"]}
+    assert list(rows) == ["rope_axial (extend)", "rope_axial (interpolate)", "rope_axial (ntk)", "rope_axial (yarn)", "learned"]
+    # at the training size every policy is the trained model
+    assert len({rows[f"rope_axial ({p})"]["accuracy"]["16"]["top1"] for p in ("extend", "interpolate", "ntk", "yarn")}) == 1
+    # forced: the rotary checkpoint runs ntk, the one without an option keeps its own policy
+    forced = run_sweep([ckpts["rope_axial"][0], ckpts["learned"][0]], [16, 32], "ntk", tmp_path / "forced")
+    assert [r["label"] for r in forced["results"]] == ["rope_axial (ntk)", "learned"]
+    assert forced["results"][0]["accuracy"] == rows["rope_axial (ntk)"]["accuracy"]

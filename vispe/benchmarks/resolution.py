@@ -15,7 +15,9 @@ Protocol (fixed, written into the JSON):
 * Positional encodings follow their own policy for a grid they were not trained on. Encodings
   with an ``extrapolation`` option (``'extend'``: evaluate the position function at the new
   integer positions; ``'interpolate'``: squeeze the new grid into the training range) are run with
-  the trained setting (``--extrapolation native``), a forced one, or ``both``. Others (learned APE:
+  the trained setting (``--extrapolation native``), a forced one, ``both`` (extend and interpolate)
+  or ``all`` (every policy the encoding has: the rotary lattice encodings add ``ntk`` and ``yarn``,
+  frequency rescalings on a larger grid). Others (learned APE:
   bicubic resampling of the table; CPE/LOOPE/LFF/iRPE/ComRoPE: computed from the actual grid) have
   a single policy, recorded as such.
 
@@ -37,7 +39,7 @@ import torch
 __all__ = ["DEFAULT_SIZES", "RESIZE_POLICY", "evaluate_sizes", "load_classifier", "main", "run_sweep"]
 
 DEFAULT_SIZES = (16, 24, 32, 40, 48, 56, 64)
-EXTRAPOLATION_CHOICES = ("native", "extend", "interpolate", "both")
+EXTRAPOLATION_CHOICES = ("native", "extend", "interpolate", "ntk", "yarn", "both", "all")
 RESIZE_POLICY = (
     "eval split normalised at the training resolution, whole image resized to s x s "
     "(bicubic, antialias, crop ratio 1.0), patch size unchanged, no fine-tuning"
@@ -87,7 +89,7 @@ def extrapolation_modes(encoding: str | None) -> tuple[str, ...]:
         return ()
     from vispe.encodings.spec import EXTRAPOLATION_MODES
 
-    return tuple(EXTRAPOLATION_MODES)
+    return tuple(getattr(cls, "extrapolation_modes", EXTRAPOLATION_MODES))
 
 
 def load_classifier(ckpt: dict[str, Any], extrapolation: str | None = None):
@@ -194,7 +196,12 @@ def run_sweep(
             policies = [pe_kwargs.get("extrapolation", inspect.signature(
                 __import__("vispe").get_encoding_class(name).__init__).parameters["extrapolation"].default)]
         elif extrapolation == "both":
+            policies = [m for m in modes if m in ("extend", "interpolate")]
+        elif extrapolation == "all":
             policies = list(modes)
+        elif extrapolation not in modes:
+            raise ValueError(f"{str(path)!r}: encoding {name!r} has no extrapolation={extrapolation!r}; it takes {list(modes)} "
+                             "(or use --extrapolation native / both / all)")
         else:
             policies = [extrapolation]
         label = labels[i] if labels is not None else (name or probe.hparams.get("model"))
@@ -326,7 +333,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--sizes", default=None,
                    help="comma-separated input sizes (default 16,24,32,40,48,56,64 for 32-px models, 0.5x..2x otherwise)")
     p.add_argument("--extrapolation", default="native", choices=EXTRAPOLATION_CHOICES,
-                   help="PE policy where the encoding has an extrapolation option: as trained, forced, or both")
+                   help="PE policy where the encoding has an extrapolation option: as trained, forced, both (extend + interpolate) or all")
     p.add_argument("--labels", default=None, help="comma-separated legend labels, one per checkpoint")
     p.add_argument("--out", default="outputs/resolution", help="output folder for resolution.{json,md,png}")
     p.add_argument("--eval-subset", type=int, default=None, help="evaluate on this many (class-balanced) images")

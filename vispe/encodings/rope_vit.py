@@ -11,7 +11,8 @@ oracle. The registered ``rope_axial_3d`` / ``rope_mixed_3d`` are these classes w
 """
 from __future__ import annotations
 
-from typing import Sequence
+import math
+from typing import ClassVar, Sequence
 
 import torch
 import torch.nn as nn
@@ -21,7 +22,7 @@ from .._checks import check_choice
 from .base import register_encoding
 from .grid import PositionGrid
 from .rotary import RotaryEncoding
-from .spec import EXTRAPOLATION_MODES
+from .spec import ROTARY_EXTRAPOLATION_MODES
 
 __all__ = ["RopeAxial", "RopeMixed", "RopeAxial3d", "RopeMixed3d", "grid_xy", "grid_thw", "default_chunk_axes"]
 
@@ -63,11 +64,26 @@ def _check_chunk_axes(name: str, chunk_axes: Sequence[int] | None, ndim: int) ->
 
 
 class _LatticeRotary(RotaryEncoding):
-    """What RoPE-Axial and RoPE-Mixed share: the training grid, the extrapolation policy, the chunk order."""
+    """What RoPE-Axial and RoPE-Mixed share: the training grid, the extrapolation policy, the chunk order.
+
+    Extrapolation policies on a grid other than the training one, per axis with scale ``s = size / train``:
+    ``extend`` (the paper's: the new integer indices), ``interpolate`` (indices times ``1/s``, i.e. every
+    frequency divided by ``s``), and on a larger axis (``s > 1``; otherwise they are ``extend``) two
+    per-frequency rescalings from LLM context extension: ``ntk`` multiplies each frequency by ``s^-e``,
+    ``e`` its place between the axis's highest (0) and lowest (1) frequency on a log scale -- on a
+    ``theta^(-k/n)`` ladder exactly NTK-aware scaling, base ``theta * s^(n/(n-1))``; ``yarn`` keeps
+    the frequencies that turn more than ``yarn_beta`` times across the training grid, interpolates those
+    under ``yarn_alpha`` turns, and blends linearly in between (YaRN's ramp, without its attention
+    temperature).
+    """
+
+    extrapolation_modes: ClassVar[tuple[str, ...]] = ROTARY_EXTRAPOLATION_MODES
+    yarn_alpha: ClassVar[float] = 1.0
+    yarn_beta: ClassVar[float] = 32.0
 
     def __init__(self, name: str, head_dim: int, grid_size: Sequence[int], extrapolation: str, chunk_axes: Sequence[int] | None) -> None:
         super().__init__()
-        check_choice("extrapolation", extrapolation, EXTRAPOLATION_MODES)
+        check_choice("extrapolation", extrapolation, self.extrapolation_modes)
         if head_dim % 2:
             raise ValueError(f"{name} rotates channel pairs and needs an even head_dim, got head_dim={head_dim}")
         self.head_dim = head_dim
@@ -89,6 +105,25 @@ class _LatticeRotary(RotaryEncoding):
         self.check_grid(grid)
         return grid.indices(device, rescale_to=self.grid_size if self.extrapolation == "interpolate" else None)
 
+    def scaled_frequencies(self, freqs: torch.Tensor, axis: int, grid: PositionGrid) -> torch.Tensor:
+        """``freqs`` (``(..., P_axis)``, the frequencies multiplying grid axis ``axis``) under the ``ntk`` /
+        ``yarn`` policies on ``grid``; unchanged under the other policies and where the axis did not grow."""
+        s = grid.shape[axis] / self.grid_size[axis]
+        if self.extrapolation not in ("ntk", "yarn") or s <= 1.0 or freqs.shape[-1] == 0:
+            return freqs
+        mag = freqs.abs()
+        if self.extrapolation == "ntk":
+            tiny = torch.finfo(torch.float32).tiny
+            log_mag = mag.clamp_min(tiny).log()
+            hi = log_mag.amax(-1, keepdim=True)
+            span = hi - log_mag.amin(-1, keepdim=True)
+            # e = 0 at the highest frequency, 1 at the lowest; a single (or flat) set is left as it is
+            e = torch.where(span > 0, (hi - log_mag) / span.clamp_min(tiny), torch.zeros_like(log_mag))
+            return freqs * torch.exp(-e * math.log(s))
+        turns = mag * self.grid_size[axis] / (2 * math.pi)
+        keep = ((turns - self.yarn_alpha) / (self.yarn_beta - self.yarn_alpha)).clamp(0.0, 1.0)
+        return freqs * (keep + (1.0 - keep) / s)
+
 
 @register_encoding("rope_axial")
 class RopeAxial(_LatticeRotary):
@@ -99,7 +134,8 @@ class RopeAxial(_LatticeRotary):
     2D defaults are the paper's: two equal chunks, ``theta = 100``, so ``theta_k = 100^(-4k/dh)``.
     Default ``sections`` on ``A`` axes: ``P // A`` pairs per axis, the remainder to the first axis
     (``t`` in video). ``extrapolation='extend'`` (paper) uses the new grid's integer indices;
-    ``'interpolate'`` rescales them into the training grid's range.
+    ``'interpolate'`` rescales them into the training grid's range; ``'ntk'`` / ``'yarn'`` rescale the
+    frequencies of a grown axis (see :class:`_LatticeRotary`).
     """
 
     grid_ndims = (2,)
@@ -141,7 +177,7 @@ class RopeAxial(_LatticeRotary):
 
     def angles(self, grid, device):
         idx = self.lattice_indices(grid, device)
-        chunks = [idx[:, a, None] * self.bands(self.sections[a], device) for a in self.chunk_axes]
+        chunks = [idx[:, a, None] * self.scaled_frequencies(self.bands(self.sections[a], device), a, grid) for a in self.chunk_axes]
         return torch.cat(chunks, dim=-1)  # (N, P)
 
 
@@ -194,7 +230,7 @@ class RopeMixed(_LatticeRotary):
         idx = self.lattice_indices(grid, device)
         f = self.freqs.float()
         # (depth, H, N, P): per axis an outer product by broadcasting, summed in chunk order (float32 under autocast)
-        terms = (idx[:, a, None] * f[i][..., None, :] for i, a in enumerate(self.chunk_axes))
+        terms = (idx[:, a, None] * self.scaled_frequencies(f[i], a, grid)[..., None, :] for i, a in enumerate(self.chunk_axes))
         out = next(terms)
         for t in terms:
             out = out + t

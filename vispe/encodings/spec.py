@@ -15,7 +15,7 @@ from __future__ import annotations
 import ast
 from typing import Any, Mapping, Sequence, Union
 
-__all__ = ["PosEncodingArg", "EXTRAPOLATION_MODES", "parse_pos_encoding", "parse_encoding_list", "format_spec"]
+__all__ = ["PosEncodingArg", "EXTRAPOLATION_MODES", "ROTARY_EXTRAPOLATION_MODES", "parse_pos_encoding", "parse_encoding_list", "format_spec"]
 
 #: What a model's ``pos_encoding`` argument takes (a loose type so LightningCLI accepts every form).
 PosEncodingArg = Union[str, Mapping[str, Any], Sequence[Any]]
@@ -23,6 +23,10 @@ PosEncodingArg = Union[str, Mapping[str, Any], Sequence[Any]]
 #: How lattice encodings meet a grid other than the training one: evaluate the formula at the new
 #: integer indices (``extend``) or rescale the new grid onto the training one (``interpolate``).
 EXTRAPOLATION_MODES = ("extend", "interpolate")
+#: Rotary lattice encodings also rescale their frequencies per axis on a larger grid: ``ntk`` (NTK-aware,
+#: the lowest frequency interpolated, the highest kept, geometric in between) and ``yarn`` (YaRN's
+#: per-frequency ramp on the number of turns a pair makes across the training grid).
+ROTARY_EXTRAPOLATION_MODES = EXTRAPOLATION_MODES + ("ntk", "yarn")
 
 
 def _parse_string(spec: str) -> tuple[str, dict[str, Any]]:
