@@ -81,15 +81,58 @@ class _LatticeRotary(RotaryEncoding):
     yarn_alpha: ClassVar[float] = 1.0
     yarn_beta: ClassVar[float] = 32.0
 
-    def __init__(self, name: str, head_dim: int, grid_size: Sequence[int], extrapolation: str, chunk_axes: Sequence[int] | None) -> None:
+    def __init__(
+        self,
+        name: str,
+        head_dim: int,
+        grid_size: Sequence[int],
+        extrapolation: str,
+        chunk_axes: Sequence[int] | None,
+        coord_shift: float = 0.0,
+        coord_jitter: float = 1.0,
+        coord_rescale: float = 1.0,
+    ) -> None:
         super().__init__()
         check_choice("extrapolation", extrapolation, self.extrapolation_modes)
         if head_dim % 2:
             raise ValueError(f"{name} rotates channel pairs and needs an even head_dim, got head_dim={head_dim}")
+        if not coord_shift >= 0.0:
+            raise ValueError(f"{name}: coord_shift (largest random shift, in patches) must be >= 0, got {coord_shift!r}")
+        for opt, v in (("coord_jitter", coord_jitter), ("coord_rescale", coord_rescale)):
+            if not v >= 1.0:
+                raise ValueError(f"{name}: {opt} (largest random scale factor, drawn in [1/{opt}, {opt}]) must be >= 1 (1 = off), got {v!r}")
         self.head_dim = head_dim
         self.grid_size = _training_grid(grid_size)
         self.extrapolation = extrapolation
         self.chunk_axes = _check_chunk_axes(name, chunk_axes, len(self.grid_size))
+        self.coord_shift = float(coord_shift)
+        self.coord_jitter = float(coord_jitter)
+        self.coord_rescale = float(coord_rescale)
+
+    @property
+    def augments_coordinates(self) -> bool:
+        """Training-time coordinate augmentation is on (and the module is in training mode)."""
+        return self.training and (self.coord_shift > 0 or self.coord_jitter > 1 or self.coord_rescale > 1)
+
+    def cacheable(self) -> bool:
+        # augmented coordinates are drawn anew every forward
+        return not self.augments_coordinates and super().cacheable()
+
+    def augment_coordinates(self, idx: torch.Tensor) -> torch.Tensor:
+        """DINOv3-style coordinate augmentation, one draw per forward (shared by the batch): about the grid
+        centre, scale every axis by one factor log-uniform in ``[1/coord_rescale, coord_rescale]`` and each
+        axis by its own in ``[1/coord_jitter, coord_jitter]``, then shift each axis by a uniform
+        ``[-coord_shift, coord_shift]`` patches. Angles stay linear in the coordinates, so attention still
+        depends only on offsets (rescaled ones)."""
+        ndim = idx.shape[-1]
+        centre = idx.new_tensor([(g - 1) / 2 for g in self.grid_size])
+
+        def log_uniform(bound: float, n: int) -> torch.Tensor:
+            return torch.exp((torch.rand(n) * 2 - 1) * math.log(bound)).to(idx.device)
+
+        scale = log_uniform(self.coord_rescale, 1) * log_uniform(self.coord_jitter, ndim)
+        shift = ((torch.rand(ndim) * 2 - 1) * self.coord_shift).to(idx.device)
+        return (idx - centre) * scale + centre + shift
 
     def check_grid(self, grid: PositionGrid) -> None:
         # any number of axes: the training grid fixes it (``grid_ndims`` only says which hosts a name is listed for)
@@ -103,7 +146,8 @@ class _LatticeRotary(RotaryEncoding):
     def lattice_indices(self, grid: PositionGrid, device) -> torch.Tensor:
         """``(N, ndim)`` float32 indices; rescaled into the training grid's range under ``'interpolate'``."""
         self.check_grid(grid)
-        return grid.indices(device, rescale_to=self.grid_size if self.extrapolation == "interpolate" else None)
+        idx = grid.indices(device, rescale_to=self.grid_size if self.extrapolation == "interpolate" else None)
+        return self.augment_coordinates(idx) if self.augments_coordinates else idx
 
     def scaled_frequencies(self, freqs: torch.Tensor, axis: int, grid: PositionGrid) -> torch.Tensor:
         """``freqs`` (``(..., P_axis)``, the frequencies multiplying grid axis ``axis``) under the ``ntk`` /
@@ -148,9 +192,12 @@ class RopeAxial(_LatticeRotary):
         extrapolation: str = "extend",
         sections: Sequence[int] | None = None,
         chunk_axes: Sequence[int] | None = None,
+        coord_shift: float = 0.0,
+        coord_jitter: float = 1.0,
+        coord_rescale: float = 1.0,
     ) -> None:
         name = self.registry_name
-        super().__init__(name, head_dim, grid_size, extrapolation, chunk_axes)
+        super().__init__(name, head_dim, grid_size, extrapolation, chunk_axes, coord_shift, coord_jitter, coord_rescale)
         ndim, P = len(self.grid_size), head_dim // 2
         if sections is None:
             if ndim == 2 and head_dim % 4:
@@ -208,9 +255,12 @@ class RopeMixed(_LatticeRotary):
         temporal_theta: float = 100.0,
         temporal_init: str = "ladder",
         chunk_axes: Sequence[int] | None = None,
+        coord_shift: float = 0.0,
+        coord_jitter: float = 1.0,
+        coord_rescale: float = 1.0,
     ) -> None:
         name = self.registry_name
-        super().__init__(name, head_dim, grid_size, extrapolation, chunk_axes)
+        super().__init__(name, head_dim, grid_size, extrapolation, chunk_axes, coord_shift, coord_jitter, coord_rescale)
         if head_dim % 4:
             raise ValueError(
                 f"{name} needs head_dim divisible by 4 (RoPE-Mixed init); got head_dim={head_dim} (embed_dim / num_heads). "
@@ -265,8 +315,11 @@ class RopeAxial3d(RopeAxial):
         theta: float = 100.0,
         extrapolation: str = "extend",
         chunk_axes: Sequence[int] | None = None,
+        coord_shift: float = 0.0,
+        coord_jitter: float = 1.0,
+        coord_rescale: float = 1.0,
     ) -> None:
-        super().__init__(head_dim, grid_size, theta, extrapolation, sections, chunk_axes)
+        super().__init__(head_dim, grid_size, theta, extrapolation, sections, chunk_axes, coord_shift, coord_jitter, coord_rescale)
 
 
 @register_encoding("rope_mixed_3d")
@@ -286,5 +339,9 @@ class RopeMixed3d(RopeMixed):
         temporal_init: str = "ladder",
         extrapolation: str = "extend",
         chunk_axes: Sequence[int] | None = None,
+        coord_shift: float = 0.0,
+        coord_jitter: float = 1.0,
+        coord_rescale: float = 1.0,
     ) -> None:
-        super().__init__(head_dim, num_heads, depth, grid_size, theta, extrapolation, temporal_theta, temporal_init, chunk_axes)
+        super().__init__(head_dim, num_heads, depth, grid_size, theta, extrapolation, temporal_theta, temporal_init, chunk_axes,
+                         coord_shift, coord_jitter, coord_rescale)
