@@ -196,3 +196,14 @@ def test_real_valued_rotation_used_under_compile_matches_complex_one():
         ref = apply_rotary(x, table, layout)
         out = _apply_rotary_real(x.float(), torch.view_as_real(table), layout)
         assert torch.allclose(out, ref, atol=1e-6), layout
+
+
+def test_default_specs_keep_encodings_with_options():
+    """A default such as ``liere[block_size=8]`` is kept (filtered on its name), for image and video sizes."""
+    from vispe.benchmarks.speed import BENCH_CONFIGS, default_encoding_specs
+
+    image = default_encoding_specs(cfg=BENCH_CONFIGS["vit_s16"]).split(",")
+    video = default_encoding_specs(cfg=BENCH_CONFIGS["video_s16"]).split(",")
+    assert "liere[block_size=8]" in image and "rope_dinov3" in image and "comrope_ld" in image
+    assert "liere_3d[block_size=8]" in video and "learned_3d" in video
+    assert all(s in BENCH_CONFIGS["vit_s16"].default_encodings for s in image)

@@ -15,6 +15,9 @@ import torch
 import vispe  # noqa: F401  (registers the models)
 from vispe.encodings import EncodingContext, PositionGrid, create_encoding
 from vispe.encodings.comrope import (
+    SPECTRAL_MIN_GAP,
+    ComRopeSpectralState,
+    ComRopeState,
     apply_block_rotation,
     block_rotations,
     comrope_coordinates,
@@ -22,6 +25,7 @@ from vispe.encodings.comrope import (
     rotate_pair,
     rotate_pair_gathered,
     rotation_from_generators,
+    spectral_decomposition,
 )
 
 MODEL = "vispe_vit_tiny_patch4_32"
@@ -125,7 +129,7 @@ def test_gathered_rotation_matches_dense_values_and_gradients(name, shape):
     naive per-token rotations (one ``matrix_exp`` per token and block) with autograd's own ops, in
     values and in gradients (q, k, generators). LD has one factor per axis (2 and 3 here)."""
     torch.manual_seed(0)
-    enc = _enc(name, len(shape), block_size=4)
+    enc = _enc(name, len(shape), block_size=4, rotation="blocks")
     grid = PositionGrid(shape, 1)
     state = enc.prepare(grid, None)
     assert len(state.tables[1]) == (1 if name == "comrope_ap" else len(shape))
@@ -153,7 +157,7 @@ def test_gathered_rotation_matches_dense_values_and_gradients(name, shape):
 def test_state_tables_scale_with_lines_not_tokens(name, shape):
     """What a forward keeps per layer is O(grid lines x blocks x b^2), not O(tokens x blocks x b^2):
     LD stores one factor table per axis and forms the per-token products inside attention."""
-    enc = _enc(name, len(shape), block_size=4)
+    enc = _enc(name, len(shape), block_size=4, rotation="blocks")
     grid = PositionGrid(shape, 1)
     state = enc.prepare(grid, None)
     per_layer = sum(t.numel() for t in state.tables[0])
@@ -223,7 +227,8 @@ def test_perturbation_only_in_training_and_cache_in_eval():
     with torch.no_grad():
         s1, s2 = enc.prepare(grid, None), enc.prepare(grid, None)
     assert s1 is s2
-    assert torch.allclose(torch.stack([s1.for_layer(i) for i in range(enc.depth)]), enc.rotations(grid, None).detach())
+    # (the cached state is the spectral one, rotations() the lattice products: equal up to float32 rounding)
+    assert torch.allclose(torch.stack([s1.for_layer(i) for i in range(enc.depth)]), enc.rotations(grid, None).detach(), atol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -302,3 +307,103 @@ def test_peak_memory_vs_rope_axial():
 if __name__ == "__main__":  # python tests/test_comrope.py  -> prints the memory figures
     for name, r in measure_peak_memory().items():
         print(name, json.dumps(r))
+
+
+# -- the spectral path: basis change + per-pair phases ----------------------------------------
+
+
+def test_spectral_decomposition_is_the_real_normal_form():
+    """``S = Q J Q^T`` with ``Q`` orthogonal and ``J`` 2x2 blocks ``[[0, -w], [w, 0]]``, so that
+    ``exp(c S) = Q rot(c w) Q^T`` -- checked against ``matrix_exp`` at several ``c``."""
+    torch.manual_seed(0)
+    raw = torch.randn(3, 2, 8, 8)
+    skew = raw - raw.transpose(-1, -2)
+    basis, omega, evals = spectral_decomposition(skew)
+    eye = torch.eye(8)
+    assert torch.allclose(basis.transpose(-1, -2) @ basis, eye.expand_as(basis), atol=1e-5)
+    assert (omega >= 0).all() and torch.allclose(evals[..., 4:].float(), omega) and torch.allclose(evals[..., :4].float(), -omega.flip(-1))
+    j = torch.zeros_like(skew)
+    i = torch.arange(4)
+    j[..., 2 * i + 1, 2 * i] = omega
+    j[..., 2 * i, 2 * i + 1] = -omega
+    assert torch.allclose(basis @ j @ basis.transpose(-1, -2), skew, atol=1e-4)
+    for c in (0.3, -1.7, 4.0):
+        rot = torch.linalg.matrix_exp(c * j)
+        assert torch.allclose(basis @ rot @ basis.transpose(-1, -2), torch.linalg.matrix_exp(c * skew), atol=1e-4)
+
+
+@pytest.mark.parametrize("name,shape,sigma", [("comrope_ap", (3, 5), 0.0), ("comrope_ld", (4, 3), 0.0),
+                                              ("comrope_ld", (4, 3), 1.0), ("comrope_ld_3d", (2, 3, 2), 0.0)])
+def test_spectral_path_equals_block_rotations_in_values_and_gradients(name, shape, sigma):
+    """``rotation='auto'`` (spectral: rotated q/k in the generators' eigenbasis) gives the attention output,
+    and the gradients of q, k, v and every parameter, of the per-token block rotations (``'blocks'``)."""
+    grid = PositionGrid(shape, 1)
+    results = []
+    for rotation in ("auto", "blocks"):
+        torch.manual_seed(0)
+        enc = _enc(name, len(shape), heads=2, head_dim=16, block_size=4, sigma=sigma, rotation=rotation).train()
+        g = torch.Generator().manual_seed(1)
+        q, k, v = (torch.randn(2, 2, grid.seq_len, 16, generator=g, requires_grad=True) for _ in range(3))
+        torch.manual_seed(5)  # the same line jitter for both paths (sigma > 0)
+        state = enc.prepare(grid, None)
+        assert isinstance(state, ComRopeSpectralState if rotation == "auto" else ComRopeState)
+        out = sum(enc.attend(q, k, v, layer=layer, state=state) for layer in range(enc.depth))
+        w = torch.randn(out.shape, generator=g)
+        grads = torch.autograd.grad((out * w).sum(), [q, k, v, *enc.parameters()])
+        results.append((out, grads))
+    (out_s, g_s), (out_b, g_b) = results
+    assert torch.allclose(out_s, out_b, atol=1e-5)
+    for a, b in zip(g_s, g_b):
+        assert b.abs().sum() > 0 and torch.allclose(a, b, rtol=1e-4, atol=1e-4 * b.abs().max())
+
+
+@pytest.mark.parametrize("name,ndim", [("comrope_ap", 2), ("comrope_ld", 2), ("comrope_ld_3d", 3)])
+def test_spectral_state_rotations_equal_matrix_exp_per_token(name, ndim):
+    """The spectral state's rotations ``Q rot(phase) Q^T`` are each token's ``matrix_exp`` (prefix tokens included)."""
+    torch.manual_seed(0)
+    enc = _enc(name, ndim, block_size=4)
+    grid = PositionGrid((3, 4) if ndim == 2 else (2, 3, 2), 2)
+    state = enc.prepare(grid, None)
+    assert isinstance(state, ComRopeSpectralState)
+    ref = enc.reference_rotations(grid)
+    for layer in range(enc.depth):
+        assert torch.allclose(state.for_layer(layer), ref[layer], atol=1e-5)
+
+
+def test_auto_falls_back_to_block_rotations_where_the_spectral_path_does_not_apply():
+    """Zero generators (``zero_init``: every eigenvalue 0), an odd block size (a zero eigenvalue always)
+    and near-equal eigenvalues (the spectral gradient divides by their gaps) use the block products."""
+    grid = PositionGrid((3, 3), 1)
+    assert isinstance(_enc("comrope_ld", zero_init=True).prepare(grid, None), ComRopeState)
+    odd = _enc("comrope_ap", heads=2, head_dim=12, block_size=3)
+    assert isinstance(odd.prepare(grid, None), ComRopeState)
+    enc = _enc("comrope_ap", block_size=4)
+    assert isinstance(enc.prepare(grid, None), ComRopeSpectralState)
+    with torch.no_grad():  # make one block's generator have a double eigenvalue pair (+-w twice)
+        enc.base.zero_()
+        enc.base[0, 0, 0, 0, 1] = enc.base[0, 0, 0, 2, 3] = 0.7
+        enc.base[..., 1:, 0, 1] = 0.3 + torch.rand(enc.base[..., 1:, 0, 1].shape)
+    _, _, evals = spectral_decomposition(enc.skew_blocks())
+    assert evals.diff(dim=-1).min() <= SPECTRAL_MIN_GAP
+    assert isinstance(enc.prepare(grid, None), ComRopeState)
+    with pytest.raises(ValueError, match="rotation='dense' is not valid; choose one of"):
+        _enc("comrope_ld", rotation="dense")
+
+
+@pytest.mark.parametrize("name", ["comrope_ap", "comrope_ld"])
+def test_spectral_path_under_patch_dropout_equals_full_rows(name):
+    """keep_tokens narrows the phase table; kept tokens see the logits they have in the full sequence."""
+    torch.manual_seed(0)
+    enc = _enc(name, block_size=4).eval()
+    grid = PositionGrid((3, 4), 1)
+    full = enc.prepare(grid, None)
+    keep = torch.tensor([[0, 2, 5, 11], [1, 3, 4, 7]])
+    kept_grid = grid.with_keep(keep)
+    narrow = enc.keep_tokens(full, kept_grid)
+    rows = kept_grid.sequence_index()
+    q = torch.randn(2, 2, grid.seq_len, 16)
+    k = torch.randn_like(q)
+    qf, kf = enc.rotate_qk(q, k, full, 1)
+    take = lambda x: torch.stack([x[b][:, rows[b]] for b in range(2)])  # noqa: E731
+    qn, kn = enc.rotate_qk(take(q), take(k), narrow, 1)
+    assert torch.allclose(qn @ kn.transpose(-1, -2), take(qf) @ take(kf).transpose(-1, -2), atol=1e-5)

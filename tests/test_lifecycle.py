@@ -127,7 +127,7 @@ def test_every_encoding_uses_a_contract():
     rotate_qk) or attention bias (iRPE), and kind is the contract's, not set by hand."""
     from vispe.encodings import AttentionBiasEncoding, EncodingContext, RotaryEncoding, TokenEncoding
 
-    for name in ("comrope_ap", "comrope_ld", "comrope_ld_3d"):
+    for name in ("comrope_ap", "comrope_ld", "comrope_ld_3d", "liere", "liere_3d"):
         cls = get_encoding_class(name)
         assert issubclass(cls, RotaryEncoding) and not cls.pairwise_phases and cls.kind == "rotary"
         assert "attend" not in vars(cls) and not any("attend" in vars(k) for k in cls.__mro__[1:] if k is not RotaryEncoding

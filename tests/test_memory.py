@@ -48,7 +48,8 @@ def _model(name: str) -> torch.nn.Module:
     return timm.create_model(MODEL, pos_encoding=name, depth=DEPTH)
 
 
-@pytest.mark.parametrize("name", ["rope_axial", "rope_mixed", "comrope_ap", "comrope_ld", "irpe"])
+@pytest.mark.parametrize("name", ["rope_axial", "rope_mixed", "comrope_ap", "comrope_ld", "irpe", "rope_dinov3", "alibi_2d", "fire",
+                                  "liere"])
 def test_forward_keeps_no_per_layer_copies(name):
     """Per extra sample, the forward keeps what the no-PE model keeps: position-only tables
     (independent of the batch) are allowed, activation-sized copies per layer are not."""
@@ -64,7 +65,7 @@ def test_forward_keeps_no_per_layer_copies(name):
     assert growth < min(one_qk, one_logits), (name, growth, one_qk, one_logits)
 
 
-@pytest.mark.parametrize("name", ["rope_axial", "rope_mixed", "comrope_ld"])
+@pytest.mark.parametrize("name", ["rope_axial", "rope_mixed", "comrope_ld", "comrope_ap", "liere", "rope_dinov3"])
 def test_rebuilt_rotations_give_the_stored_gradients(name, monkeypatch):
     x = torch.randn(2, 3, 32, 32)
 

@@ -97,7 +97,8 @@ def _float16_autocast_runs(device: str) -> bool:
 
 
 @pytest.mark.skipif(not _float16_autocast_runs("cpu"), reason="this PyTorch build has no float16 autocast on CPU")
-@pytest.mark.parametrize("name", ["rope_axial", "rope_mixed", "comrope_ap", "comrope_ld", "irpe", "comrope_ld_3d", "mrope_interleave"])
+@pytest.mark.parametrize("name", ["rope_axial", "rope_mixed", "comrope_ap", "comrope_ld", "irpe", "comrope_ld_3d", "mrope_interleave",
+                                  "rope_dinov3", "alibi_2d", "fire", "liere", "videorope", "qwen3vl"])
 def test_attention_encodings_train_a_step_under_float16_autocast(name):
     model, loss_fn = _step_loss(name)
     model.train()

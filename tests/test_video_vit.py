@@ -10,7 +10,8 @@ import vispe
 from vispe.encodings import EncodingContext, PositionGrid, create_encoding
 from vispe.models.video_vit import VispeVideoViT
 
-VIDEO_ENCODINGS = ["rope_axial_3d", "rope_mixed_3d", "sincos3d", "learned_3d", "comrope_ld_3d"]
+VIDEO_ENCODINGS = ["rope_axial_3d", "rope_mixed_3d", "sincos3d", "learned_3d", "comrope_ld_3d", "rope_dinov3_3d",
+                   "alibi_3d", "fire_3d", "liere_3d"]
 TINY = dict(embed_dim=48, depth=1, num_heads=2, img_size=32, num_frames=8, tubelet_size=2, patch_size=8, num_classes=5)
 
 

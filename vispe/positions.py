@@ -15,9 +15,13 @@ scheme                  K   positions
 ``mhrope``              3   same positions as ``mrope_interleave`` (per-head axis is a
                             frequency-allocation matter, see :mod:`vispe.encodings.multimodal_rope`)
 ``vrope``               4   four corner-origin diagonals, frames tiled along the text axis
+``videorope``           3   VideoRoPE diagonal layout (spatial rows centred on the frame and
+                            shifted by ``t``), frames ``delta`` apart (default 2)
 ``hope``                3   VideoRoPE layout (spatial rows centred on ``t``), ``t`` stride
                             ``gamma`` (sampled per block at training, fixed at inference)
 ``v2pe``                1   text steps by 1, visual tokens by ``delta``
+``qwen3vl``             3   Qwen3-VL: every temporal patch of a video is its own ``(1, H, W)``
+                            block, after the positions of its ``<x.y seconds>`` timestamp text
 =====================  ===  =============================================================
 
 Text tokens carry the same value on every coordinate. ``rope_delta = next_free_position - L``: a
@@ -30,6 +34,31 @@ Positions are int64 when a scheme's options can only produce integers and float3
 Visual tokens must be fed in raster order (t-major, then h, then w), with ``H, W`` the LLM-side
 grid; ``spatial_merge_size=m`` lets ``Visual`` carry the ViT grid instead (``H, W`` divisible by
 ``m``).
+
+VideoRoPE (Wei et al., "VideoRoPE: What Makes for Good Video Rotary Position Embedding?", ICML 2025,
+arXiv 2502.05173; code Wiselnn570/VideoRoPE) has two published definitions, picked by ``convention``:
+``'code'`` (default: the released transformers / vLLM code behind its checkpoints, and the layout HoPE
+builds on) offsets a frame's spatial rows by ``(H-1)//2`` / ``(W-1)//2`` (integers) and starts the text
+after a video at ``last t + 1``; ``'paper'`` (Eq. 7) offsets them by ``H/2`` / ``W/2`` (half-integers for
+odd sizes) and starts the text after ``T_v`` frames at ``T_s + delta*T_v`` (text index
+``tau + (delta - 1)*T_v``), so the frame spacing carries on into the text.
+
+Qwen3-VL (transformers' ``Qwen3VLProcessor`` and ``get_rope_index``) writes a video as, per temporal
+patch ``i``: the text ``<x.y seconds>`` (the patch's time, one decimal), ``<|vision_start|>``, the patch's
+``H*W`` tokens as a ``(1, H, W)`` block (``t`` constant; ``h, w`` offset by the running index, no reset),
+``<|vision_end|>``; the next index is always the maximum so far + 1. Under ``qwen3vl`` a ``Visual`` with
+``T > 1`` (or with ``seconds_per_grid``) stands for that whole expansion: only its visual tokens are in
+the sequence and the indices of the timestamp text and of the two markers are skipped, so the visual
+tokens and the text around the video get exactly Qwen3-VL's ids. ``timestamp_tokens`` is the token count
+of one timestamp: an int, or a callable ``seconds -> int`` (e.g. the length of your tokenizer's ids for
+:func:`timestamp_text`); the default :func:`estimate_timestamp_tokens` is an estimate (digits + 4), not a
+tokenizer count. To feed real timestamp tokens, lay the video out with :func:`qwen3vl_video_segments`
+(text segments and ``(1, H, W)`` blocks) and put your ids in its text segments: both forms give the same
+ids. A ``Visual`` with ``T = 1`` and no ``seconds_per_grid`` is an image (one block, nothing skipped; the
+markers around it are the caller's text; a one-patch video needs ``seconds_per_grid`` to be read as a
+video). Patch ``i`` of ``p = temporal_patch_size`` frames sampled uniformly at ``fps`` from 0 s (the
+processor's default is 2 fps) is at ``(i + (p - 1) / (2p)) * s`` seconds with ``s = p / fps`` (or the
+block's ``seconds_per_grid``): the mean time of its first and last frame.
 """
 from __future__ import annotations
 
@@ -42,9 +71,12 @@ from typing import Any, Mapping, Union
 
 import torch
 
+from ._checks import check_choice
+
 __all__ = [
     "HOPE_TRAIN_GAMMAS",
     "NUM_COORDS",
+    "VIDEOROPE_CONVENTIONS",
     "POSITION_SCHEMES",
     "PositionScheme",
     "SCHEMES",
@@ -57,7 +89,11 @@ __all__ = [
     "build_positions",
     "build_positions_batch",
     "decode_positions",
+    "estimate_timestamp_tokens",
     "num_tokens",
+    "qwen3vl_timestamps",
+    "qwen3vl_video_segments",
+    "timestamp_text",
     "validate_segments",
 ]
 
@@ -74,7 +110,8 @@ class Visual:
     """A visual block of ``T x H x W`` tokens in raster order (an image is ``T = 1``).
 
     ``seconds_per_grid`` optionally gives this video's duration of one temporal grid step
-    (absolute-time M-RoPE); it overrides the scheme-level ``fps`` / ``seconds_per_grid``.
+    (absolute-time M-RoPE, Qwen3-VL's timestamps); it overrides the scheme-level ``fps`` /
+    ``seconds_per_grid``.
     """
 
     T: int
@@ -93,6 +130,8 @@ Segment = Union[Text, Visual]
 HOPE_TRAIN_GAMMAS = (0.5, 0.75, 1.0, 1.25, 1.5)
 #: V2PE's training deltas ``S / 256`` for ``S`` in 1, 2, 4, ..., 256 (one draw per visual block).
 V2PE_TRAIN_DELTAS = tuple(2**i / 256 for i in range(9))
+#: VideoRoPE's two definitions: the released code's (default) and the paper's Eq. 7.
+VIDEOROPE_CONVENTIONS = ("code", "paper")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -279,6 +318,19 @@ def _check_train_or_fixed(name: str, value: float, training: bool, choices: Sequ
     return value
 
 
+def _diagonal_block(nxt: float, seg: Visual, step: float, half_sizes: bool = False) -> tuple[torch.Tensor, float]:
+    """VideoRoPE's diagonal layout of one block: ``t = nxt + step * frame``, spatial rows centred on ``t``.
+
+    Returns the ``(3, n)`` ids and the last frame's ``t``. ``half_sizes`` centres on ``H/2, W/2`` (the
+    paper's Eq. 7) instead of the code's integer ``(H-1)//2, (W-1)//2``.
+    """
+    T, H, W = seg.T, seg.H, seg.W
+    tt, hh, ww = _mesh(T, H, W)
+    t = nxt + step * tt
+    ch, cw = (H / 2, W / 2) if half_sizes else ((H - 1) // 2, (W - 1) // 2)
+    return torch.stack([t, t + hh - ch, t + ww - cw]), nxt + step * (T - 1)
+
+
 def _hope(
     segments: Sequence[Segment],
     gamma: float = 1.0,
@@ -294,11 +346,26 @@ def _hope(
             nxt += seg.n
             continue
         g = float(_draw(gamma_choices, rng)) if training else gamma
-        T, H, W = seg.T, seg.H, seg.W
-        tt, hh, ww = _mesh(T, H, W)
-        t = nxt + g * tt
-        cols.append(torch.stack([t, t + hh - (H - 1) // 2, t + ww - (W - 1) // 2]))
-        nxt = nxt + g * (T - 1) + 1  # last t + 1 on the t row (spatial rows may overlap the next text)
+        blk, last_t = _diagonal_block(nxt, seg, g)
+        cols.append(blk)
+        nxt = last_t + 1  # last t + 1 on the t row (spatial rows may overlap the next text)
+    return cols, nxt
+
+
+def _videorope(segments: Sequence[Segment], delta: float = 2.0, convention: str = "code") -> tuple[list[torch.Tensor], float]:
+    delta = _check_positive("delta", delta)
+    check_choice("convention", convention, VIDEOROPE_CONVENTIONS)
+    paper = convention == "paper"
+    cols, nxt = [], 0.0
+    for seg in segments:
+        if isinstance(seg, Text):
+            cols.append(_text(nxt, seg.n, 3))
+            nxt += seg.n
+            continue
+        blk, last_t = _diagonal_block(nxt, seg, delta, half_sizes=paper)
+        cols.append(blk)
+        # paper: the frames' spacing delta carries on into the text (T_s + delta * T_v); code: last t + 1
+        nxt = nxt + delta * seg.T if paper else last_t + 1
     return cols, nxt
 
 
@@ -323,6 +390,123 @@ def _v2pe(
     return cols, nxt
 
 
+def timestamp_text(seconds: float) -> str:
+    """Qwen3-VL's timestamp text for one temporal patch, e.g. ``'<1.2 seconds>'`` (one decimal)."""
+    return f"<{seconds:.1f} seconds>"
+
+
+def estimate_timestamp_tokens(seconds: float) -> int:
+    """Estimated token count of :func:`timestamp_text`: one per digit plus ``<``, ``.``, `` seconds``, ``>``.
+
+    An assumption about Qwen's tokenizer (digits split one per token), not a tokenizer count: pass
+    ``timestamp_tokens=lambda s: len(tokenizer(timestamp_text(s)).input_ids)`` for the real one.
+    """
+    return sum(c.isdigit() for c in f"{seconds:.1f}") + 4
+
+
+def qwen3vl_timestamps(
+    num_patches: int, fps: float = 2.0, temporal_patch_size: int = 2, seconds_per_grid: float | None = None
+) -> list[float]:
+    """Seconds of each temporal patch as Qwen3-VL's processor computes them: the mean time of the patch's
+    first and last frame, ``(i + (p - 1) / (2p)) * s`` with ``s = p / fps`` (or ``seconds_per_grid``)."""
+    if not _is_int(num_patches) or num_patches < 1:
+        raise ValueError(f"num_patches must be an int >= 1, got {num_patches!r}")
+    if not _is_int(temporal_patch_size) or temporal_patch_size < 1:
+        raise ValueError(f"temporal_patch_size must be an int >= 1, got {temporal_patch_size!r}")
+    p = temporal_patch_size
+    spg = p / _check_positive("fps", fps) if seconds_per_grid is None else _check_positive("seconds_per_grid", seconds_per_grid)
+    return [(i + (p - 1) / (2 * p)) * spg for i in range(num_patches)]
+
+
+TimestampTokens = Union[int, Callable[[float], int]]
+
+
+def _check_timestamp_tokens(timestamp_tokens: Any) -> None:
+    if not callable(timestamp_tokens) and not (_is_int(timestamp_tokens) and timestamp_tokens >= 0):
+        raise ValueError(
+            f"timestamp_tokens must be an int >= 0 or a callable seconds -> int (tokens of one '<x.y seconds>' text), "
+            f"got {timestamp_tokens!r}"
+        )
+
+
+def _timestamp_count(timestamp_tokens: TimestampTokens, seconds: float) -> int:
+    n = timestamp_tokens(seconds) if callable(timestamp_tokens) else timestamp_tokens
+    if not _is_int(n) or n < 0:
+        raise ValueError(f"timestamp_tokens gave {n!r} for the timestamp {timestamp_text(seconds)}; it must be an int >= 0")
+    return int(n)
+
+
+def _is_video(seg: Visual) -> bool:
+    # T = 1 without a duration is an image: Qwen3-VL puts no timestamp before images
+    return seg.T > 1 or seg.seconds_per_grid is not None
+
+
+def _qwen3vl(
+    segments: Sequence[Segment],
+    fps: float = 2.0,
+    temporal_patch_size: int = 2,
+    timestamp_tokens: TimestampTokens = estimate_timestamp_tokens,
+    vision_markers: bool = True,
+) -> tuple[list[torch.Tensor], float]:
+    _check_timestamp_tokens(timestamp_tokens)
+    qwen3vl_timestamps(1, fps, temporal_patch_size)  # validates fps and the patch size for every sample
+    marker = 1.0 if vision_markers else 0.0
+    cols, nxt = [], 0.0
+    for seg in segments:
+        if isinstance(seg, Text):
+            cols.append(_text(nxt, seg.n, 3))
+            nxt += seg.n
+            continue
+        extent = max(seg.H, seg.W)  # a (1, H, W) block spans max(H, W) indices: next = its max + 1
+        tt, hh, ww = _mesh(seg.T, seg.H, seg.W)
+        if not _is_video(seg):
+            cols.append(torch.stack([tt, hh, ww]) + nxt)
+            nxt += extent
+            continue
+        times = qwen3vl_timestamps(seg.T, fps, temporal_patch_size, seg.seconds_per_grid)
+        # skipped indices before each patch: its timestamp text and <|vision_start|>; after it: <|vision_end|>
+        before = torch.tensor([_timestamp_count(timestamp_tokens, s) + marker for s in times], dtype=_F)
+        span = before + extent + marker
+        start = nxt + torch.cumsum(span, 0) - span + before  # index of each patch's (0, 0) token
+        s = start[tt.long()]
+        cols.append(torch.stack([s, s + hh, s + ww]))
+        nxt += float(span.sum())
+    return cols, nxt
+
+
+def qwen3vl_video_segments(
+    video: Visual,
+    fps: float = 2.0,
+    temporal_patch_size: int = 2,
+    timestamp_tokens: TimestampTokens = estimate_timestamp_tokens,
+    vision_markers: bool = True,
+) -> list[Segment]:
+    """Qwen3-VL's token layout of one video: per temporal patch ``Text(timestamp [+ <|vision_start|>])``,
+    ``Visual(1, H, W)``, ``[Text(<|vision_end|>)]``, with adjacent text merged.
+
+    ``build_positions('qwen3vl', ...)`` gives the visual tokens of this layout the same ids as the compact
+    ``video`` (whose timestamp indices it skips); use it to feed the timestamp tokens themselves.
+    """
+    if not isinstance(video, Visual):
+        raise TypeError(f"qwen3vl_video_segments takes one Visual(T, H, W), got {video!r}")
+    if not isinstance(vision_markers, bool):
+        raise TypeError(f"vision_markers must be a bool, got {vision_markers!r}")
+    _check_timestamp_tokens(timestamp_tokens)
+    video = validate_segments([video])[0]
+    marker = int(vision_markers)
+    out: list[Segment] = []
+    pending = 0  # text tokens not yet emitted (the previous <|vision_end|> merges with the next timestamp)
+    for s in qwen3vl_timestamps(video.T, fps, temporal_patch_size, video.seconds_per_grid):
+        pending += _timestamp_count(timestamp_tokens, s) + marker
+        if pending:
+            out.append(Text(pending))
+        out.append(Visual(1, video.H, video.W))  # no duration: a (1, H, W) block, nothing skipped
+        pending = marker
+    if pending:
+        out.append(Text(pending))
+    return out
+
+
 def _always_integer(kw: dict[str, Any]) -> bool:
     return True
 
@@ -338,6 +522,11 @@ def _mrope_integer(kw: dict[str, Any]) -> bool:
 
 def _stride_integer(kw: dict[str, Any]) -> bool:
     return float(kw.get("temporal_stride", 1.0)).is_integer()
+
+
+def _videorope_integer(kw: dict[str, Any]) -> bool:
+    # the paper's H/2, W/2 centring gives half-integers for odd sizes
+    return kw.get("convention", "code") == "code" and float(kw.get("delta", 2.0)).is_integer()
 
 
 @dataclass(frozen=True)
@@ -393,9 +582,13 @@ SCHEMES: dict[str, PositionScheme] = {
         PositionScheme("mrope_interleave", "MRoPE-I", 3, _reset, _stride_integer, bool_options=("spatial_reset",)),
         PositionScheme("mhrope", "MHRoPE", 3, _reset, _stride_integer, bool_options=("spatial_reset",)),
         PositionScheme("vrope", "VRoPE", 4, _vrope),
+        # VideoRoPE: the paper's (and its code's) delta = 2
+        PositionScheme("videorope", "VideoRoPE", 3, _videorope, _videorope_integer, eval_options={"delta": 2.0}),
         # HoPE: the paper's V-NIAH gamma; V2PE: delta = 64/256 (its README's long-context setting)
         PositionScheme("hope", "HoPE", 3, _hope, _never_integer, train_draws=True, eval_options={"gamma": 0.75}),
         PositionScheme("v2pe", "V2PE", 1, _v2pe, _never_integer, train_draws=True, eval_options={"delta": 0.25}),
+        # Qwen3-VL: 2 fps is its video processor's default sampling rate
+        PositionScheme("qwen3vl", "Qwen3-VL", 3, _qwen3vl, bool_options=("vision_markers",), eval_options={"fps": 2.0}),
     )
 }
 #: Coordinates per token for each scheme (a view of :data:`SCHEMES`).
@@ -440,8 +633,11 @@ def build_positions(
         **scheme_kwargs: the scheme's options (papers' names):
             ``mrope``: ``fps`` or ``seconds_per_grid``, ``tokens_per_second=2``, ``temporal_patch_size=2``,
             ``time_floor=True``; ``mrope_interleave``/``mhrope``: ``temporal_stride=1``, ``spatial_reset=True``;
+            ``videorope``: ``delta=2.0``, ``convention='code'`` (or ``'paper'``);
             ``hope``: ``gamma=1.0`` (inference), ``training=False``, ``gamma_choices``, ``rng``;
-            ``v2pe``: ``delta=1.0`` (inference), ``training=False``, ``delta_choices``, ``rng``.
+            ``v2pe``: ``delta=1.0`` (inference), ``training=False``, ``delta_choices``, ``rng``;
+            ``qwen3vl``: ``fps=2.0``, ``temporal_patch_size=2``, ``timestamp_tokens`` (int or
+            ``seconds -> int``, default :func:`estimate_timestamp_tokens`), ``vision_markers=True``.
 
     Returns:
         ``(pos, rope_delta)``: ``pos`` of shape ``(K, L)`` (int64, or float32 for fractional schemes)

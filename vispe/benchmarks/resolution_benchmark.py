@@ -34,7 +34,10 @@ __all__ = ["CLAIMS", "HEADLINE", "RECIPES", "Part", "claims", "main", "summarise
 ROOT = Path(__file__).resolve().parents[2]
 #: The encodings the papers compare at 2x resolution; they get several seeds.
 HEADLINE = ("learned", "sincos2d", "rope_axial", "rope_mixed", "comrope_ap", "comrope_ld")
-ALL_2D = ("none", "learned", "sincos2d", "rope_axial", "rope_mixed", "irpe", "cpe", "lff", "loope", "comrope_ap", "comrope_ld")
+#: the 2026 catalogue additions (DINOv3 RoPE, 2D ALiBi, FIRE, LieRE): every seed too, so their rows carry spreads
+CATALOGUE_2026 = ("rope_dinov3", "alibi_2d", "fire", "liere")
+ALL_2D = ("none", "learned", "sincos2d", "rope_axial", "rope_mixed", "irpe", "cpe", "lff", "loope", "comrope_ap", "comrope_ld",
+          *CATALOGUE_2026)
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,7 @@ RECIPES: dict[str, list[Part]] = {
         Part(
             "fashion_mnist", "vispe.data.FashionMNISTDataModule", {"image_size": 28, "in_chans": 1, "augment": "flip"},
             28, 7, {**_SMALL_VIT, "patch_size": 7}, {**_CPU_FIT, "model.init_args.warmup_epochs": 0.2, "trainer.max_epochs": 10},
-            ALL_2D, (0, 1, 2), needs_data="fashion-mnist",
+            ALL_2D, (0, 1, 2), extra_seed_encodings=HEADLINE + CATALOGUE_2026, needs_data="fashion-mnist",
         ),
         Part(
             "cifar10", "vispe.data.CIFAR10JpegDataModule", {"augment": "crop_flip"},

@@ -84,9 +84,13 @@ _SMALL_IMG = dict(img_size=32, patch_size=4, num_classes=10)
 #: e.g. iRPE = contextual/product/key side as in the DeiT release).
 DEFAULT_ENCODINGS = (
     "none", "learned", "sincos2d", "rope_axial", "rope_mixed", "comrope_ap", "comrope_ld", "irpe", "cpe", "lff", "loope",
+    # the 2026 catalogue; LieRE with 8x8 blocks (its dense default, one 64x64 matrix_exp per token, head and layer,
+    # costs ~14 s forward + ~72 s backward per ViT-S/16 step on one CPU thread: see vispe/encodings/liere.py)
+    "rope_dinov3", "alibi_2d", "fire", "liere[block_size=8]",
 )
 #: The video encodings of ``video_s16``; ``learned_3d`` is its ratio denominator.
-DEFAULT_VIDEO_ENCODINGS = ("learned_3d", "none", "sincos3d", "rope_axial_3d", "rope_mixed_3d", "comrope_ld_3d")
+DEFAULT_VIDEO_ENCODINGS = ("learned_3d", "none", "sincos3d", "rope_axial_3d", "rope_mixed_3d", "comrope_ld_3d",
+                           "rope_dinov3_3d", "alibi_3d", "fire_3d", "liere_3d[block_size=8]")
 
 BENCH_CONFIGS: dict[str, BenchConfig] = {
     "vit_s16": BenchConfig("vispe_vit_small_patch16_224", 224, 8, 128, 1000, _TIMM_S16, default_encodings=DEFAULT_ENCODINGS),
@@ -137,9 +141,12 @@ def default_encoding_specs(every: bool = False, cfg: BenchConfig | None = None) 
     import vispe  # noqa: F401  (registers the encodings)
     from vispe.encodings import list_encodings
 
+    from vispe.encodings.spec import parse_pos_encoding
+
     cfg = cfg or BENCH_CONFIGS["vit_s16"]
     names = list_encodings(grid_ndim=cfg.grid_ndim)
-    return ",".join(names if every else [n for n in cfg.default_encodings if n in names])
+    # defaults may carry options (``liere[block_size=8]``): filter on the encoding's name
+    return ",".join(names if every else [s for s in cfg.default_encodings if parse_pos_encoding(s)[0] in names])
 
 
 from .speed_measure import Entry, infer_step, measure_peak, train_step, _timed  # noqa: F401  (re-exported)

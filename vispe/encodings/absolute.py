@@ -10,7 +10,7 @@ from timm.layers import build_sincos2d_pos_embed, resample_abs_pos_embed, trunc_
 
 from .._checks import check_choice
 from .base import PositionalEncoding, TokenEncoding, register_encoding
-from .grid import PositionGrid
+from .grid import PositionGrid, random_lattice_indices
 from .spec import EXTRAPOLATION_MODES
 
 __all__ = ["NoPE", "LearnedAbsolute", "FixedTableEncoding", "SinCos2d", "EXTRAPOLATION_MODES"]  # EXTRAPOLATION_MODES: from .spec
@@ -166,12 +166,23 @@ class FixedTableEncoding(TokenEncoding):
     def embed_tokens(self, x, grid, state=None, image=None):
         return x + self.sequence_table(grid, x.device, x.dtype)
 
+def sincos2d_from_indices(idx: torch.Tensor, dim: int, temperature: float = 10000.0) -> torch.Tensor:
+    """timm's 2D sin-cos table (``build_sincos2d_pos_embed``: rows then columns, sin block then cos block) at
+    arbitrary ``(N, 2)`` (row, column) indices: ``(N, dim)`` float32."""
+    pos_dim = dim // 4
+    bands = 1.0 / temperature ** (torch.arange(pos_dim, device=idx.device, dtype=torch.float32) / pos_dim)
+    pos2 = idx.float()[:, :, None] * bands  # (N, 2, pos_dim)
+    return torch.stack([torch.sin(pos2), torch.cos(pos2)], dim=1).flatten(1)
+
+
 @register_encoding("sincos2d")
 class SinCos2d(FixedTableEncoding):
     """Fixed 2D sin-cos table (timm's ``build_sincos2d_pos_embed``: rows then columns, sin then cos).
 
     ``extrapolation='extend'`` evaluates the formula at the new integer indices;
     ``'interpolate'`` resamples the training-grid table bicubically, as timm does for APE.
+    ``random_positions=r > 1`` (RPE-2D, training only): each forward evaluates the formula at ordered random
+    row / column indices drawn from a grid ``r`` times the training one (:func:`random_lattice_indices`).
     """
 
     grid_ndims = (2,)
@@ -182,14 +193,27 @@ class SinCos2d(FixedTableEncoding):
         grid_size: Sequence[int] = (14, 14),
         temperature: float = 10000.0,
         extrapolation: str = "extend",
+        random_positions: float = 1.0,
     ) -> None:
         super().__init__(dim)
         if dim % 4:
             raise ValueError(f"sincos2d needs an embedding dim divisible by 4, got dim={dim}")
         check_choice("extrapolation", extrapolation, EXTRAPOLATION_MODES)
+        if not random_positions >= 1.0:
+            raise ValueError(f"sincos2d: random_positions (size of the grid positions are drawn from, as a multiple of the "
+                             f"training grid; 1 = off) must be >= 1, got {random_positions!r}")
         self.grid_size = tuple(int(g) for g in grid_size)
         self.temperature = temperature
         self.extrapolation = extrapolation
+        self.random_positions = float(random_positions)
+
+    def embed_tokens(self, x, grid, state=None, image=None):
+        if not (self.training and self.random_positions > 1):
+            return super().embed_tokens(x, grid, state, image)
+        self.check_grid(grid)
+        pool = [max(n, math.ceil(self.random_positions * g)) for n, g in zip(grid.shape, self.grid_size)]
+        idx = random_lattice_indices(grid.shape, pool, x.device)
+        return self.add_to_tokens(x, sincos2d_from_indices(idx, self.dim, self.temperature)[None], grid)
 
     def build_table(self, grid: PositionGrid, device: torch.device | None) -> torch.Tensor:
         if self.extrapolation == "extend" or grid.shape == self.grid_size:

@@ -8,6 +8,7 @@ coordinates, and choices against the released code: ``docs/design/comrope.md``.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import ClassVar, Optional, Sequence
 
@@ -15,8 +16,9 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from .._checks import check_choice
 from .base import autocast_off_in_backward, register_encoding
-from .rotary import RotaryEncoding
+from .rotary import RotaryEncoding, RotaryState, rotary_table
 from .grid import PositionGrid
 
 __all__ = [
@@ -25,6 +27,10 @@ __all__ = [
     "ComRopeLD",
     "ComRopeLD3d",
     "ComRopeState",
+    "ComRopeSpectralState",
+    "ROTATION_METHODS",
+    "spectral_decomposition",
+    "rotate_pair_spectral",
     "block_rotations",
     "apply_block_rotation",
     "rotate_pair",
@@ -287,6 +293,156 @@ def rotate_pair_selected(
         return one(q), one(k)
 
 
+# ---------------------------------------------------------------------------------------------
+# Spectral path: every ComRoPE rotation is a fixed basis change plus per-pair phases
+# ---------------------------------------------------------------------------------------------
+
+#: How ComRoPE rotates q and k: ``'auto'`` takes the spectral path whenever the generators allow it
+#: (even block size, eigenvalues apart), else the block products; ``'blocks'`` always multiplies by the
+#: per-token ``b x b`` block rotations.
+ROTATION_METHODS = ("auto", "blocks")
+#: Smallest gap between the eigenvalues of ``i S`` (and so the smallest ``2 omega``) for the spectral
+#: path: its gradient divides by these gaps (float32 noise / gap stays below ~1e-4 relative).
+SPECTRAL_MIN_GAP = 1e-5
+
+
+def spectral_decomposition(skew: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Real normal form ``S = Q J Q^T`` of skew-symmetric blocks ``skew`` ``(..., b, b)``, ``b`` even.
+
+    ``J`` is block-diagonal with 2x2 blocks ``[[0, -w_k], [w_k, 0]]``, so ``exp(c S) = Q rot(c w) Q^T``.
+    Computed from the Hermitian ``i S`` in float64 (``eigh``; its eigenvalues are ``+-w_k``): for the
+    eigenvector ``u_k`` of ``+w_k`` the columns ``2k, 2k+1`` of ``Q`` are ``sqrt(2) Re u_k`` and
+    ``sqrt(2) Im u_k``. Differentiable (the loss must not depend on the eigenvectors' phases, which
+    holds for attention logits: both q and k are expressed in the same basis).
+
+    Returns:
+        ``(Q (..., b, b) float32, w (..., b/2) float32 >= 0, eigenvalues (..., b) float64 ascending)``.
+    """
+    b = skew.shape[-1]
+    with torch.autocast(device_type=skew.device.type, enabled=False):
+        evals, evecs = torch.linalg.eigh(1j * skew.double().to(torch.complex128))
+        top = evecs[..., b // 2 :]
+        basis = torch.stack([top.real, top.imag], dim=-1).flatten(-2) * math.sqrt(2.0)
+        return basis.float(), evals[..., b // 2 :].float(), evals
+
+
+class _SpectralRotation(torch.autograd.Function):
+    """``q, k -> phase(q @ W), phase(k @ W)``: a block-diagonal orthogonal basis change ``W`` ``(H, dh, dh)``
+    shared by every token, then per-pair phases from a rotary table (``view_as_real`` form ``(..., L, P, 2)``).
+
+    Every product runs per head over all ``B * L`` tokens at once (``(H, B*L, dh) @ (H, dh, dh)``; q and k are
+    token-major views of the qkv projection, so ``(H, B*L, dh)`` is a view too). Saves only q, k (which
+    attention keeps alive through ``v`` anyway), ``W`` and the table; ``q @ W`` is recomputed in the backward
+    instead of being stored per layer.
+    """
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, basis: torch.Tensor, table_ri: torch.Tensor):  # type: ignore[override]
+        ctx.save_for_backward(q, k, basis, table_ri)
+        bsz, heads, length, dh = q.shape
+        table = _heads_first(torch.view_as_complex(table_ri))  # (H, B or 1, L, P)
+        # written token-major (memory (B, L, 2, H, dh), like timm's qkv): SDPA then returns its output
+        # token-major and the head merge before the output projection stays a view, not a kept copy
+        res = torch.empty(bsz, length, 2, heads, dh, dtype=torch.float32, device=q.device)
+        outs = (res[:, :, 0].transpose(1, 2), res[:, :, 1].transpose(1, 2))
+        for x, out in zip((q, k), outs):
+            y = _by_head(x, basis)  # (H, B, L, dh)
+            out_h = out.transpose(0, 1)
+            if torch.compiler.is_compiling():
+                out_h.copy_(torch.view_as_real(_complex_pairs(y) * table).flatten(-2))
+            else:
+                torch.mul(_complex_pairs(y), table, out=_complex_pairs(out_h))
+        return outs
+
+    @staticmethod
+    @autocast_off_in_backward
+    def backward(ctx, grad_q: torch.Tensor, grad_k: torch.Tensor):  # type: ignore[override]
+        q, k, basis, table_ri = ctx.saved_tensors
+        table_c = torch.view_as_complex(table_ri)
+        table = _heads_first(table_c)
+        need_x = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        g_basis = torch.zeros_like(basis) if ctx.needs_input_grad[2] else None
+        g_table = torch.zeros_like(table) if ctx.needs_input_grad[3] else None
+        grads = []
+        for x, g in ((q, grad_q), (k, grad_k)):
+            g_c = _complex_pairs(g.float().transpose(0, 1))  # (H, B, L, P)
+            g_y = torch.view_as_real(g_c * table.conj()).flatten(-2).contiguous()  # rotate back by -phase
+            flat_g = g_y.flatten(1, 2)  # (H, B*L, dh)
+            if need_x:
+                grads.append(torch.bmm(flat_g, basis.transpose(-1, -2)).view_as(g_y).transpose(0, 1))
+            else:
+                grads.append(None)
+            if g_basis is not None:
+                g_basis += torch.bmm(_tokens_by_head(x).transpose(-1, -2), flat_g)
+            if g_table is not None:
+                y = _by_head(x, basis)
+                g_table += (g_c * _complex_pairs(y).conj()).sum_to_size(table.shape)
+        if g_table is not None:
+            g_table = torch.view_as_real(_heads_first(g_table, back=table_c.ndim)).contiguous()
+        return grads[0], grads[1], g_basis, g_table
+
+
+def _heads_first(table: torch.Tensor, back: int | None = None) -> torch.Tensor:
+    """A rotary table ``(H, L, P)`` / ``(B, H, L, P)`` as ``(H, 1|B, L, P)`` (``back``: the inverse, to that rank)."""
+    if back is None:
+        return table.unsqueeze(1) if table.ndim == 3 else table.transpose(0, 1)
+    return table.squeeze(1) if back == 3 else table.transpose(0, 1)
+
+
+def _tokens_by_head(x: torch.Tensor) -> torch.Tensor:
+    """``(B, H, L, dh)`` -> ``(H, B*L, dh)`` (a view for token-major q/k)."""
+    return x.transpose(0, 1).reshape(x.shape[1], -1, x.shape[-1])
+
+
+def _by_head(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+    """``x @ basis`` per head for all tokens of the batch: ``(B, H, L, dh)``, ``(H, dh, dh)`` -> ``(H, B, L, dh)``."""
+    return torch.bmm(_tokens_by_head(x), basis).view(x.shape[1], x.shape[0], x.shape[2], x.shape[3])
+
+
+def _complex_pairs(x: torch.Tensor) -> torch.Tensor:
+    """Interleaved channel pairs ``(..., 2P)`` as a complex view ``(..., P)``."""
+    return torch.view_as_complex(x.unflatten(-1, (-1, 2)))
+
+
+def rotate_pair_spectral(
+    q: torch.Tensor, k: torch.Tensor, basis: torch.Tensor, table: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate ``q, k`` ``(B, H, L, dh)`` as ComRoPE does, in the generators' eigenbasis: ``basis`` ``(H, dh, dh)``
+    (block-diagonal, orthogonal; ``x @ basis`` takes each block to its normal-form coordinates) and the
+    complex phase ``table`` ``(..., L, dh/2)`` (interleaved pairs). The logits ``q' k'^T`` equal those of the
+    block rotations ``Q rot Q^T`` (the trailing ``Q`` cancels between q and k); float32 maths, q's dtype out."""
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        q2, k2 = _SpectralRotation.apply(q.float(), k.float(), basis.float(), torch.view_as_real(table))
+    return q2.to(q.dtype), k2.to(k.dtype)
+
+
+@dataclass
+class ComRopeSpectralState:
+    """Per-forward ComRoPE state on the spectral path: per layer a block-diagonal basis ``(depth, H, dh, dh)``
+    and the per-pair phases as a per-layer :class:`~vispe.encodings.rotary.RotaryState` (``(depth, H, L, P)``)."""
+
+    basis: torch.Tensor
+    rotary: RotaryState
+    num_blocks: int
+
+    def for_layer(self, layer: int) -> torch.Tensor:
+        """Dense per-token block rotations ``(H, L, m, b, b)`` of one layer, ``Q rot(phase) Q^T`` (analysis, tests)."""
+        heads, dh = self.basis.shape[1], self.basis.shape[-1]
+        m = self.num_blocks
+        b = dh // m
+        # the diagonal blocks of the basis are the Q_j themselves (x @ Q_j = (Q_j^T x)^T)
+        q_mat = self.basis[layer].reshape(heads, m, b, m, b).diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2)  # (H, m, b, b)
+        phase = self.rotary.for_layer(layer)  # (H, L, P) complex
+        c, s = phase.real.unflatten(-1, (m, b // 2)), phase.imag.unflatten(-1, (m, b // 2))  # (H, L, m, b/2)
+        rot = torch.zeros(*c.shape[:-1], b, b, dtype=c.dtype, device=c.device)
+        idx = torch.arange(b // 2, device=c.device)
+        rot[..., 2 * idx, 2 * idx] = c
+        rot[..., 2 * idx + 1, 2 * idx + 1] = c
+        rot[..., 2 * idx + 1, 2 * idx] = s
+        rot[..., 2 * idx, 2 * idx + 1] = -s
+        return q_mat[:, None] @ rot @ q_mat[:, None].transpose(-1, -2)
+
+
 def _odd_powers(half_step: torch.Tensor, count: int) -> torch.Tensor:
     """``A^1 .. A^count`` of ``A = half_step`` ``(..., b, b)`` by doubling: ``(..., count, b, b)``."""
     pows = half_step.unsqueeze(-3)
@@ -402,8 +558,10 @@ class ComRopeBase(RotaryEncoding):
         init_std: float = 1.0,
         zero_init: bool = False,
         sigma: float = 0.0,
+        rotation: str = "auto",
     ) -> None:
         super().__init__()
+        check_choice("rotation", rotation, ROTATION_METHODS)
         if not isinstance(block_size, int) or block_size < 2:
             raise ValueError(f"block_size must be an integer >= 2, got {block_size!r}")
         if head_dim % block_size:
@@ -419,6 +577,7 @@ class ComRopeBase(RotaryEncoding):
         self.block_size = block_size
         self.num_blocks = head_dim // block_size
         self.sigma = float(sigma)
+        self.rotation = rotation
         self.init_std = init_std
         self.zero_init = zero_init
         b, m = block_size, self.num_blocks
@@ -496,15 +655,56 @@ class ComRopeBase(RotaryEncoding):
             return False
         return not (torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()))
 
-    def prepare(self, grid: PositionGrid, device: torch.device | None = None) -> ComRopeState:
+    def spectral_state(self, grid: PositionGrid, device: torch.device | None) -> ComRopeSpectralState | None:
+        """The rotations in the generators' eigenbasis, or ``None`` where that path does not apply
+        (``rotation='blocks'``, an odd block size, or eigenvalues closer than :data:`SPECTRAL_MIN_GAP`,
+        e.g. ``zero_init``'s zero generators).
+
+        Each block generator is ``c S_j`` (AP: ``c`` the block's axis coordinate; LD: ``c = sum_i theta_ij x_i``)
+        with one skew-symmetric ``S_j = Q_j J_j Q_j^T`` per (layer, head, block), so the token's block
+        rotation is ``Q_j rot(c w_j) Q_j^T``: a basis change shared by all tokens and a per-pair phase. The
+        outer ``Q_j`` cancels in ``q'^T k'``, so attention sees exactly ComRoPE's logits from one dense
+        ``(dh x dh)`` product per head and RoPE's elementwise rotation, instead of per-token ``b x b`` products.
+        """
+        if self.rotation != "auto" or self.block_size % 2:
+            return None
+        dev = device if device is not None else self.base.device
+        with torch.autocast(device_type=torch.device(dev).type, enabled=False):
+            blocks, omega, evals = spectral_decomposition(self.skew_blocks())  # (depth, H, m, b, b), (depth, H, m, b/2)
+            if bool(evals.detach().diff(dim=-1).min() <= SPECTRAL_MIN_GAP):
+                return None
+            jitter = line_jitter(grid, self.sigma, dev) if (self.training and self.sigma > 0) else None
+            coef = self.coefficients(comrope_coordinates(grid, dev, jitter))  # (depth, H or 1, L, m)
+            angles = (coef[..., None] * omega[:, :, None]).flatten(-2)  # (depth, H, L, m * b/2)
+            m = self.num_blocks
+            eye = torch.eye(m, device=blocks.device, dtype=blocks.dtype)
+            basis = (blocks.unsqueeze(-2) * eye[:, None, :, None]).flatten(-4, -3).flatten(-2)  # block-diagonal (depth, H, dh, dh)
+            return ComRopeSpectralState(basis, RotaryState(rotary_table(angles), per_layer=True), m)
+
+    def build_state(self, grid: PositionGrid, device: torch.device | None) -> ComRopeState | ComRopeSpectralState:  # type: ignore[override]
+        state = self.spectral_state(grid, device)
+        return state if state is not None else ComRopeState.build(*self.line_tables(grid, device))
+
+    def prepare(self, grid: PositionGrid, device: torch.device | None = None) -> ComRopeState | ComRopeSpectralState:
         self.check_grid(grid)
         key = ("comrope", grid.shape, grid.num_prefix_tokens, str(device))
-        return self.cached(key, lambda: ComRopeState.build(*self.line_tables(grid, device)), uses_parameters=True)
+        return self.cached(key, lambda: self.build_state(grid, device), uses_parameters=True)
 
-    def keep_tokens(self, state: ComRopeState, grid: PositionGrid) -> ComRopeState:
+    def keep_tokens(self, state: ComRopeState | ComRopeSpectralState, grid: PositionGrid) -> ComRopeState | ComRopeSpectralState:
+        if isinstance(state, ComRopeSpectralState):
+            return replace(state, rotary=state.rotary.select(grid.sequence_index()))
         return replace(state, token_index=grid.sequence_index())
 
-    def rotate_qk(self, q: torch.Tensor, k: torch.Tensor, state: ComRopeState, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotate_qk(self, q: torch.Tensor, k: torch.Tensor, state: ComRopeState | ComRopeSpectralState,
+                  layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(state, ComRopeSpectralState):
+            table = state.rotary.for_layer(layer)
+            if table.shape[-2] != q.shape[-2]:
+                raise ValueError(
+                    f"ComRoPE rotations cover {table.shape[-2]} tokens but attention got {q.shape[-2]} "
+                    f"(patch dropout must narrow the state through keep_tokens)"
+                )
+            return rotate_pair_spectral(q, k, state.basis[layer], table)
         n_tok = state.flat_index.shape[-1] // state.num_blocks if state.token_index is None else state.token_index.shape[1]
         if n_tok != q.shape[-2]:
             raise ValueError(
@@ -521,15 +721,16 @@ class ComRopeBase(RotaryEncoding):
         return set()  # the released code decays the generators with everything else
 
     def extra_repr(self) -> str:
-        return f"block_size={self.block_size}, num_blocks={self.num_blocks}, sigma={self.sigma}, zero_init={self.zero_init}"
+        return (f"block_size={self.block_size}, num_blocks={self.num_blocks}, sigma={self.sigma}, zero_init={self.zero_init}, "
+                f"rotation={self.rotation!r}")
 
 
 class ComRopeAPBase(ComRopeBase):
     """Axis partition: block ``j`` rotates with the coordinate of axis ``j mod N``."""
 
     def __init__(self, head_dim: int, num_heads: int, depth: int, block_size: int = 8, init_std: float = 1.0,
-                 zero_init: bool = False, sigma: float = 0.0) -> None:
-        super().__init__(head_dim, num_heads, depth, block_size, init_std, zero_init, sigma)
+                 zero_init: bool = False, sigma: float = 0.0, rotation: str = "auto") -> None:
+        super().__init__(head_dim, num_heads, depth, block_size, init_std, zero_init, sigma, rotation)
         if self.num_blocks % self.num_axes:
             raise ValueError(
                 f"{self.registry_name or type(self).__name__}: head_dim/block_size = {self.num_blocks} blocks cannot be split "
@@ -565,8 +766,8 @@ class ComRopeLDBase(ComRopeBase):
     """Linearly dependent: block ``j`` of axis ``i`` is ``theta_ij (P_j - P_j^T)``."""
 
     def __init__(self, head_dim: int, num_heads: int, depth: int, block_size: int = 8, init_std: float = 1.0,
-                 zero_init: bool = False, sigma: float = 0.0, shared_scalars: bool = False) -> None:
-        super().__init__(head_dim, num_heads, depth, block_size, init_std, zero_init, sigma)
+                 zero_init: bool = False, sigma: float = 0.0, shared_scalars: bool = False, rotation: str = "auto") -> None:
+        super().__init__(head_dim, num_heads, depth, block_size, init_std, zero_init, sigma, rotation)
         self.shared_scalars = shared_scalars
         heads = 1 if shared_scalars else num_heads
         self.scalars = nn.Parameter(torch.empty(depth, heads, self.num_axes, self.num_blocks))

@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["PositionGrid", "as_grid"]
+__all__ = ["PositionGrid", "as_grid", "random_lattice_indices"]
 
 
 @dataclass(frozen=True)
@@ -102,3 +102,17 @@ def as_grid(grid: PositionGrid | Sequence[int], num_prefix_tokens: int = 0) -> P
     if isinstance(grid, PositionGrid):
         return grid
     return PositionGrid(tuple(grid), num_prefix_tokens)
+
+
+def random_lattice_indices(
+    shape: Sequence[int], pool: Sequence[int], device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Randomized positions (RPE-2D style): per axis, ``shape[a]`` distinct integers drawn from ``range(pool[a])``
+    and sorted, so the tokens keep their order along every axis while their indices span a larger grid. Returns
+    ``(N, ndim)`` float32 in the row-major order of :meth:`PositionGrid.indices` (equal to it when ``pool == shape``).
+    """
+    if len(pool) != len(shape) or any(int(m) < int(n) for n, m in zip(shape, pool)):
+        raise ValueError(f"random_lattice_indices: pool {tuple(pool)} must have one size >= the grid's per axis {tuple(shape)}")
+    axes = [torch.randperm(int(m))[: int(n)].sort().values.to(device=device, dtype=torch.float32) for n, m in zip(shape, pool)]
+    mesh = torch.meshgrid(*axes, indexing="ij")
+    return torch.stack([m.reshape(-1) for m in mesh], dim=-1)

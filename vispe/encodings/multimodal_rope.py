@@ -22,10 +22,19 @@ name                 K   pair->axis map and frequencies (``P = head_dim / 2``)
 ``mhrope``           3   per head: ``mrope_section`` counts heads ``[H_t, H_h, H_w]``; each head uses
                          the full ladder on its axis; heads past the sum are NoPE
 ``vrope``            4   ``a(i) = i mod 4``
-``hope``             3   fast pairs alternate h (even) / w (odd); the slowest ``temporal_pairs``
-                         (default ``P/4``) read t with **zero frequency**
+``videorope``        3   fast pairs alternate h (even) / w (odd); the slowest ``temporal_pairs``
+                         (default ``P/4``, 16 of 64 for ``d = 128``) read t (low-frequency temporal)
+``hope``             3   ``videorope``'s map, its temporal pairs at **zero frequency**
 ``v2pe``             1   as ``rope_1d`` (the scheme lives in the positions)
+``qwen3vl``          3   ``mrope_interleave``'s map (Qwen3-VL's ``apply_interleaved_mrope`` is the
+                         same round robin; default 24:20:20)
 ==================  ===  ===============================================================
+
+VideoRoPE (Wei et al., ICML 2025, arXiv 2502.05173): the map follows the released code (pair ``2j`` ->
+h, ``2j+1`` -> w below ``P - temporal_pairs``, the rest -> t), the paper's split of 48 / 48 / 32 channels
+(x, y, t) for ``d = 128``. The unified Multimodal-RoPEs repository differs slightly (pair 0 also reads t,
+h takes the odd pairs, w the even ones); vispe keeps VideoRoPE's own. Qwen3-VL's checkpoints use
+``theta = 5e6``; vispe's default base stays ``10000`` like every scheme here (pass ``theta`` to match).
 
 Use: ``enc = create_encoding('mrope', EncodingContext(...))``; ``table = enc.table_from_positions(pos)``
 with ``pos`` of shape ``(K, B, L)`` gives a complex table ``(B, 1 or H, L, P)``; ``enc.rotate(q, table)``
@@ -52,8 +61,10 @@ __all__ = [
     "MRope",
     "MRopeInterleave",
     "MultimodalRotary",
+    "Qwen3VLRope",
     "Rope1d",
     "VRope",
+    "VideoRoPE",
 ]
 
 MULTIMODAL_SCHEMES = POSITION_SCHEMES
@@ -218,12 +229,13 @@ class MRopeInterleave(MultimodalRotary):
     def __init__(self, head_dim: int, mrope_section: Sequence[int] | None = None, theta: float = 10000.0, layout: str = "half") -> None:
         super().__init__(head_dim, theta, layout)
         P = self.num_pairs
+        name = self.registry_name or type(self).__name__
         if mrope_section is None:
             mrope_section = _default_sections(P, (24, 20, 20))
-        sec = _check_section("mrope_interleave", mrope_section, P, "pairs (head_dim / 2)")
+        sec = _check_section(name, mrope_section, P, "pairs (head_dim / 2)")
         if 3 * sec[1] - 2 >= P or 3 * sec[2] - 1 >= P:
             raise ValueError(
-                f"mrope_interleave: mrope_section={sec} does not fit round-robin into {P} pairs (needs 3*s_h-2 < P and 3*s_w-1 < P)"
+                f"{name}: mrope_section={sec} does not fit round-robin into {P} pairs (needs 3*s_h-2 < P and 3*s_w-1 < P)"
             )
         self.mrope_section = sec
 
@@ -233,6 +245,12 @@ class MRopeInterleave(MultimodalRotary):
         a[1 : 3 * s_h : 3] = 1
         a[2 : 3 * s_w : 3] = 2
         return a
+
+
+@register_encoding("qwen3vl")
+class Qwen3VLRope(MRopeInterleave):
+    """Qwen3-VL (Qwen team 2025): MRoPE-Interleave's frequency map (``mrope_section`` default 24:20:20);
+    its positions (per-patch ``(1, H, W)`` blocks after timestamp text) live in :mod:`vispe.positions`."""
 
 
 @register_encoding("mhrope")
@@ -275,10 +293,11 @@ class VRope(MultimodalRotary):
         return torch.arange(self.num_pairs) % 4
 
 
-@register_encoding("hope")
-class HoPE(MultimodalRotary):
-    """HoPE (Li et al. 2025): h/w interleaved on the fast pairs, zero-frequency temporal pairs on the slowest
-    ``temporal_pairs`` (default ``P // 4``, 16 of 64 for ``d = 128``). Positions: VideoRoPE layout with ``gamma``.
+@register_encoding("videorope")
+class VideoRoPE(MultimodalRotary):
+    """VideoRoPE (Wei et al., ICML 2025): low-frequency temporal allocation. h / w alternate on the fast pairs
+    (h even, w odd) and the slowest ``temporal_pairs`` (default ``P // 4``, 16 of 64 for ``d = 128``) read t.
+    Positions: the diagonal layout with temporal spacing ``delta`` (:mod:`vispe.positions`).
     """
 
 
@@ -286,18 +305,27 @@ class HoPE(MultimodalRotary):
         super().__init__(head_dim, theta, layout)
         P = self.num_pairs
         tp = P // 4 if temporal_pairs is None else temporal_pairs
-        if not isinstance(tp, int) or not 0 <= tp < P:
-            raise ValueError(f"hope: temporal_pairs must be an int in [0, {P}) (P = head_dim/2), got {temporal_pairs!r}")
+        if not isinstance(tp, int) or isinstance(tp, bool) or not 0 <= tp < P:
+            name = self.registry_name or type(self).__name__
+            raise ValueError(f"{name}: temporal_pairs must be an int in [0, {P}) (P = head_dim/2), got {temporal_pairs!r}")
         self.temporal_pairs = tp
 
     def axis_map(self) -> torch.Tensor:
         P, tp = self.num_pairs, self.temporal_pairs
         a = torch.arange(P) % 2 + 1  # even -> h (1), odd -> w (2)
-        a[P - tp :] = 0  # the slowest pairs read t ...
+        a[P - tp :] = 0  # the slowest pairs read t
         return a
+
+
+@register_encoding("hope")
+class HoPE(VideoRoPE):
+    """HoPE (Li et al. 2025): VideoRoPE's map with its ``temporal_pairs`` (default ``P // 4``) at zero frequency.
+    Positions: VideoRoPE layout with ``gamma``.
+    """
+
 
     def pair_frequencies(self, device=None) -> torch.Tensor:
         f = self.inv_freq(device).clone()
         if self.temporal_pairs:
-            f[self.num_pairs - self.temporal_pairs :] = 0.0  # ... with zero frequency (NoPE), text included
+            f[self.num_pairs - self.temporal_pairs :] = 0.0  # the temporal pairs at zero frequency (NoPE), text included
         return f

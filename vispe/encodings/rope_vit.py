@@ -20,7 +20,7 @@ from timm.layers.pos_embed_sincos import init_random_2d_freqs
 
 from .._checks import check_choice
 from .base import register_encoding
-from .grid import PositionGrid
+from .grid import PositionGrid, random_lattice_indices
 from .rotary import RotaryEncoding
 from .spec import ROTARY_EXTRAPOLATION_MODES
 
@@ -91,9 +91,14 @@ class _LatticeRotary(RotaryEncoding):
         coord_shift: float = 0.0,
         coord_jitter: float = 1.0,
         coord_rescale: float = 1.0,
+        random_positions: float = 1.0,
     ) -> None:
         super().__init__()
         check_choice("extrapolation", extrapolation, self.extrapolation_modes)
+        if not random_positions >= 1.0:
+            raise ValueError(f"{name}: random_positions (size of the grid positions are drawn from, as a multiple of the "
+                             f"training grid; 1 = off) must be >= 1, got {random_positions!r}")
+        self.random_positions = float(random_positions)
         if head_dim % 2:
             raise ValueError(f"{name} rotates channel pairs and needs an even head_dim, got head_dim={head_dim}")
         if not coord_shift >= 0.0:
@@ -112,7 +117,8 @@ class _LatticeRotary(RotaryEncoding):
     @property
     def augments_coordinates(self) -> bool:
         """Training-time coordinate augmentation is on (and the module is in training mode)."""
-        return self.training and (self.coord_shift > 0 or self.coord_jitter > 1 or self.coord_rescale > 1)
+        return self.training and (self.coord_shift > 0 or self.coord_jitter > 1 or self.coord_rescale > 1
+                                  or self.random_positions > 1)
 
     def cacheable(self) -> bool:
         # augmented coordinates are drawn anew every forward
@@ -146,7 +152,12 @@ class _LatticeRotary(RotaryEncoding):
     def lattice_indices(self, grid: PositionGrid, device) -> torch.Tensor:
         """``(N, ndim)`` float32 indices; rescaled into the training grid's range under ``'interpolate'``."""
         self.check_grid(grid)
-        idx = grid.indices(device, rescale_to=self.grid_size if self.extrapolation == "interpolate" else None)
+        if self.training and self.random_positions > 1:
+            # RPE-2D: ordered random indices from a grid random_positions x the training one (train only)
+            pool = [max(n, math.ceil(self.random_positions * g)) for n, g in zip(grid.shape, self.grid_size)]
+            idx = random_lattice_indices(grid.shape, pool, device)
+        else:
+            idx = grid.indices(device, rescale_to=self.grid_size if self.extrapolation == "interpolate" else None)
         return self.augment_coordinates(idx) if self.augments_coordinates else idx
 
     def scaled_frequencies(self, freqs: torch.Tensor, axis: int, grid: PositionGrid) -> torch.Tensor:
@@ -195,9 +206,11 @@ class RopeAxial(_LatticeRotary):
         coord_shift: float = 0.0,
         coord_jitter: float = 1.0,
         coord_rescale: float = 1.0,
+        random_positions: float = 1.0,
     ) -> None:
         name = self.registry_name
-        super().__init__(name, head_dim, grid_size, extrapolation, chunk_axes, coord_shift, coord_jitter, coord_rescale)
+        super().__init__(name, head_dim, grid_size, extrapolation, chunk_axes, coord_shift, coord_jitter, coord_rescale,
+                         random_positions)
         ndim, P = len(self.grid_size), head_dim // 2
         if sections is None:
             if ndim == 2 and head_dim % 4:
@@ -258,9 +271,11 @@ class RopeMixed(_LatticeRotary):
         coord_shift: float = 0.0,
         coord_jitter: float = 1.0,
         coord_rescale: float = 1.0,
+        random_positions: float = 1.0,
     ) -> None:
         name = self.registry_name
-        super().__init__(name, head_dim, grid_size, extrapolation, chunk_axes, coord_shift, coord_jitter, coord_rescale)
+        super().__init__(name, head_dim, grid_size, extrapolation, chunk_axes, coord_shift, coord_jitter, coord_rescale,
+                         random_positions)
         if head_dim % 4:
             raise ValueError(
                 f"{name} needs head_dim divisible by 4 (RoPE-Mixed init); got head_dim={head_dim} (embed_dim / num_heads). "
@@ -318,8 +333,10 @@ class RopeAxial3d(RopeAxial):
         coord_shift: float = 0.0,
         coord_jitter: float = 1.0,
         coord_rescale: float = 1.0,
+        random_positions: float = 1.0,
     ) -> None:
-        super().__init__(head_dim, grid_size, theta, extrapolation, sections, chunk_axes, coord_shift, coord_jitter, coord_rescale)
+        super().__init__(head_dim, grid_size, theta, extrapolation, sections, chunk_axes, coord_shift, coord_jitter, coord_rescale,
+                         random_positions)
 
 
 @register_encoding("rope_mixed_3d")
@@ -342,6 +359,7 @@ class RopeMixed3d(RopeMixed):
         coord_shift: float = 0.0,
         coord_jitter: float = 1.0,
         coord_rescale: float = 1.0,
+        random_positions: float = 1.0,
     ) -> None:
         super().__init__(head_dim, num_heads, depth, grid_size, theta, extrapolation, temporal_theta, temporal_init, chunk_axes,
-                         coord_shift, coord_jitter, coord_rescale)
+                         coord_shift, coord_jitter, coord_rescale, random_positions)

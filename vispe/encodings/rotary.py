@@ -54,10 +54,20 @@ def apply_rotary(x: torch.Tensor, table: torch.Tensor, layout: str = "interleave
     elif layout == "half":
         xc = torch.complex(xf[..., :p], xf[..., p:])
         r = xc * table
-        out = torch.cat([r.real, r.imag], dim=-1)
+        # written in x's memory order (token-major for q/k sliced from a fused qkv), as the interleaved
+        # layout's elementwise product is: SDPA's output then stays token-major and the head merge a view
+        out = torch.empty_permuted((*r.shape[:-1], d), _memory_order(r), dtype=torch.float32, device=r.device)
+        out[..., :p] = r.real
+        out[..., p:] = r.imag
     else:
         raise ValueError(f"unknown rotary layout {layout!r}; choose one of {ROTARY_LAYOUTS}")
     return out.type_as(x)
+
+
+def _memory_order(t: torch.Tensor) -> tuple[int, ...]:
+    """The dimensions of ``t`` from outermost to innermost in memory (the last dimension last)."""
+    lead = sorted(range(t.ndim - 1), key=lambda i: -t.stride(i) if t.shape[i] > 1 else 0)
+    return (*lead, t.ndim - 1)
 
 
 def _apply_rotary_real(xf: torch.Tensor, table_ri: torch.Tensor, layout: str) -> torch.Tensor:

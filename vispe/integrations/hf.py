@@ -309,7 +309,7 @@ def apply_position_scheme(model: nn.Module, scheme: str, **options: Any) -> nn.M
 
     Args:
         model: ``Qwen2VLForConditionalGeneration`` or ``Qwen2_5_VLForConditionalGeneration``.
-        scheme: one of ``rope_1d, mrope, mrope_interleave, mhrope, vrope, hope, v2pe``.
+        scheme: one of ``rope_1d, mrope, mrope_interleave, mhrope, vrope, hope, v2pe, videorope, qwen3vl``.
         **options: rotary options (``mrope_section`` for ``mrope`` / ``mrope_interleave`` /
             ``mhrope`` -- pairs, or KV heads for ``mhrope``; ``mrope`` defaults to the model's own;
             ``temporal_pairs`` for ``hope``) and position options of

@@ -10,7 +10,7 @@ visual_dim=None, vision_encoder=None, spatial_merge_size=1, ...)``
   ``spatial_merge_size x spatial_merge_size`` neighbours (Qwen2-VL's patch merger: LayerNorm ->
   Linear -> GELU -> Linear) into one LLM token; visual tokens enter the sequence in raster order
   (t-major, then h, then w), as :mod:`vispe.positions` assumes.
-* Positions: ``pos_scheme`` is one of ``rope_1d, mrope, mrope_interleave, mhrope, vrope, hope, v2pe``
+* Positions: ``pos_scheme`` is one of ``rope_1d, mrope, mrope_interleave, mhrope, vrope, hope, v2pe, videorope, qwen3vl``
   (a name, ``{'name': ..., 'theta': ..., 'mrope_section': ...}`` or ``(name, options)``: the
   rotary options of :mod:`vispe.encodings.multimodal_rope`); ``position_kwargs`` are the scheme's
   position options (``gamma``, ``delta``, ``fps``, ``spatial_reset``, ...). HoPE's ``gamma`` and

@@ -38,7 +38,7 @@ class VideoNIAH(pl.LightningModule):
     """A :class:`vispe.models.video_llm.VideoLLM` trained and scored on NIAH episodes.
 
     Args:
-        pos_scheme: ``rope_1d, mrope, mrope_interleave, mhrope, vrope, hope, v2pe`` (name or
+        pos_scheme: ``rope_1d, mrope, mrope_interleave, mhrope, vrope, hope, v2pe, videorope, qwen3vl`` (name or
             ``{'name': ..., 'theta': ...}``).
         position_kwargs: evaluation-time position options (default :data:`EVAL_POSITION_DEFAULTS`).
         visual_dim: width of the raw patch features (``patch * patch * 3``).

@@ -1,0 +1,285 @@
+"""ALiBi on patch lattices (``alibi_2d`` for ``(h, w)`` images, ``alibi_3d`` for ``(t, h, w)`` videos), and the
+lattice pair-bias machinery it shares with FIRE (:mod:`vispe.encodings.fire`).
+
+ALiBi (Press, Smith & Lewis, "Train Short, Test Long: Attention with Linear Biases Enables Input Length
+Extrapolation", ICLR 2022, arXiv 2108.12409) adds ``-m_h * distance(query, key)`` to the attention logits of
+head ``h``, with fixed geometric slopes ``m_h = 2^(-8h/H)``, ``h = 1..H`` (for ``H`` not a power of two: the
+slopes of the largest power of two ``P < H``, then every other slope of ``2P``; :func:`alibi_slopes`). It has
+no parameters. On a lattice the distance is taken between lattice positions in patch (tubelet) units:
+
+* ``distance='euclidean'`` (default): ``sqrt(sum_a d_a^2)``, the 2D-ALiBi of CROMA (Fuller, Millard & Green,
+  NeurIPS 2023, arXiv 2311.00566), the published 2D variant we could check;
+* ``distance='manhattan'``: ``sum_a |d_a|``.
+
+On ``(t, h, w)`` grids a tubelet step counts as one unit, like a patch step. On a grid other than the training
+one, ``extrapolation='extend'`` (default, the paper's train-short-test-long behaviour) uses the new grid's own
+offsets; ``'interpolate'`` rescales offsets per axis by ``train / size`` so the grid spans the training one.
+
+Prefix tokens (cls, registers) get zero bias to and from every token: they sit at distance 0 from every patch.
+
+How the term is built (shared with FIRE): a lattice of sizes ``s_a`` has only ``U = prod(2 s_a - 1)`` distinct
+query-minus-key offsets. An encoding computes one value per head per offset (a ``(H, U)`` table, plus one zero
+column for pairs with a prefix token); a cached ``(L, L)`` map of offset ids gathers it into the
+``(1, H, L, L)`` float ``attn_mask`` of each layer, and patch dropout narrows the map to the kept tokens. In
+training, attention goes through :func:`~vispe.encodings.attention.sdpa_with_bias`, which rebuilds the term
+in backward instead of keeping it per layer. Design notes: ``docs/design/attention-bias-2d.md``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .._checks import check_choice
+from .base import AttentionBiasEncoding, register_encoding, sdpa, sdpa_with_bias
+from .grid import PositionGrid
+from .spec import EXTRAPOLATION_MODES
+
+__all__ = [
+    "ALIBI_DISTANCES",
+    "Alibi2d",
+    "Alibi3d",
+    "LatticeOffsets",
+    "LatticePairBias",
+    "PairBiasState",
+    "alibi_slopes",
+    "gather_pair_bias",
+    "lattice_offsets",
+    "pair_distance",
+]
+
+ALIBI_DISTANCES = ("euclidean", "manhattan")
+
+
+# ---------------------------------------------------------------------------------------------
+# Lattice offsets: every query-minus-key offset once, and the offset of each token pair
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LatticeOffsets:
+    """The distinct offsets of a lattice and the offset id of every token pair.
+
+    Attributes:
+        offsets: float32 ``(U, ndim)``, ``U = prod(2 s_a - 1)``: every offset ``p_query - p_key``, row-major over
+            the per-axis ranges ``-(s_a - 1) .. s_a - 1``.
+        ids: int64 ``(L, L)`` (query row, key column) over the whole sequence: the row of ``offsets`` of a pair of
+            lattice tokens, or ``U`` (the zero column of every table) when either token is a prefix token.
+    """
+
+    offsets: torch.Tensor
+    ids: torch.Tensor
+
+    @property
+    def num_offsets(self) -> int:
+        return self.offsets.shape[0]
+
+
+def lattice_offsets(grid: PositionGrid, device: torch.device | str | None = None) -> LatticeOffsets:
+    """:class:`LatticeOffsets` of ``grid`` (prefix tokens first, then the lattice in row-major order)."""
+    shape = grid.shape
+    spans = [2 * s - 1 for s in shape]
+    axes = [torch.arange(1 - s, s, device=device, dtype=torch.float32) for s in shape]
+    offsets = torch.stack([m.reshape(-1) for m in torch.meshgrid(*axes, indexing="ij")], dim=-1)
+    idx = grid.indices(device).long()
+    n = grid.num_patches
+    ids = torch.zeros(n, n, dtype=torch.int64, device=offsets.device)
+    stride = 1
+    for a in reversed(range(grid.ndim)):  # row-major: the last axis varies fastest
+        col = idx[:, a]
+        ids += (col[:, None] - col[None, :] + (shape[a] - 1)) * stride
+        stride *= spans[a]
+    s = grid.num_prefix_tokens
+    if s:
+        full = torch.full((grid.seq_len, grid.seq_len), offsets.shape[0], dtype=torch.int64, device=ids.device)
+        full[s:, s:] = ids
+        ids = full
+    return LatticeOffsets(offsets, ids)
+
+
+def pair_distance(offsets: torch.Tensor, distance: str) -> torch.Tensor:
+    """Non-negative distance of each offset ``(..., ndim)``: ``(..., 1)`` for ``'euclidean'`` / ``'manhattan'``,
+    ``(..., ndim)`` per-axis magnitudes for ``'axial'``."""
+    if distance == "euclidean":
+        return offsets.square().sum(-1, keepdim=True).sqrt()
+    if distance == "manhattan":
+        return offsets.abs().sum(-1, keepdim=True)
+    if distance == "axial":
+        return offsets.abs()
+    raise ValueError(f"distance={distance!r} is not valid; choose one of ['euclidean', 'manhattan', 'axial']")
+
+
+def gather_pair_bias(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """One table ``(H, U + 1)`` read at the pair map: ``(1, H, L, L)`` for a map ``(L, L)``, ``(B, H, n, n)`` for
+    per-sample maps ``(B, n, n)`` (after patch dropout)."""
+    out = values[:, ids]
+    return out[None] if ids.ndim == 2 else out.transpose(0, 1)
+
+
+@dataclass
+class PairBiasState:
+    """One forward's pair-bias state: the pair map and the tables it reads.
+
+    ``ids`` is ``(L, L)``, or ``(B, n, n)`` after patch dropout; ``values`` is ``(M, H, U + 1)``: ``M`` tables
+    (one per layer, or one shared by all), the last column zero (pairs with a prefix token).
+    """
+
+    ids: torch.Tensor
+    values: torch.Tensor
+
+    def select(self, index: torch.Tensor) -> "PairBiasState":
+        """The map among each sample's present tokens ``index`` ``(B, n)`` (rows of the full sequence)."""
+        return PairBiasState(self.ids[index[:, :, None], index[:, None, :]], self.values)
+
+
+class LatticePairBias(AttentionBiasEncoding):
+    """An attention bias that is a per-head function of the lattice offset between query and key.
+
+    Subclasses implement :meth:`tables` (one value per head per distinct offset of the grid) and say which
+    table a layer reads (:meth:`table_index`). Tables are cached per grid while no gradient must reach the
+    parameters; the pair map is cached per grid, prefix count and device.
+    """
+
+    grid_ndims = (2,)
+    prefix_policy = "zero bias to and from prefix tokens (cls/registers)"
+    #: number of tables (``M`` of :class:`PairBiasState`): set by subclasses
+    num_tables: int = 1
+
+    def _training_grid(self, grid_size: Sequence[int]) -> tuple[int, ...]:
+        gs = tuple(int(g) for g in grid_size)
+        if len(gs) not in self.grid_ndims or min(gs) < 1:
+            raise ValueError(
+                f"{type(self).__name__}: grid_size={tuple(grid_size)!r} must have {self.grid_ndims} positive sizes "
+                f"(use the 2D / 3D variant that matches the grid)"
+            )
+        return gs
+
+    def tables(self, grid: PositionGrid, offsets: torch.Tensor) -> torch.Tensor:
+        """``(M, H, U + 1)``, at least float32: the bias of each distinct offset of ``grid`` (rows of ``offsets``) per head,
+        last column zero."""
+        raise NotImplementedError
+
+    def table_index(self, layer: int) -> int:
+        """Which of the ``M`` tables block ``layer`` reads."""
+        return 0
+
+    # -- the lifecycle hooks ----------------------------------------------------------------------
+    def prepare(self, grid: PositionGrid, device: torch.device | None = None) -> PairBiasState:
+        self.check_grid(grid)
+        lattice = self.cached(("pairs", grid.shape, grid.num_prefix_tokens, str(device)), lambda: lattice_offsets(grid, device))
+        values = self.cached(
+            ("tables", grid.shape, str(device)), lambda: self.tables(grid, lattice.offsets), uses_parameters=True
+        )
+        return PairBiasState(lattice.ids, values)
+
+    def keep_tokens(self, state: PairBiasState, grid: PositionGrid) -> PairBiasState:
+        return state.select(grid.sequence_index())
+
+    def _layer_values(self, layer: int, state: PairBiasState, length: int) -> torch.Tensor:
+        if state.ids.shape[-1] != length:
+            raise ValueError(
+                f"{self.registry_name}: the pair map covers {state.ids.shape[-1]} tokens but attention got {length} "
+                f"(patch dropout must narrow it through keep_tokens)"
+            )
+        t = self.table_index(layer)
+        if not 0 <= t < state.values.shape[0]:
+            raise ValueError(
+                f"{self.registry_name}: layer={layer} has no table; this encoding was built for {self.num_tables} table(s)"
+            )
+        return state.values[t]
+
+    def bias(self, q: torch.Tensor, k: torch.Tensor, *, layer: int, state: PairBiasState) -> torch.Tensor:
+        """The additive logit term of block ``layer``: ``(1, H, L, L)`` (``(B, H, n, n)`` after patch dropout)."""
+        return gather_pair_bias(self._layer_values(layer, state, k.shape[-2]), state.ids)
+
+    def attend(self, q, k, v, *, layer=0, state=None, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
+        if state is None:
+            return sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale)
+        values = self._layer_values(layer, state, k.shape[-2])
+        ids = state.ids
+
+        def term(table: torch.Tensor) -> torch.Tensor:
+            # the (H, L, L) term is a gather of a small table: rebuilt in backward instead of kept per layer
+            return gather_pair_bias(table, ids)
+
+        return sdpa_with_bias(q, k, v, term, [values], attn_mask, dropout_p, is_causal, scale)
+
+
+# ---------------------------------------------------------------------------------------------
+# ALiBi
+# ---------------------------------------------------------------------------------------------
+def alibi_slopes(num_heads: int) -> list[float]:
+    """ALiBi's head slopes (Press et al.): ``2^(-8h/H)``, ``h = 1..H``, for ``H`` a power of two; otherwise the
+    slopes of the largest power of two ``P < H`` followed by the odd-``h`` slopes of ``2P``
+    (``2^(-4h/P)``, ``h = 1, 3, 5, ...``) until there are ``H``."""
+    if not isinstance(num_heads, int) or num_heads < 1:
+        raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+    p = 2 ** int(math.floor(math.log2(num_heads)))
+    slopes = [2.0 ** (-8.0 * h / p) for h in range(1, p + 1)]
+    slopes += [2.0 ** (-4.0 * h / p) for h in range(1, 2 * (num_heads - p), 2)]
+    return slopes
+
+
+class _Alibi(LatticePairBias):
+    """ALiBi on a lattice: ``-m_h * distance`` (see the module docstring).
+
+    Args:
+        num_heads: attention heads (one slope each).
+        grid_size: training lattice (used by ``extrapolation='interpolate'``).
+        distance: ``'euclidean'`` (default) or ``'manhattan'``, in lattice steps.
+        extrapolation: ``'extend'`` (default) or ``'interpolate'``.
+    """
+
+    prefix_policy = "zero bias to and from prefix tokens (cls/registers): they sit at distance 0 from every patch"
+    distances: ClassVar[tuple[str, ...]] = ALIBI_DISTANCES
+
+    def __init__(
+        self, num_heads: int, grid_size: Sequence[int], distance: str = "euclidean", extrapolation: str = "extend"
+    ) -> None:
+        super().__init__()
+        check_choice("distance", distance, self.distances)
+        check_choice("extrapolation", extrapolation, EXTRAPOLATION_MODES)
+        self.slopes = tuple(alibi_slopes(num_heads))
+        self.num_heads = num_heads
+        self.grid_size = self._training_grid(grid_size)
+        self.distance = distance
+        self.extrapolation = extrapolation
+
+    def tables(self, grid: PositionGrid, offsets: torch.Tensor) -> torch.Tensor:
+        if self.extrapolation == "interpolate" and grid.shape != self.grid_size:
+            offsets = offsets * torch.tensor([t / s for t, s in zip(self.grid_size, grid.shape)], device=offsets.device)
+        dist = pair_distance(offsets, self.distance)[:, 0]  # (U,)
+        slopes = torch.tensor(self.slopes, dtype=torch.float32, device=offsets.device)
+        return F.pad(-slopes[:, None] * dist[None, :], (0, 1))[None]  # (1, H, U + 1)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_heads={self.num_heads}, distance={self.distance!r}, extrapolation={self.extrapolation!r}, "
+            f"grid_size={self.grid_size}"
+        )
+
+
+@register_encoding("alibi_2d")
+class Alibi2d(_Alibi):
+    """ALiBi on ``(h, w)`` image lattices (2D-ALiBi); defaults: Euclidean distance, ``extrapolation='extend'``."""
+
+    grid_ndims = (2,)
+
+    def __init__(
+        self, num_heads: int, grid_size: Sequence[int] = (14, 14), distance: str = "euclidean", extrapolation: str = "extend"
+    ) -> None:
+        super().__init__(num_heads, grid_size, distance, extrapolation)
+
+
+@register_encoding("alibi_3d")
+class Alibi3d(_Alibi):
+    """ALiBi on ``(t, h, w)`` video lattices; a tubelet step counts one unit, like a patch step. On a single
+    temporal position it is ``alibi_2d``."""
+
+    grid_ndims = (3,)
+
+    def __init__(
+        self, num_heads: int, grid_size: Sequence[int] = (8, 14, 14), distance: str = "euclidean", extrapolation: str = "extend"
+    ) -> None:
+        super().__init__(num_heads, grid_size, distance, extrapolation)

@@ -1,0 +1,470 @@
+"""LieRE (Ostmeier, Axelrod, Moseley, Chaudhari, Langlotz, "LieRE: Lie Rotational Positional Encodings",
+ICML 2025, arXiv:2406.10322; code: github.com/StanfordMIMI/LieRE): rotary encoding with learned, dense,
+non-commuting skew-symmetric generators.
+
+A token at coordinate ``x in R^N`` rotates its query and key by ``R(x) = exp(sum_i x_i A_i)``, where every
+``A_i`` is a learned skew-symmetric matrix, block-diagonal with ``m = head_dim / b`` dense ``b x b`` blocks
+(``b = head_dim``: one fully dense rotation; the paper's "variable sparsity"; ``b = 2`` with the blocks'
+angles as frequencies is RoPE-Mixed). Unlike ComRoPE nothing makes the ``A_i`` commute, so ``R(x)^T R(y)``
+is in general not a function of ``y - x``: LieRE encodes relative *and* absolute position. ComRoPE is
+the special case of commuting generators (``tests/test_liere.py`` checks ComRoPE-AP / -LD = LieRE with
+their generators). Registered as ``liere`` (2D grids) and ``liere_3d`` (video ``(t, h, w)`` grids).
+
+Defaults follow the released code (``models/rope_vit.py``, ``lightning_conf/*.yaml``, the run scripts):
+
+* ``block_size=None`` -> ``head_dim`` (fully dense; the scripts use ``generator_dim=64`` with 64-wide heads);
+  any divisor ``b >= 2`` of ``head_dim`` gives the paper's block-sparse variants (the block size is a
+  hyperparameter the paper varies; ``b = 8``, ComRoPE's setting, is an order of magnitude cheaper than dense
+  at ``head_dim = 64``).
+* ``per_layer=True``, ``per_head=True``: one generator set per (layer, head), as every released config
+  sets (``rotary_embedding_per_layer/per_head: True``; the dataclass default is ``False``, offered here
+  as options).
+* Initialisation: the strictly upper-triangular entries of each block ``~ U(0, init_range)``,
+  ``init_range = 2 pi`` (the code draws ``U(0, 2 pi)`` like RoPE-Mixed's angles; its ``- 0.5`` shift cancels
+  in ``U - U^T``). Only those ``b (b - 1) / 2`` entries are stored (the code keeps a full ``b x b`` tensor of
+  which it reads the upper triangle). ``zero_init=True`` starts at the identity (plain attention).
+* Coordinates, ``coords='liere'`` (the released code): axis ``a`` of an ``n``-token grid takes
+  ``linspace(0, n / n_train, n)`` (``n_train`` from the training grid ``grid_size``; so ``[0, 1]`` corner to
+  corner on the training grid, a longer range on a larger one), and prefix tokens get the identity
+  (coordinate 0). ``coords='centers'`` uses vispe's ComRoPE convention instead: patch centres
+  ``(i + 0.5) / n`` in (0, 1) per axis (``PositionGrid.centers``), prefix tokens at the centre
+  ``(0.5, ...)`` rotated like a patch -- the convention of the ComRoPE comparison.
+* Generators are not weight-decayed (the released code trains with plain Adam, no decay; decay would pull
+  every rotation towards the identity).
+
+Where the code differs: it rotates only the first ``b * floor(head_dim / b)`` channels when ``b`` does not
+divide ``head_dim``; here ``b`` must divide ``head_dim`` (clear error otherwise).
+
+Computation. :meth:`LieREBase.prepare` builds every layer's per-token block rotations once per forward:
+one batched ``torch.linalg.matrix_exp`` over ``depth' x H' x (1 + N) x m`` blocks of ``b x b``
+(``depth' = depth`` if ``per_layer`` else 1, ``H'`` likewise; ``1 +``: the prefix tokens share one rotation),
+in float32 with autocast off, cached per grid while no gradient needs it. Non-commuting generators have no
+shortcut (ComRoPE's per-axis line tables need ``exp(sum) = prod exp``), so this per-token exponential is
+LieRE's inherent cost: ``O(depth' H' N m b^3)`` times the Pade degree plus the squarings (which grow with
+``log ||x . A||``), and its backward (an exponential of ``2b x 2b`` blocks) several times that. The table holds
+``depth' H' (S + N) head_dim b`` floats: ViT-S/16 at 224 (12 layers, 6 heads, 197 tokens) ~222 MiB dense
+(``b = 64``), ~28 MiB with ``b = 8``; building it took ~14 s dense / ~1.1 s with ``b = 8`` (+ ~72 s / ~4 s
+backward) on one CPU thread -- per forward, not per sample. The backward rebuilds the generator sums instead
+of keeping them (:class:`_ExpOfGeneratorSum`). Rotations are applied blockwise (:func:`rotate_blocks`: one
+batched ``b x b`` product per (head, token, block), the batch of q and k folded into the matrix columns),
+never as a dense ``head_dim x head_dim`` matmul when ``b < head_dim``; that product saves only the unrotated
+q/k and the rotations for its backward. Design notes: ``docs/design/liere.md``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import ClassVar, Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+from .._checks import check_choice
+from .base import autocast_off_in_backward, register_encoding
+from .grid import PositionGrid
+from .rotary import RotaryEncoding
+
+__all__ = [
+    "LIERE_COORDS",
+    "LieREBase",
+    "LieRE",
+    "LieRE3d",
+    "LieREState",
+    "liere_coordinates",
+    "skew_from_entries",
+    "entries_from_skew",
+    "rotations_from_generators",
+    "rotate_blocks",
+]
+
+#: Coordinate conventions: the released code's (``'liere'``) and vispe's ComRoPE one (``'centers'``).
+LIERE_COORDS = ("liere", "centers")
+
+
+# ---------------------------------------------------------------------------------------------
+# generators and rotations
+# ---------------------------------------------------------------------------------------------
+
+
+def _upper_indices(b: int, device: torch.device | str | None = None) -> torch.Tensor:
+    return torch.triu_indices(b, b, offset=1, device=device)
+
+
+def skew_from_entries(entries: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Skew-symmetric blocks ``(..., b, b)`` from their strictly upper-triangular entries ``(..., b(b-1)/2)``
+    (row-major order of ``torch.triu_indices(b, b, 1)``)."""
+    b = block_size
+    if entries.shape[-1] != b * (b - 1) // 2:
+        raise ValueError(f"{entries.shape[-1]} entries do not fill the upper triangle of a {b}x{b} block (needs {b * (b - 1) // 2})")
+    rows, cols = _upper_indices(b, entries.device)
+    upper = entries.new_zeros(*entries.shape[:-1], b, b)
+    upper[..., rows, cols] = entries
+    return upper - upper.transpose(-1, -2)
+
+
+def entries_from_skew(skew: torch.Tensor) -> torch.Tensor:
+    """The strictly upper-triangular entries ``(..., b(b-1)/2)`` of skew-symmetric blocks ``(..., b, b)``."""
+    b = skew.shape[-1]
+    if skew.shape[-2] != b or not torch.allclose(skew, -skew.transpose(-1, -2), atol=1e-6):
+        raise ValueError(f"generators must be skew-symmetric square blocks (..., b, b), got shape {tuple(skew.shape)}")
+    rows, cols = _upper_indices(b, skew.device)
+    return skew[..., rows, cols]
+
+
+def _generator_sum(coords: torch.Tensor, generators: torch.Tensor) -> torch.Tensor:
+    """``sum_i x_i A_i`` per token: ``(L, N)`` x ``(N, *lead, m, b, b)`` -> contiguous ``(*lead, L, m, b, b)``."""
+    gen = torch.tensordot(coords, generators.movedim(0, -4), dims=([1], [-4]))  # (L, *lead, m, b, b)
+    return gen.movedim(0, -4).contiguous()
+
+
+class _ExpOfGeneratorSum(torch.autograd.Function):
+    """``matrix_exp(sum_i x_i A_i)`` that keeps only ``coords`` and the generators for backward.
+
+    Autograd through ``tensordot`` + ``matrix_exp`` would keep the per-token generator sums (one more
+    rotation-table-sized tensor for the whole forward and backward); here the backward rebuilds them (a cheap
+    contraction) and takes the same adjoint Frechet derivative PyTorch's ``matrix_exp`` backward takes: the
+    upper-right block of ``exp([[M^T, G], [0, M^T]])``.
+    """
+
+    @staticmethod
+    def forward(ctx, coords: torch.Tensor, generators: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(coords, generators)
+        return torch.linalg.matrix_exp(_generator_sum(coords, generators))
+
+    @staticmethod
+    @autocast_off_in_backward
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        coords, generators = ctx.saved_tensors
+        if not ctx.needs_input_grad[1]:
+            return None, None
+        m_t = _generator_sum(coords, generators).transpose(-1, -2)
+        b = m_t.shape[-1]
+        big = m_t.new_zeros(*m_t.shape[:-2], 2 * b, 2 * b)
+        big[..., :b, :b] = m_t
+        big[..., b:, b:] = m_t
+        big[..., :b, b:] = grad
+        grad_sum = torch.linalg.matrix_exp(big)[..., :b, b:]  # (*lead, L, m, b, b)
+        del big
+        # d/dA_i of sum_l x_li A_i: contract the token axis with the coordinates
+        grad_gen = torch.tensordot(coords, grad_sum.movedim(-4, 0), dims=([0], [0]))  # (N, *lead, m, b, b)
+        return None, grad_gen
+
+
+def rotations_from_generators(coords: torch.Tensor, generators: torch.Tensor) -> torch.Tensor:
+    """``R(x) = exp(sum_i x_i A_i)`` per token and block, in ONE batched ``matrix_exp``.
+
+    Args:
+        coords: token coordinates ``(L, N)``.
+        generators: skew-symmetric block generators ``(N, ..., m, b, b)`` (leading dims e.g. ``(depth', H')``).
+
+    Returns:
+        block rotations ``(..., L, m, b, b)`` in float32 (float64 for float64 generators), autocast off.
+    """
+    if coords.ndim != 2 or coords.shape[-1] != generators.shape[0]:
+        raise ValueError(f"coords {tuple(coords.shape)} must be (L, N) with N = {generators.shape[0]} axes (one generator each)")
+    dtype = torch.promote_types(generators.dtype, torch.float32)
+    with torch.autocast(device_type=generators.device.type, enabled=False):
+        g = generators.to(dtype)
+        return _ExpOfGeneratorSum.apply(coords.to(device=g.device, dtype=dtype), g)
+
+
+def liere_coordinates(
+    grid: PositionGrid,
+    convention: str = "liere",
+    train_grid: Sequence[int] | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Lattice coordinates ``(num_patches, ndim)`` (row-major, axes in ``grid.shape`` order).
+
+    ``'liere'`` (released code): axis ``a`` of size ``n`` takes ``linspace(0, n / n_train, n)``, with ``n_train``
+    the training grid's size on that axis (``train_grid``; the grid itself when ``None``). ``'centers'``:
+    ``(i + 0.5) / n`` (``PositionGrid.centers``, vispe's ComRoPE convention).
+    """
+    check_choice("coords", convention, LIERE_COORDS)
+    if convention == "centers":
+        return grid.centers(device)
+    train = tuple(grid.shape) if train_grid is None else tuple(int(t) for t in train_grid)
+    if len(train) != grid.ndim:
+        raise ValueError(f"training grid {train} has {len(train)} axes but the grid {grid.shape} has {grid.ndim}")
+    axes = [torch.linspace(0.0, n / t, n, device=device, dtype=torch.float32) for n, t in zip(grid.shape, train)]
+    mesh = torch.meshgrid(*axes, indexing="ij")
+    return torch.stack([m.reshape(-1) for m in mesh], dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# blockwise application
+# ---------------------------------------------------------------------------------------------
+# q and k are viewed as x[n2, B, H, L, m, b] (n2 = 2: q and k). The rotation's batch ("rows") is
+# (B if per sample) (H unless shared by the heads) L m; every other dim of x becomes a matrix column, so
+# one bmm (R, b, b) @ (R, b, C) rotates q and k of the whole batch.
+
+
+def _layout(per_sample: bool, heads_shared: bool) -> tuple[list[int], list[int]]:
+    rows = ([1] if per_sample else []) + ([] if heads_shared else [2]) + [3, 4]
+    cols = [0] + ([] if per_sample else [1]) + ([2] if heads_shared else [])
+    return rows, cols
+
+
+def _to_columns(q: torch.Tensor, k: torch.Tensor, b: int, dtype: torch.dtype, per_sample: bool, heads_shared: bool) -> torch.Tensor:
+    """``q, k`` ``(B, H, L, m*b)`` -> ``(R, b, C)`` in ``dtype`` (one copy, with the cast)."""
+    bsz, heads, length, dh = q.shape
+    rows, cols = _layout(per_sample, heads_shared)
+    perm = rows + [5] + cols  # dims of x[n2, B, H, L, m, b]
+    sizes = (2, bsz, heads, length, dh // b, b)
+    out = torch.empty([sizes[d] for d in perm], dtype=dtype, device=q.device)
+    at = len(rows) + 1  # n2 is the first column dim
+    sub = [d - 1 for d in perm if d != 0]  # dims of one of q, k viewed as (B, H, L, m, b)
+    out.select(at, 0).copy_(q.reshape(bsz, heads, length, dh // b, b).permute(sub))
+    out.select(at, 1).copy_(k.reshape(bsz, heads, length, dh // b, b).permute(sub))
+    r = math.prod(sizes[d] for d in rows)
+    return out.view(r, b, -1)
+
+
+def _from_columns(
+    out: torch.Tensor, like: torch.Tensor, dtype: torch.dtype, per_sample: bool, heads_shared: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`_to_columns`: two ``(B, H, L, dh)`` tensors in ``dtype`` with unit channel stride.
+
+    Memory order ``(B, L, 2, H, dh)``, the token-major order of timm's qkv projection, so SDPA's output comes
+    back token-major too and the head merge stays a view.
+    """
+    bsz, heads, length, dh = like.shape
+    b = out.shape[-2]
+    rows, cols = _layout(per_sample, heads_shared)
+    perm = rows + [5] + cols
+    sizes = (2, bsz, heads, length, dh // b, b)
+    src = out.view([sizes[d] for d in perm]).permute([perm.index(d) for d in (1, 3, 0, 2, 4, 5)])
+    res = torch.empty(bsz, length, 2, heads, dh // b, b, dtype=dtype, device=like.device)
+    res.copy_(src)
+    res = res.view(bsz, length, 2, heads, dh)
+    return res[:, :, 0].transpose(1, 2), res[:, :, 1].transpose(1, 2)
+
+
+class _BlockRotation(torch.autograd.Function):
+    """``x' = R x`` per (row, block) for q and k in one ``bmm``; saves only ``rot`` and the unrotated q, k
+    (views of the qkv projection that attention keeps alive anyway), not a float32 copy of them."""
+
+    @staticmethod
+    def forward(ctx, rot: torch.Tensor, q: torch.Tensor, k: torch.Tensor, per_sample: bool, heads_shared: bool):  # type: ignore[override]
+        b = rot.shape[-1]
+        dt = torch.promote_types(torch.promote_types(q.dtype, rot.dtype), torch.float32)
+        cols = _to_columns(q, k, b, dt, per_sample, heads_shared)
+        out = torch.bmm(rot.to(dt), cols)
+        ctx.save_for_backward(rot, q, k)
+        ctx.layout = (per_sample, heads_shared)
+        return _from_columns(out, q, q.dtype, per_sample, heads_shared)
+
+    @staticmethod
+    @autocast_off_in_backward
+    def backward(ctx, grad_q: torch.Tensor, grad_k: torch.Tensor):  # type: ignore[override]
+        rot, q, k = ctx.saved_tensors
+        per_sample, heads_shared = ctx.layout
+        b = rot.shape[-1]
+        dt = torch.promote_types(torch.promote_types(q.dtype, rot.dtype), torch.float32)
+        grad_q = torch.zeros_like(q) if grad_q is None else grad_q
+        grad_k = torch.zeros_like(k) if grad_k is None else grad_k
+        g = _to_columns(grad_q, grad_k, b, dt, per_sample, heads_shared)
+        rot_f = rot.to(dt)
+        g_rot = g_q = g_k = None
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+            g_q, g_k = _from_columns(torch.bmm(rot_f.transpose(1, 2), g), q, q.dtype, per_sample, heads_shared)
+        if ctx.needs_input_grad[0]:
+            cols = _to_columns(q, k, b, dt, per_sample, heads_shared)
+            g_rot = torch.bmm(g, cols.transpose(1, 2)).to(rot.dtype)
+        return g_rot, g_q, g_k, None, None
+
+
+def rotate_blocks(q: torch.Tensor, k: torch.Tensor, rot: torch.Tensor, per_sample: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate ``q, k`` ``(B, H, L, m*b)`` blockwise: channels ``[j b, (j+1) b)`` of token ``n`` by ``rot[..., n, j]``.
+
+    ``rot``: ``(H or 1, L, m, b, b)`` shared by the batch, or with ``per_sample=True`` ``(B, H or 1, L, m, b, b)``
+    (e.g. each sample's tokens after patch dropout). Maths in float32 (float64 for float64 inputs) with
+    autocast off; outputs in q's dtype, unit channel stride.
+    """
+    bsz, heads, length, dh = q.shape
+    lead = rot.shape[:-4]
+    want = (bsz,) if per_sample else ()
+    if k.shape != q.shape or len(lead) != len(want) + 1 or tuple(lead[:-1]) != want or lead[-1] not in (1, heads):
+        raise ValueError(
+            f"rotations of shape {tuple(rot.shape)} do not fit q/k {tuple(q.shape)} / {tuple(k.shape)} "
+            f"(expected {'(B, ' if per_sample else '('}H or 1, L, m, b, b))"
+        )
+    m, b = rot.shape[-3], rot.shape[-1]
+    if rot.shape[-4] != length or m * b != dh:
+        raise ValueError(f"rotations cover {rot.shape[-4]} tokens x {m} blocks of {b} but q/k have {length} tokens x {dh} channels")
+    heads_shared = lead[-1] == 1 and heads > 1  # one rotation for all heads: the heads become columns too
+    flat = rot.reshape(-1, b, b)
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        return _BlockRotation.apply(flat, q, k, per_sample, heads_shared)
+
+
+# ---------------------------------------------------------------------------------------------
+# the encoding
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LieREState:
+    """Per-forward rotations ``(depth', H', S + N, m, b, b)`` (float32) for every layer; ``token_index``
+    ``(B, n)``: after patch dropout, each sample's present rows of the full sequence."""
+
+    rotations: torch.Tensor
+    per_layer: bool
+    token_index: Optional[torch.Tensor] = None
+
+    def for_layer(self, layer: int) -> torch.Tensor:
+        """One layer's rotations ``(H', S + N, m, b, b)``."""
+        return self.rotations[layer if self.per_layer else 0]
+
+
+class LieREBase(RotaryEncoding):
+    """LieRE on ``num_axes``-D grids. A rotary encoding whose rotations are dense ``b x b`` blocks rather
+    than per-pair phases: it keeps the rotary family's attention path and overrides :meth:`rotate_qk`."""
+
+    pairwise_phases = False
+    prefix_policy = (
+        "coords='liere': prefix tokens get the identity rotation (released code); coords='centers': they sit at "
+        "the grid centre (0.5, ...) and are rotated like patches (ComRoPE's convention)"
+    )
+    num_axes: ClassVar[int] = 2
+
+    def __init__(
+        self,
+        head_dim: int,
+        num_heads: int,
+        depth: int,
+        grid_size: Sequence[int] | None = None,
+        block_size: int | None = None,
+        per_layer: bool = True,
+        per_head: bool = True,
+        coords: str = "liere",
+        init_range: float = 2 * math.pi,
+        zero_init: bool = False,
+    ) -> None:
+        super().__init__()
+        name = self.registry_name or type(self).__name__
+        b = head_dim if block_size is None else block_size
+        divisors = [d for d in range(2, head_dim + 1) if head_dim % d == 0]
+        if not divisors:
+            raise ValueError(f"{name}: head_dim={head_dim} has no block size >= 2 (blocks rotate at least 2 channels)")
+        if b not in divisors or isinstance(b, bool):
+            raise ValueError(
+                f"{name}: block_size={block_size!r} is not valid for head_dim={head_dim}; choose one of {divisors} "
+                f"(a divisor >= 2 of head_dim) or None (= {head_dim}, one dense rotation)"
+            )
+        check_choice(f"{name}: coords", coords, LIERE_COORDS)
+        if not (isinstance(init_range, (int, float)) and math.isfinite(init_range) and init_range >= 0):
+            raise ValueError(f"{name}: init_range must be a finite number >= 0 (entries ~ U(0, init_range)), got {init_range!r}")
+        if grid_size is not None and len(tuple(grid_size)) != self.num_axes:
+            raise ValueError(f"{name}: grid_size={tuple(grid_size)} must have {self.num_axes} axes")
+        self.head_dim = head_dim
+        self.num_heads = num_heads
+        self.depth = depth
+        self.grid_size = None if grid_size is None else tuple(int(g) for g in grid_size)
+        self.block_size = b
+        self.num_blocks = head_dim // b
+        self.per_layer = bool(per_layer)
+        self.per_head = bool(per_head)
+        self.coords = coords
+        self.init_range = float(init_range)
+        self.zero_init = bool(zero_init)
+        layers, heads = (depth if self.per_layer else 1), (num_heads if self.per_head else 1)
+        # per (axis, layer', head', block): the strictly upper triangle of a skew-symmetric b x b generator
+        self.generator_entries = nn.Parameter(torch.empty(self.num_axes, layers, heads, self.num_blocks, b * (b - 1) // 2))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.zero_init:
+            nn.init.zeros_(self.generator_entries)
+        else:
+            nn.init.uniform_(self.generator_entries, 0.0, self.init_range)
+
+    # -- generators --------------------------------------------------------------------------
+    def axis_generators(self) -> torch.Tensor:
+        """The skew-symmetric generators ``A_i`` in block form ``(N, depth', H', m, b, b)``."""
+        return skew_from_entries(self.generator_entries, self.block_size)
+
+    @torch.no_grad()
+    def set_generators(self, generators: torch.Tensor) -> None:
+        """Load skew-symmetric block generators ``(N, depth', H', m, b, b)`` (broadcast to this encoding's
+        ``(N, depth', H')``), e.g. another encoding's :meth:`axis_generators`."""
+        want = tuple(self.generator_entries.shape[:-1]) + (self.block_size, self.block_size)
+        try:
+            gens = generators.to(self.generator_entries).expand(want)
+        except RuntimeError:
+            raise ValueError(f"generators of shape {tuple(generators.shape)} do not fit {want} (N, depth', H', m, b, b)") from None
+        self.generator_entries.copy_(entries_from_skew(gens))
+
+    # -- coordinates and rotations -------------------------------------------------------------
+    def token_coordinates(self, grid: PositionGrid, device: torch.device | str | None = None) -> torch.Tensor:
+        """``(S + N, ndim)``: the prefix tokens' coordinate (0 for ``'liere'``: the identity; the centre 0.5 for
+        ``'centers'``), then the lattice's."""
+        lattice = liere_coordinates(grid, self.coords, self.grid_size, device)
+        s = grid.num_prefix_tokens
+        if not s:
+            return lattice
+        prefix = lattice.new_full((s, grid.ndim), 0.0 if self.coords == "liere" else 0.5)
+        return torch.cat([prefix, lattice])
+
+    def rotations(self, grid: PositionGrid, device: torch.device | str | None = None) -> torch.Tensor:
+        """Block rotations of every layer and token, ``(depth', H', S + N, m, b, b)``, float32."""
+        self.check_grid(grid)
+        dev = self.generator_entries.device if device is None else torch.device(device)
+        coords = liere_coordinates(grid, self.coords, self.grid_size, dev)
+        s = grid.num_prefix_tokens
+        if s:  # the prefix tokens share one coordinate: exponentiate it once, with the lattice
+            coords = torch.cat([coords.new_full((1, grid.ndim), 0.0 if self.coords == "liere" else 0.5), coords])
+        with torch.autocast(device_type=dev.type, enabled=False):
+            rot = rotations_from_generators(coords, self.axis_generators().to(dev))
+        if s > 1:
+            rot = torch.cat([rot[..., :1, :, :, :].expand(*rot.shape[:-4], s, *rot.shape[-3:]), rot[..., 1:, :, :, :]], dim=-4)
+        return rot
+
+    # -- the rotary hooks ----------------------------------------------------------------------
+    def prepare(self, grid: PositionGrid, device: torch.device | None = None) -> LieREState:
+        self.check_grid(grid)
+        key = ("liere", grid.shape, grid.num_prefix_tokens, str(device), self.grid_size)
+        return self.cached(key, lambda: LieREState(self.rotations(grid, device), self.per_layer), uses_parameters=True)
+
+    def keep_tokens(self, state: LieREState, grid: PositionGrid) -> LieREState:
+        return replace(state, token_index=grid.sequence_index())
+
+    def rotate_qk(self, q: torch.Tensor, k: torch.Tensor, state: LieREState, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        rot = state.for_layer(layer)  # (H', S + N, m, b, b)
+        if state.token_index is None:
+            if rot.shape[1] != q.shape[-2]:
+                raise ValueError(
+                    f"LieRE rotations cover {rot.shape[1]} tokens but attention got {q.shape[-2]} "
+                    f"(patch dropout must narrow the state through keep_tokens)"
+                )
+            return rotate_blocks(q, k, rot)
+        idx = state.token_index
+        if idx.shape != (q.shape[0], q.shape[-2]):
+            raise ValueError(f"LieRE keeps {tuple(idx.shape)} (batch, tokens) after patch dropout but attention got q {tuple(q.shape)}")
+        # each sample keeps other tokens: gather its rows, (H', B, n, ...) -> (B, H', n, ...)
+        return rotate_blocks(q, k, rot[:, idx].movedim(1, 0), per_sample=True)
+
+    def no_weight_decay(self) -> set[str]:
+        return {"generator_entries"}
+
+    def extra_repr(self) -> str:
+        return (
+            f"block_size={self.block_size}, num_blocks={self.num_blocks}, per_layer={self.per_layer}, "
+            f"per_head={self.per_head}, coords={self.coords!r}, init_range={self.init_range:.4g}, zero_init={self.zero_init}"
+        )
+
+
+@register_encoding("liere")
+class LieRE(LieREBase):
+    """LieRE on 2D image grids ``(h, w)``."""
+
+    grid_ndims = (2,)
+    num_axes = 2
+
+
+@register_encoding("liere_3d")
+class LieRE3d(LieREBase):
+    """LieRE on video grids ``(t, h, w)``."""
+
+    grid_ndims = (3,)
+    num_axes = 3
