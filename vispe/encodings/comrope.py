@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .._checks import check_choice
 from .base import autocast_off_in_backward, register_encoding
+from .block_rotation import rotate_blocks
 from .rotary import RotaryEncoding, RotaryState, rotary_table
 from .grid import PositionGrid
 
@@ -154,9 +155,10 @@ def _split_columns(
 
 def rotate_pair(q: torch.Tensor, k: torch.Tensor | None, rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rotate ``q`` and ``k`` (same shape) by per-token block rotations ``rot`` ``(H or 1, L, m, b, b)``
-    in ONE batched product (their batches side by side in the matrix columns)."""
-    cols = _pair_columns(q, k, rot.shape[-3], rot.shape[-1])
-    return _split_columns(block_matmul(rot, cols), q, k is not None)
+    in ONE batched product (the shared blockwise path :func:`~vispe.encodings.block_rotation.rotate_blocks`)."""
+    if k is None:
+        return rotate_blocks(q, q, rot)[0], None
+    return rotate_blocks(q, k, rot)
 
 
 class _GatheredBlockRotation(torch.autograd.Function):
@@ -282,15 +284,7 @@ def rotate_pair_selected(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate ``q, k`` ``(B, H, n, m*b)`` by per-token block rotations ``(H, L, m, b, b)`` taken at each
     sample's rows ``token_index`` ``(B, n)`` (the tokens patch dropout kept); float32 maths, q's dtype out."""
-    m, b = rotations.shape[2], rotations.shape[3]
-    with torch.autocast(device_type=q.device.type, enabled=False):
-        rot = rotations.float()[:, token_index].movedim(1, 0)  # (B, H, n, m, b, b)
-
-        def one(x: torch.Tensor) -> torch.Tensor:
-            cols = x.float().unflatten(-1, (m, b)).unsqueeze(-1)
-            return torch.matmul(rot, cols).squeeze(-1).flatten(-2).to(x.dtype)
-
-        return one(q), one(k)
+    return rotate_blocks(q, k, rotations[:, token_index].movedim(1, 0), per_sample=True)
 
 
 # ---------------------------------------------------------------------------------------------
