@@ -12,10 +12,10 @@ import torch
 
 import vispe  # noqa: F401  (registers the models)
 from vispe.encodings import EncodingContext, PositionGrid, create_encoding, sdpa
+from vispe.encodings.block_rotation import rotate_blocks
 from vispe.encodings.liere import (
     entries_from_skew,
     liere_coordinates,
-    rotate_blocks,
     rotations_from_generators,
     skew_from_entries,
 )
