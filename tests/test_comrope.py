@@ -407,3 +407,69 @@ def test_spectral_path_under_patch_dropout_equals_full_rows(name):
     take = lambda x: torch.stack([x[b][:, rows[b]] for b in range(2)])  # noqa: E731
     qn, kn = enc.rotate_qk(take(q), take(k), narrow, 1)
     assert torch.allclose(qn @ kn.transpose(-1, -2), take(qf) @ take(kf).transpose(-1, -2), atol=1e-5)
+
+
+# -- the spectral basis folded into the qkv projection ----------------------------------------------------------
+def _fold_calls(monkeypatch) -> list[int]:
+    import vispe.models.layers as layers
+
+    calls: list[int] = []
+    real = layers.fold_qk_basis_into_weights
+
+    def counting(*args):
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(layers, "fold_qk_basis_into_weights", counting)
+    return calls
+
+
+@pytest.mark.parametrize("name", ["comrope_ap", "comrope_ld"])
+def test_folded_basis_equals_the_per_token_basis_change_in_logits_and_gradients(name, monkeypatch):
+    """A host with a plain qkv projection folds the spectral basis into its q/k weights (once per layer); the logits
+    and every parameter's gradient equal the per-token path's, which runs whenever a hook watches ``qkv``."""
+    calls = _fold_calls(monkeypatch)
+    torch.manual_seed(0)
+    model = timm.create_model(MODEL, pos_encoding=name, depth=3, qkv_bias=True).train()
+    x, y = torch.randn(3, 3, 32, 32), torch.tensor([0, 1, 2])
+
+    def run():
+        model.zero_grad()
+        out = model(x)
+        torch.nn.functional.cross_entropy(out, y).backward()
+        return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    folded, g_folded = run()
+    assert len(calls) == 6  # one fold per layer in the forward, rebuilt once in the backward (not stored)
+    seen: list[torch.dtype] = []
+    hooks = [blk.attn.qkv.register_forward_hook(lambda m, i, o: seen.append(o.dtype)) for blk in model.blocks]
+    per_token, g_per_token = run()
+    assert len(calls) == 6 and len(seen) == 3  # watched: the module is called, nothing folded
+    for h in hooks:
+        h.remove()
+    assert torch.allclose(folded, per_token, atol=1e-5, rtol=1e-5)
+    assert g_folded.keys() == g_per_token.keys()
+    for n in g_folded:
+        scale = g_per_token[n].abs().max().clamp_min(1e-12)
+        assert ((g_folded[n] - g_per_token[n]).abs().max() / scale) < 1e-4, n
+    # bf16 autocast through the folded projection: finite, and close to float32
+    model.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    torch.nn.functional.cross_entropy(out.float(), y).backward()
+    assert len(calls) == 12 and out.dtype == torch.bfloat16
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    assert (out.float() - per_token).abs().max() < 0.05
+
+
+def test_no_fold_for_q_k_norms_or_other_encodings(monkeypatch):
+    calls = _fold_calls(monkeypatch)
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 32, 32)
+    model = timm.create_model(MODEL, pos_encoding="comrope_ld", depth=2, qk_norm=True)
+    model(x)  # q/k are normalised between projection and rotation: the basis is applied per token
+    timm.create_model(MODEL, pos_encoding="rope_mixed", depth=2)(x)  # nothing to fold
+    assert calls == []
+    enc = _enc("comrope_ld", rotation="blocks")
+    state = enc.prepare(PositionGrid((3, 3)))
+    assert enc.fold_qk_basis(state, 0) == (None, state)  # block products: no shared basis

@@ -94,6 +94,38 @@ def test_same_command_same_numbers(tmp_path):
     assert tables[0] == tables[1]
 
 
+def test_techniques_train_with_the_encoding_options_and_compare_with_the_plain_runs(tmp_path, capsys):
+    """``--techniques``: each run ``<encoding>+<technique>`` is the encoding trained with the technique's options
+    (recorded in the checkpoint), every seed; the summary keeps them apart from the plain rows and compares each with
+    the plain row of the same policy; ``--policies all`` adds ntk / yarn; bad names are refused before training."""
+    import torch
+
+    from vispe.benchmarks.resolution_benchmark import TECHNIQUES
+
+    assert main(["--recipe", "tiny", "--out", str(tmp_path), "--encodings", "rope_axial", "--techniques", "randpos",
+                 "--policies", "all"]) == 0
+    ckpt = torch.load(tmp_path / "synthetic" / "rope_axial+randpos-s1" / "checkpoints" / "last.ckpt", map_location="cpu",
+                      weights_only=False)
+    assert ckpt["hyper_parameters"]["pos_encoding"] == f"rope_axial[{TECHNIQUES['randpos']}]"
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    rows = {(r["technique"], r["extrapolation"]): r for r in summary["rows"]}
+    assert set(rows) == {(t, p) for t in (None, "randpos") for p in ("extend", "interpolate", "ntk", "yarn")}
+    assert all(r["seeds"] == 2 for r in rows.values())
+    effects = {(e["technique"], e["extrapolation"]): e["effects"] for e in summary["techniques"]}
+    assert set(effects) == {("randpos", p) for p in ("extend", "interpolate", "ntk", "yarn")}
+    e2x = effects[("randpos", "extend")]["2x"]
+    assert e2x["size"] == 32 and e2x["difference"] == pytest.approx(rows[("randpos", "extend")]["mean"]["32"]
+                                                                   - rows[(None, "extend")]["mean"]["32"])
+    assert "| rope_axial + randpos (extend) | 2 |" in (tmp_path / "summary.md").read_text()
+    assert (tmp_path / "techniques.png").stat().st_size > 0
+    # the claims use the plain rows only
+    assert all("+" not in c["encoding"] for c in summary["claims"])
+    capsys.readouterr()
+    assert main(["--recipe", "tiny", "--out", str(tmp_path / "bad"), "--techniques", "dropout"]) == 2
+    assert "unknown technique(s) ['dropout']" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
+
+
 def _data_root():
     import os
     from pathlib import Path

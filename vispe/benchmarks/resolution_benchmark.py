@@ -13,7 +13,10 @@ deviation over seeds, and for a single seed the binomial standard error of the t
 
 Outputs under ``--out``: one folder per part with the runs, ``resolution/`` (the per-checkpoint
 sweep), and ``summary.json``, ``summary.md`` and ``summary.png`` (accuracy vs evaluation size with
-error bands).
+error bands); with ``--techniques`` also ``techniques.png`` (one panel per encoding, plain vs each technique) and,
+in the summary, each technique's difference from its encoding's plain runs at 0.5x, the training size and 2x.
+
+    vispe resolution-benchmark --recipe cpu --parts fashion_mnist --techniques all --policies all   # + RPE-2D, DINOv3 aug
 """
 from __future__ import annotations
 
@@ -29,7 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["CLAIMS", "HEADLINE", "RECIPES", "Part", "claims", "main", "summarise"]
+__all__ = ["CLAIMS", "HEADLINE", "RECIPES", "TECHNIQUES", "Part", "claims", "main", "plot_techniques", "summarise",
+           "technique_effects"]
 
 ROOT = Path(__file__).resolve().parents[2]
 #: The encodings the papers compare at 2x resolution; they get several seeds.
@@ -38,6 +42,17 @@ HEADLINE = ("learned", "sincos2d", "rope_axial", "rope_mixed", "comrope_ap", "co
 CATALOGUE_2026 = ("rope_dinov3", "alibi_2d", "fire", "liere")
 ALL_2D = ("none", "learned", "sincos2d", "rope_axial", "rope_mixed", "irpe", "cpe", "lff", "loope", "comrope_ap", "comrope_ld",
           *CATALOGUE_2026)
+#: Training-time resolution-generalisation techniques (``--techniques``): name -> the encoding options that turn it on.
+#: A technique run ``<encoding>+<technique>`` trains the encoding with those options, with every seed of the part, and
+#: is swept like any run (so the evaluation-time policies ``ntk`` / ``yarn`` combine with it under ``--policies all``).
+TECHNIQUES = {
+    # DINOv3-style: shift every axis by up to +-1 patch, scale the grid about its centre by [1/2, 2] (log-uniform)
+    "coordaug": "coord_shift=1.0,coord_rescale=2.0",
+    # RPE-2D: each axis's positions an ordered random subset of a grid twice the training one
+    "randpos": "random_positions=2.0",
+}
+#: The encodings the techniques are run for (the ones that take every technique's options).
+TECHNIQUE_ENCODINGS = ("rope_axial", "rope_mixed", "comrope_ld")
 
 
 @dataclass(frozen=True)
@@ -57,9 +72,13 @@ class Part:
     eval_subset: int | None = None
     notes: str = ""
     needs_data: str | None = None  # folder under $VISPE_DATA_ROOT the part reads
+    techniques: tuple[str, ...] = ()  # names in TECHNIQUES, run for the part's TECHNIQUE_ENCODINGS with every seed
 
     def runs(self) -> list[tuple[str, int]]:
-        return [(e, s) for e in self.encodings for s in (self.seeds if e in self.extra_seed_encodings else self.seeds[:1])]
+        """``(run encoding, seed)``; a run encoding is an encoding name or ``<encoding>+<technique>``."""
+        plain = [(e, s) for e in self.encodings for s in (self.seeds if e in self.extra_seed_encodings else self.seeds[:1])]
+        extra = [(f"{e}+{t}", s) for e in self.encodings if e in TECHNIQUE_ENCODINGS for t in self.techniques for s in self.seeds]
+        return plain + extra
 
     def sizes(self) -> list[int]:
         """0.5x .. 2x the training size, in steps of about a quarter of it (multiples of the patch)."""
@@ -105,7 +124,14 @@ RECIPES: dict[str, list[Part]] = {
 }
 
 
-def _fit_command(part: Part, encoding: str, seed: int, out: Path, data_dir: str | None) -> list[str]:
+def split_run_encoding(run_encoding: str) -> tuple[str, str | None]:
+    """``'rope_axial+randpos'`` -> ``('rope_axial', 'randpos')``; a plain name -> ``(name, None)``."""
+    encoding, _, technique = run_encoding.partition("+")
+    return encoding, technique or None
+
+
+def _fit_command(part: Part, run_encoding: str, seed: int, out: Path, data_dir: str | None) -> list[str]:
+    encoding, technique = split_run_encoding(run_encoding)
     cfg = ROOT / "configs" / "cifar10" / f"{encoding}.yaml"
     if not cfg.is_file():
         raise FileNotFoundError(f"no config {cfg} for encoding {encoding!r}")
@@ -115,7 +141,7 @@ def _fit_command(part: Part, encoding: str, seed: int, out: Path, data_dir: str 
         data_args["data_dir"] = str(Path(data_dir) / part.needs_data)
     cmd = [sys.executable, "-m", "vispe.cli", "fit", "-c", str(cfg), "--seed_everything", str(seed),
            "--data", part.data, "--model.init_args.in_chans", str(in_chans), "--model.init_args.img_size", str(part.train_size),
-           "--trainer.logger.init_args.save_dir", str(out), "--trainer.logger.init_args.name", f"{encoding}-s{seed}",
+           "--trainer.logger.init_args.save_dir", str(out), "--trainer.logger.init_args.name", f"{run_encoding}-s{seed}",
            "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
     for k, v in data_args.items():
         cmd += [f"--data.init_args.{k}", json.dumps(v) if not isinstance(v, str) else v]
@@ -123,6 +149,8 @@ def _fit_command(part: Part, encoding: str, seed: int, out: Path, data_dir: str 
         cmd += ["--model.init_args.model_kwargs", json.dumps(part.model_kwargs)]
     for k, v in part.fit_args.items():
         cmd += [f"--{k}", json.dumps(v) if not isinstance(v, str) else v]
+    if technique is not None:
+        cmd += ["--model.init_args.pos_encoding", f"{encoding}[{TECHNIQUES[technique]}]"]
     return cmd
 
 
@@ -175,16 +203,23 @@ def train_part(part: Part, out: Path, jobs: int, threads: int, data_dir: str | N
     return timings
 
 
+def _run_folder(checkpoint: str) -> str:
+    """``<out>/<part>/<run encoding>-s<seed>/checkpoints/last.ckpt`` -> ``<run encoding>-s<seed>``."""
+    return Path(checkpoint).parent.parent.name
+
+
 def summarise(sweep: dict[str, Any], part: Part) -> list[dict[str, Any]]:
-    """Group the sweep's per-checkpoint rows by (encoding, policy): mean and spread per size over seeds."""
-    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    """Group the sweep's per-checkpoint rows by (encoding, technique, policy): mean and spread per size over seeds."""
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     for r in sweep["results"]:
-        groups.setdefault((r["encoding"], r["extrapolation"]), []).append(r)
+        technique = split_run_encoding(_run_folder(r["checkpoint"]).rsplit("-s", 1)[0])[1]
+        groups.setdefault((r["encoding"], technique or "", r["extrapolation"]), []).append(r)
     rows = []
-    for (enc, policy), rs in sorted(groups.items()):
+    for (enc, technique, policy), rs in sorted(groups.items()):
         sizes = sorted({int(s) for r in rs for s in r["accuracy"]})
-        row: dict[str, Any] = {"part": part.name, "encoding": enc, "extrapolation": policy, "seeds": len(rs),
-                               "train_size": part.train_size, "num_samples": rs[0]["num_samples"], "mean": {}, "spread": {}}
+        row: dict[str, Any] = {"part": part.name, "encoding": enc, "technique": technique or None, "extrapolation": policy,
+                               "seeds": len(rs), "train_size": part.train_size, "num_samples": rs[0]["num_samples"],
+                               "mean": {}, "spread": {}}
         for s in sizes:
             vals = [r["accuracy"][str(s)]["top1"] for r in rs]
             row["mean"][s] = statistics.fmean(vals)
@@ -211,7 +246,8 @@ def _default_policy(encoding: str) -> str | None:
 def _native_row(rows: list[dict[str, Any]], part: str, encoding: str) -> dict[str, Any] | None:
     policy = _default_policy(encoding)
     for r in rows:
-        if r["part"] == part and r["encoding"] == encoding and (policy is None or r["extrapolation"] == policy):
+        if (r["part"] == part and r["encoding"] == encoding and r.get("technique") is None
+                and (policy is None or r["extrapolation"] == policy)):
             return r
     return None
 
@@ -263,9 +299,35 @@ def claims(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def technique_effects(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each technique row against its encoding's plain row under the same policy, at 0.5x, the training size and 2x:
+    the difference of the means, its s.e. and a verdict at 2 s.e."""
+    out = []
+    for r in rows:
+        if not r.get("technique"):
+            continue
+        base = next((b for b in rows if b["part"] == r["part"] and b["encoding"] == r["encoding"] and b.get("technique") is None
+                     and b["extrapolation"] == r["extrapolation"]), None)
+        if base is None:
+            continue
+        train = r["train_size"]
+        at = {}
+        for name, size in (("0.5x", min(r["mean"], key=int)), ("train", train), ("2x", 2 * train)):
+            size = int(size)
+            if size not in r["mean"] or size not in base["mean"]:
+                continue
+            diff, err = _compare(r, size, base, size)
+            at[name] = {"size": size, "value": r["mean"][size], "base": base["mean"][size], "difference": diff, "se": err,
+                        "verdict": "helps" if diff > 2 * err else "hurts" if diff < -2 * err else "not resolved"}
+        out.append({"part": r["part"], "encoding": r["encoding"], "technique": r["technique"],
+                    "extrapolation": r["extrapolation"], "effects": at})
+    return out
+
+
 def _label(row: dict[str, Any]) -> str:
     own = row["extrapolation"].startswith("own")
-    return row["encoding"] if own else f"{row['encoding']} ({row['extrapolation']})"
+    name = row["encoding"] + (f" + {row['technique']}" if row.get("technique") else "")
+    return name if own else f"{name} ({row['extrapolation']})"
 
 
 def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
@@ -283,6 +345,15 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         out.append("")
     out.append(f"Spread: std over seeds where seeds > 1, else the binomial standard error of one run. "
                f"Recipe `{meta['recipe']}`; wall time {meta['wall_s']:.0f} s; {meta['machine']}.")
+    effects = technique_effects(rows)
+    if effects:
+        out.append("\n### Techniques against their encoding's plain runs (same policy; difference ± s.e., verdict at 2 s.e.)\n")
+        out.append("| part | encoding + technique (policy) | 0.5x | train size | 2x |")
+        out.append("|---|---|---:|---:|---:|")
+        for e in effects:
+            cells = [f"{e['effects'][k]['difference']:+.1f} ± {e['effects'][k]['se']:.1f} ({e['effects'][k]['verdict']})"
+                     if k in e["effects"] else "-" for k in ("0.5x", "train", "2x")]
+            out.append(f"| {e['part']} | {e['encoding']} + {e['technique']} ({e['extrapolation']}) | " + " | ".join(cells) + " |")
     checked = claims(rows)
     if checked:
         out.append("\n### Paper claims on these tables (default extrapolation policies; verdict at 2 s.e. of the difference)\n")
@@ -320,6 +391,42 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def plot_techniques(rows: list[dict[str, Any]], path: Path, policies: Sequence[str] = ("extend", "interpolate")) -> None:
+    """One panel per (part, encoding) that has technique rows: accuracy vs evaluation size for the plain runs and each
+    technique (colour), under each policy in ``policies`` (line style; encodings without policies: solid), with bands."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(dict.fromkeys((r["part"], r["encoding"]) for r in rows if r.get("technique")))
+    if not keys:
+        return
+    techniques = [None, *dict.fromkeys(r["technique"] for r in rows if r.get("technique"))]
+    colours = plt.get_cmap("tab10").colors
+    styles = {"extend": "--", "interpolate": "-", "ntk": ":", "yarn": "-."}
+    fig, axes = plt.subplots(1, len(keys), figsize=(5.0 * len(keys), 4.2), squeeze=False)
+    for ax, (part, enc) in zip(axes[0], keys):
+        for r in rows:
+            if r["part"] != part or r["encoding"] != enc:
+                continue
+            own = r["extrapolation"].startswith("own")
+            if not own and r["extrapolation"] not in policies:
+                continue
+            sizes = sorted(r["mean"], key=int)
+            xs, m, e = [int(s) for s in sizes], [r["mean"][s] for s in sizes], [r["spread"][s] for s in sizes]
+            colour = colours[techniques.index(r.get("technique")) % len(colours)]
+            ax.plot(xs, m, marker="o", ms=3, color=colour, ls="-" if own else styles.get(r["extrapolation"], "-"),
+                    label=(r.get("technique") or "plain") + ("" if own else f" ({r['extrapolation']})"))
+            ax.fill_between(xs, [a - b for a, b in zip(m, e)], [a + b for a, b in zip(m, e)], color=colour, alpha=0.12)
+            ax.axvline(r["train_size"], color="grey", ls=":", lw=1)
+        ax.set(title=f"{enc} ({part})", xlabel="evaluation size (px)", ylabel="top-1 (%)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="vispe resolution-benchmark", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe", default="cpu", choices=sorted(RECIPES))
@@ -329,6 +436,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--data-dir", default=None, help="data root (default $VISPE_DATA_ROOT)")
     p.add_argument("--jobs", type=int, default=1, help="training runs at a time")
     p.add_argument("--threads", type=int, default=1, help="torch threads per run")
+    p.add_argument("--techniques", default=None,
+                   help=f"also train {', '.join(TECHNIQUE_ENCODINGS)} with these training-time techniques, every seed "
+                        f"(comma-separated, or 'all'; choices: {', '.join(TECHNIQUES)})")
+    p.add_argument("--policies", default="both", choices=("both", "all"),
+                   help="evaluation policies of the sweep: extend + interpolate (default), or every one an encoding has "
+                        "(adds ntk / yarn for the rotary lattice encodings)")
     args = p.parse_args(list(argv) if argv is not None else None)
     from vispe.benchmarks.resolution import run_sweep
     from vispe.benchmarks.speed import _machine
@@ -350,6 +463,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         for e in keep:
             get_encoding_class(e)  # unknown names fail here, naming the valid ones
         parts = [Part(**{**pt.__dict__, "encodings": tuple(e for e in pt.encodings if e in keep)}) for pt in parts]
+    if args.techniques:
+        techniques = list(TECHNIQUES) if args.techniques.strip() == "all" else [t.strip() for t in args.techniques.split(",") if t.strip()]
+        bad = [t for t in techniques if t not in TECHNIQUES]
+        if bad:
+            print(f"vispe resolution-benchmark: unknown technique(s) {bad}; choose from {list(TECHNIQUES)} or 'all'", file=sys.stderr)
+            return 2
+        parts = [Part(**{**pt.__dict__, "techniques": tuple(techniques)}) for pt in parts]
     data_dir = args.data_dir or os.environ.get("VISPE_DATA_ROOT")
     for pt in parts:
         if pt.needs_data and not (data_dir and (Path(data_dir) / pt.needs_data).exists()):
@@ -366,16 +486,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         part_out.mkdir(parents=True, exist_ok=True)
         timings[pt.name] = train_part(pt, part_out, args.jobs, args.threads, data_dir, log)
         ckpts = [str(part_out / f"{e}-s{s}" / "checkpoints" / "last.ckpt") for e, s in pt.runs()]
-        sweep = run_sweep(ckpts, pt.sizes(), "both", part_out / "resolution", labels=[f"{e}-s{s}" for e, s in pt.runs()],
+        sweep = run_sweep(ckpts, pt.sizes(), args.policies, part_out / "resolution", labels=[f"{e}-s{s}" for e, s in pt.runs()],
                           eval_subset=pt.eval_subset, data_dir=str(Path(data_dir) / pt.needs_data) if pt.needs_data else None)
         rows += summarise(sweep, pt)
     meta = {"recipe": args.recipe, "wall_s": time.perf_counter() - t_start, "machine": _machine(torch.device("cpu")),
             "threads": args.threads, "jobs": args.jobs, "torch": torch.__version__, "train_seconds": timings,
             "parts": [{k: v for k, v in pt.__dict__.items()} for pt in parts]}
-    (out / "summary.json").write_text(json.dumps({"meta": meta, "rows": rows, "claims": claims(rows)}, indent=2, default=str))
+    (out / "summary.json").write_text(json.dumps({"meta": meta, "rows": rows, "claims": claims(rows),
+                                                  "techniques": technique_effects(rows)}, indent=2, default=str))
     text = markdown(rows, meta)
     (out / "summary.md").write_text(text)
     plot(rows, out / "summary.png")
+    if any(r.get("technique") for r in rows):
+        plot_techniques(rows, out / "techniques.png")
     print(text)
     print(f"wrote {out / 'summary.json'}, summary.md, summary.png")
     return 0

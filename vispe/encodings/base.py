@@ -175,6 +175,14 @@ class PositionalEncoding(nn.Module):
         """Act on the token sequence after block ``index``. Default: identity."""
         return x
 
+    def fold_qk_basis(self, state: Any, layer: int = 0) -> tuple[torch.Tensor | None, Any]:
+        """A per-head linear map ``(H, dh, dh)`` that :meth:`attend` would apply to every token's q and k
+        (``q @ basis``), offered for the host to fold into its q/k projection weights instead -- once per layer
+        and step rather than once per token -- and the state :meth:`attend` then takes (marked as folded).
+        Default: nothing to fold, ``(None, state)``. A host that cannot fold (normalised q/k, a non-linear
+        projection) simply does not call this and passes the original state."""
+        return None, state
+
     def attend(
         self,
         q: torch.Tensor,

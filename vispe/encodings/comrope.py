@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from .._checks import check_choice
 from .base import autocast_off_in_backward, register_encoding
 from .block_rotation import rotate_blocks
-from .rotary import RotaryEncoding, RotaryState, rotary_table
+from .rotary import RotaryEncoding, RotaryState, apply_rotary, rotary_table
 from .grid import PositionGrid
 
 __all__ = [
@@ -418,6 +418,8 @@ class ComRopeSpectralState:
     basis: torch.Tensor
     rotary: RotaryState
     num_blocks: int
+    #: the host folded the basis into its q/k projection (:meth:`ComRopeBase.fold_qk_basis`): only the phases remain
+    basis_folded: bool = False
 
     def for_layer(self, layer: int) -> torch.Tensor:
         """Dense per-token block rotations ``(H, L, m, b, b)`` of one layer, ``Q rot(phase) Q^T`` (analysis, tests)."""
@@ -464,6 +466,51 @@ def lattice_line_rotations(gen: torch.Tensor, size: int, jitter: torch.Tensor | 
             eps = torch.linalg.matrix_exp((jitter.float()[:, None, None] * gen.unsqueeze(-3)).contiguous())
             lines = block_matmul(lines, eps)
         return torch.cat([lines, pows[..., size - 1 : size, :, :]], dim=-3)
+
+
+def line_offsets(
+    grid: PositionGrid,
+    device: torch.device | str | None = None,
+    sigma: float = 0.0,
+    coord_shift: float = 0.0,
+    coord_jitter: float = 1.0,
+    coord_rescale: float = 1.0,
+    random_positions: float = 1.0,
+) -> list[torch.Tensor]:
+    """Training-time moves of ComRoPE's normalised line coordinates ``(i + 0.5) / n``, one draw per forward
+    (shared by the batch), as per-line offsets in normalised units (what :func:`lattice_line_rotations` and
+    :func:`comrope_coordinates` take), applied in this order:
+
+    - ``random_positions = r`` (RPE-2D): each axis's ``n`` lines sit at an ordered random subset of the
+      ``ceil(r n)`` centres of a lattice ``r`` times finer over the same extent -- the positions a grid ``r``
+      times larger is evaluated at, since ComRoPE normalises every grid to ``(0, 1)``;
+    - ``sigma``: the paper's per-line perturbation (:func:`line_jitter`);
+    - ``coord_rescale`` / ``coord_jitter``: about the grid centre ``0.5``, every axis scaled by one factor
+      log-uniform in ``[1/coord_rescale, coord_rescale]`` times its own in ``[1/coord_jitter, coord_jitter]``;
+    - ``coord_shift``: each axis shifted by a uniform ``[-coord_shift, coord_shift]`` patches.
+
+    Coordinates stay one per line and the generators commute, so rotations still factor per axis and attention
+    depends on (moved) offsets only.
+    """
+    base = [(torch.arange(n, device=device, dtype=torch.float32) + 0.5) / n for n in grid.shape]
+    coords = list(base)
+    if random_positions > 1:
+        pools = [max(n, math.ceil(random_positions * n)) for n in grid.shape]
+        coords = [(torch.randperm(m)[:n].sort().values.to(device=device, dtype=torch.float32) + 0.5) / m
+                  for n, m in zip(grid.shape, pools)]
+    if sigma > 0:
+        coords = [c + j for c, j in zip(coords, line_jitter(grid, sigma, device))]
+    ndim = len(grid.shape)
+    if coord_rescale > 1 or coord_jitter > 1:
+        def log_uniform(bound: float, k: int) -> torch.Tensor:
+            return torch.exp((torch.rand(k) * 2 - 1) * math.log(bound))
+
+        scale = (log_uniform(coord_rescale, 1) * log_uniform(coord_jitter, ndim)).tolist()
+        coords = [(c - 0.5) * f + 0.5 for c, f in zip(coords, scale)]
+    if coord_shift > 0:
+        shift = ((torch.rand(ndim) * 2 - 1) * coord_shift).tolist()
+        coords = [c + d / n for c, d, n in zip(coords, shift, grid.shape)]
+    return [c - b for c, b in zip(coords, base)]
 
 
 def line_jitter(grid: PositionGrid, sigma: float, device: torch.device | str | None = None) -> list[torch.Tensor]:
@@ -553,9 +600,27 @@ class ComRopeBase(RotaryEncoding):
         zero_init: bool = False,
         sigma: float = 0.0,
         rotation: str = "auto",
+        coord_shift: float = 0.0,
+        coord_jitter: float = 1.0,
+        coord_rescale: float = 1.0,
+        random_positions: float = 1.0,
     ) -> None:
         super().__init__()
         check_choice("rotation", rotation, ROTATION_METHODS)
+        name = self.registry_name or type(self).__name__
+        if not coord_shift >= 0.0:
+            raise ValueError(f"{name}: coord_shift (largest random shift, in patches) must be >= 0, got {coord_shift!r}")
+        for opt, v in (("coord_jitter", coord_jitter), ("coord_rescale", coord_rescale)):
+            if not v >= 1.0:
+                raise ValueError(f"{name}: {opt} (largest random scale factor, drawn in [1/{opt}, {opt}]) must be >= 1 "
+                                 f"(1 = off), got {v!r}")
+        if not random_positions >= 1.0:
+            raise ValueError(f"{name}: random_positions (how much finer the lattice positions are drawn from; 1 = off) "
+                             f"must be >= 1, got {random_positions!r}")
+        self.coord_shift = float(coord_shift)
+        self.coord_jitter = float(coord_jitter)
+        self.coord_rescale = float(coord_rescale)
+        self.random_positions = float(random_positions)
         if not isinstance(block_size, int) or block_size < 2:
             raise ValueError(f"block_size must be an integer >= 2, got {block_size!r}")
         if head_dim % block_size:
@@ -612,7 +677,7 @@ class ComRopeBase(RotaryEncoding):
         ``R(x) = prod_a exp(x_a G_a)`` (the generators commute), each axis from
         :func:`lattice_line_rotations`."""
         dev = device if device is not None else self.base.device
-        jitter = line_jitter(grid, self.sigma, dev) if (self.training and self.sigma > 0) else None
+        jitter = self.line_offsets(grid, dev)
         with torch.autocast(device_type=torch.device(dev).type, enabled=False):
             gens = self.axis_line_generators()
             if torch.is_grad_enabled() and any(g.requires_grad for g in gens):
@@ -644,8 +709,21 @@ class ComRopeBase(RotaryEncoding):
         with torch.autocast(device_type=coords.device.type, enabled=False):
             return block_rotations(self.coefficients(coords), self.skew_blocks())
 
+    @property
+    def augments_coordinates(self) -> bool:
+        """A training-time move of the coordinates is on (and the module is in training mode)."""
+        return self.training and (self.sigma > 0 or self.coord_shift > 0 or self.coord_jitter > 1 or self.coord_rescale > 1
+                                  or self.random_positions > 1)
+
+    def line_offsets(self, grid: PositionGrid, device: torch.device | str | None) -> list[torch.Tensor] | None:
+        """This forward's per-line coordinate offsets (:func:`line_offsets`), or ``None`` when nothing moves."""
+        if not self.augments_coordinates:
+            return None
+        return line_offsets(grid, device, self.sigma, self.coord_shift, self.coord_jitter, self.coord_rescale,
+                            self.random_positions)
+
     def cacheable(self) -> bool:
-        if self.training and self.sigma > 0:
+        if self.augments_coordinates:  # drawn anew every forward
             return False
         return not (torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()))
 
@@ -667,8 +745,7 @@ class ComRopeBase(RotaryEncoding):
             blocks, omega, evals = spectral_decomposition(self.skew_blocks())  # (depth, H, m, b, b), (depth, H, m, b/2)
             if bool(evals.detach().diff(dim=-1).min() <= SPECTRAL_MIN_GAP):
                 return None
-            jitter = line_jitter(grid, self.sigma, dev) if (self.training and self.sigma > 0) else None
-            coef = self.coefficients(comrope_coordinates(grid, dev, jitter))  # (depth, H or 1, L, m)
+            coef = self.coefficients(comrope_coordinates(grid, dev, self.line_offsets(grid, dev)))  # (depth, H or 1, L, m)
             angles = (coef[..., None] * omega[:, :, None]).flatten(-2)  # (depth, H, L, m * b/2)
             m = self.num_blocks
             eye = torch.eye(m, device=blocks.device, dtype=blocks.dtype)
@@ -689,6 +766,14 @@ class ComRopeBase(RotaryEncoding):
             return replace(state, rotary=state.rotary.select(grid.sequence_index()))
         return replace(state, token_index=grid.sequence_index())
 
+    def fold_qk_basis(self, state: ComRopeState | ComRopeSpectralState,
+                      layer: int = 0) -> tuple[torch.Tensor | None, ComRopeState | ComRopeSpectralState]:
+        # spectral path: the basis change is linear and shared by every token, so a host may fold it into the
+        # q/k projection weights; what is left is RoPE's per-pair phases
+        if isinstance(state, ComRopeSpectralState) and not state.basis_folded:
+            return state.basis[layer], replace(state, basis_folded=True)
+        return None, state
+
     def rotate_qk(self, q: torch.Tensor, k: torch.Tensor, state: ComRopeState | ComRopeSpectralState,
                   layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         if isinstance(state, ComRopeSpectralState):
@@ -698,6 +783,8 @@ class ComRopeBase(RotaryEncoding):
                     f"ComRoPE rotations cover {table.shape[-2]} tokens but attention got {q.shape[-2]} "
                     f"(patch dropout must narrow the state through keep_tokens)"
                 )
+            if state.basis_folded:  # q and k arrive in the eigenbasis: the phases alone
+                return apply_rotary(q, table), apply_rotary(k, table)
             return rotate_pair_spectral(q, k, state.basis[layer], table)
         n_tok = state.flat_index.shape[-1] // state.num_blocks if state.token_index is None else state.token_index.shape[1]
         if n_tok != q.shape[-2]:
@@ -715,16 +802,21 @@ class ComRopeBase(RotaryEncoding):
         return set()  # the released code decays the generators with everything else
 
     def extra_repr(self) -> str:
+        aug = "".join(f", {k}={v}" for k, v, off in (("coord_shift", self.coord_shift, 0.0), ("coord_jitter", self.coord_jitter, 1.0),
+                                                      ("coord_rescale", self.coord_rescale, 1.0),
+                                                      ("random_positions", self.random_positions, 1.0)) if v != off)
         return (f"block_size={self.block_size}, num_blocks={self.num_blocks}, sigma={self.sigma}, zero_init={self.zero_init}, "
-                f"rotation={self.rotation!r}")
+                f"rotation={self.rotation!r}{aug}")
 
 
 class ComRopeAPBase(ComRopeBase):
     """Axis partition: block ``j`` rotates with the coordinate of axis ``j mod N``."""
 
     def __init__(self, head_dim: int, num_heads: int, depth: int, block_size: int = 8, init_std: float = 1.0,
-                 zero_init: bool = False, sigma: float = 0.0, rotation: str = "auto") -> None:
-        super().__init__(head_dim, num_heads, depth, block_size, init_std, zero_init, sigma, rotation)
+                 zero_init: bool = False, sigma: float = 0.0, rotation: str = "auto", coord_shift: float = 0.0,
+                 coord_jitter: float = 1.0, coord_rescale: float = 1.0, random_positions: float = 1.0) -> None:
+        super().__init__(head_dim, num_heads, depth, block_size, init_std, zero_init, sigma, rotation, coord_shift, coord_jitter,
+                         coord_rescale, random_positions)
         if self.num_blocks % self.num_axes:
             raise ValueError(
                 f"{self.registry_name or type(self).__name__}: head_dim/block_size = {self.num_blocks} blocks cannot be split "
@@ -760,8 +852,11 @@ class ComRopeLDBase(ComRopeBase):
     """Linearly dependent: block ``j`` of axis ``i`` is ``theta_ij (P_j - P_j^T)``."""
 
     def __init__(self, head_dim: int, num_heads: int, depth: int, block_size: int = 8, init_std: float = 1.0,
-                 zero_init: bool = False, sigma: float = 0.0, shared_scalars: bool = False, rotation: str = "auto") -> None:
-        super().__init__(head_dim, num_heads, depth, block_size, init_std, zero_init, sigma, rotation)
+                 zero_init: bool = False, sigma: float = 0.0, shared_scalars: bool = False, rotation: str = "auto",
+                 coord_shift: float = 0.0, coord_jitter: float = 1.0, coord_rescale: float = 1.0,
+                 random_positions: float = 1.0) -> None:
+        super().__init__(head_dim, num_heads, depth, block_size, init_std, zero_init, sigma, rotation, coord_shift, coord_jitter,
+                         coord_rescale, random_positions)
         self.shared_scalars = shared_scalars
         heads = 1 if shared_scalars else num_heads
         self.scalars = nn.Parameter(torch.empty(depth, heads, self.num_axes, self.num_blocks))

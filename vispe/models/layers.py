@@ -15,11 +15,12 @@ from typing import Any, Iterator, NamedTuple, Optional
 import torch
 import torch.fx
 import torch.nn as nn
+import torch.nn.modules.module as _module_hooks
 from timm.layers import Attention, PatchDropoutWithIndices, register_notrace_function
 from timm.models.vision_transformer import Block
 from torch.utils.checkpoint import checkpoint
 
-from ..encodings.base import PositionalEncoding, sdpa
+from ..encodings.base import PositionalEncoding, autocast_off_in_backward, sdpa
 
 __all__ = [
     "LayerPE",
@@ -31,6 +32,8 @@ __all__ = [
     "encoding_embed_tokens",
     "encoding_after_block",
     "encoding_attend",
+    "encoding_project_qkv",
+    "fold_qk_basis_into_weights",
     "drop_patches",
     "NOT_PREPARED",
 ]
@@ -73,9 +76,99 @@ def encoding_attend(
     return pe.encoding.attend(q, k, v, layer=pe.layer, state=pe.state, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal)
 
 
+def fold_qk_basis_into_weights(
+    weight: torch.Tensor, bias: Optional[torch.Tensor], basis: torch.Tensor
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """A fused qkv projection ``(3 H dh, D)`` (timm's row order: q heads, k heads, v heads) whose q and k outputs
+    come out multiplied per head by ``basis`` ``(H, dh, dh)``: ``q_h @ B_h = x @ (B_h^T W_q,h)^T + b_q,h @ B_h``.
+    float32 maths (autocast then rounds the folded weight once, as it rounds any weight)."""
+    heads, dh, _ = basis.shape
+    rows = heads * dh
+    with torch.autocast(device_type=weight.device.type, enabled=False):
+        bt = basis.float().transpose(-1, -2)
+        w = weight.float().unflatten(0, (3, heads, dh))  # (3, H, dh, D)
+        w_qk = torch.matmul(bt, w[:2]).reshape(2 * rows, -1)
+        folded_w = torch.cat([w_qk, weight[2 * rows:].float()]).to(weight.dtype)
+        folded_b = None
+        if bias is not None:
+            b = bias.float().unflatten(0, (3, heads, 1, dh))  # (3, H, 1, dh)
+            folded_b = torch.cat([torch.matmul(b[:2], basis.float()).reshape(-1), bias[2 * rows:].float()]).to(bias.dtype)
+    return folded_w, folded_b
+
+
+class _FoldedProjection(torch.autograd.Function):
+    """``linear(x, *fold_qk_basis_into_weights(weight, bias, basis))`` that keeps for the backward only what a plain
+    linear layer keeps (``x`` and the parameter ``weight``) plus the small ``basis``: the folded weight (a copy of
+    the projection per layer) is rebuilt in the backward instead of being stored through the whole forward.
+    The matmuls run in the autocast dtype of the forward, as autocast runs ``nn.Linear``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], basis: torch.Tensor):  # type: ignore[override]
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            w, b = fold_qk_basis_into_weights(weight, bias, basis)
+            out = torch.nn.functional.linear(x.to(dtype), w.to(dtype), None if b is None else b.to(dtype))
+        ctx.save_for_backward(x, weight, bias, basis)
+        ctx.compute_dtype = dtype
+        return out
+
+    @staticmethod
+    @autocast_off_in_backward
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        x, weight, bias, basis = ctx.saved_tensors
+        dtype = ctx.compute_dtype
+        heads, dh, _ = basis.shape
+        rows = heads * dh
+        w, _ = fold_qk_basis_into_weights(weight, None, basis)
+        g = grad.to(dtype)
+        grad_x = (g @ w.to(dtype)).to(x.dtype) if ctx.needs_input_grad[0] else None
+        g2 = g.reshape(-1, g.shape[-1])
+        grad_w_folded = (g2.t() @ x.reshape(-1, x.shape[-1]).to(dtype)).float()  # (3 H dh, D)
+        grad_b_folded = g2.float().sum(0) if bias is not None else None
+        # back through W'_h = B_h^T W_h (q and k rows) and b'_h = b_h B_h:  dW_h = B_h dW'_h,  dB_h = W_h dW'_h^T + b_h^T db'_h
+        gq = grad_w_folded[: 2 * rows].unflatten(0, (2, heads, dh))  # (2, H, dh, D)
+        wq = weight.float()[: 2 * rows].unflatten(0, (2, heads, dh))
+        bf = basis.float()
+        grad_weight = grad_basis = grad_bias = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = torch.cat([torch.matmul(bf, gq).reshape(2 * rows, -1), grad_w_folded[2 * rows:]]).to(weight.dtype)
+        if ctx.needs_input_grad[3]:
+            grad_basis = torch.matmul(wq, gq.transpose(-1, -2)).sum(0)  # (H, dh, dh)
+        if bias is not None:
+            gb = grad_b_folded[: 2 * rows].unflatten(0, (2, heads, 1, dh))
+            bq = bias.float()[: 2 * rows].unflatten(0, (2, heads, 1, dh))
+            if ctx.needs_input_grad[2]:
+                grad_bias = torch.cat([torch.matmul(gb, bf.transpose(-1, -2)).reshape(-1), grad_b_folded[2 * rows:]]).to(bias.dtype)
+            if grad_basis is not None:
+                grad_basis = grad_basis + torch.matmul(bq.transpose(-1, -2), gb).sum(0)
+        if grad_basis is not None:
+            grad_basis = grad_basis.to(basis.dtype)
+        return grad_x, grad_weight, grad_bias, grad_basis
+
+
+def _observed(module: nn.Module) -> bool:
+    """Something watches ``module``'s calls (its own or global forward hooks): it must be called, not folded away."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or _module_hooks._global_forward_hooks
+                or _module_hooks._global_forward_pre_hooks)
+
+
+@register_notrace_function
+def encoding_project_qkv(pe: "LayerPE", qkv: nn.Linear, x: torch.Tensor, can_fold: bool) -> tuple[torch.Tensor, "LayerPE"]:
+    """One layer's fused qkv projection. An encoding that multiplies every token's q and k by a per-head matrix
+    (ComRoPE's spectral basis) has it folded into the projection's q/k weights here -- once per layer and step
+    instead of once per token -- and the returned binding's state says so. Without such a matrix, when the host
+    cannot fold (``can_fold``: q/k norms, another projection) or when hooks watch ``qkv``, this is ``qkv(x)``.
+    Opaque to FX (like the other hooks), so a traced model folds exactly as the eager one does."""
+    basis, state = pe.encoding.fold_qk_basis(pe.state, pe.layer) if can_fold and not _observed(qkv) else (None, pe.state)
+    if basis is None:
+        return qkv(x), pe
+    return _FoldedProjection.apply(x, qkv.weight, qkv.bias, basis), LayerPE(pe.encoding, state, pe.layer)
+
+
 # torch.fx.wrap patches these names in this module's globals for any FX tracer (timm's registration
 # above only reaches modules whose forward the tracer enters through a module call)
-for _fn in ("encoding_prepare", "encoding_keep_tokens", "encoding_embed_tokens", "encoding_after_block", "encoding_attend"):
+for _fn in ("encoding_prepare", "encoding_keep_tokens", "encoding_embed_tokens", "encoding_after_block", "encoding_attend",
+            "encoding_project_qkv"):
     torch.fx.wrap(_fn)
 
 
@@ -103,6 +196,13 @@ class LayerPE(NamedTuple):
 class PEAttention(Attention):
     """timm ``Attention`` whose score computation is delegated to the encoding's ``attend`` hook."""
 
+    @property
+    def folds_qk_basis(self) -> bool:
+        """An encoding's per-head q/k basis may be folded into the projection: q and k come straight out of one
+        plain linear layer (no q/k norm between the projection and the rotation)."""
+        return (type(self.qkv) is nn.Linear and isinstance(self.q_norm, nn.Identity) and isinstance(self.k_norm, nn.Identity)
+                and self.qkv.out_features == 3 * self.num_heads * self.head_dim)
+
     def forward(
         self,
         x: torch.Tensor,
@@ -112,7 +212,11 @@ class PEAttention(Attention):
     ) -> torch.Tensor:
         B, N, C = x.shape
         gate = self.gate(x).sigmoid() if self.gate is not None else None
-        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        if pe is None:
+            qkv = self.qkv(x)
+        else:
+            qkv, pe = encoding_project_qkv(pe, self.qkv, x, self.folds_qk_basis)
+        qkv = qkv.reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)
         q, k = self.q_norm(q), self.k_norm(k)
         dropout_p = self.attn_drop.p if self.training else 0.0
