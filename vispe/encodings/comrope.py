@@ -20,7 +20,7 @@ from .._checks import check_choice
 from .base import autocast_off_in_backward, register_encoding
 from .block_rotation import rotate_blocks
 from .rotary import RotaryEncoding, RotaryState, apply_rotary, rotary_table
-from .grid import PositionGrid
+from .grid import PositionGrid, random_scale_shift
 
 __all__ = [
     "ComRopeBase",
@@ -500,16 +500,9 @@ def line_offsets(
                   for n, m in zip(grid.shape, pools)]
     if sigma > 0:
         coords = [c + j for c, j in zip(coords, line_jitter(grid, sigma, device))]
-    ndim = len(grid.shape)
-    if coord_rescale > 1 or coord_jitter > 1:
-        def log_uniform(bound: float, k: int) -> torch.Tensor:
-            return torch.exp((torch.rand(k) * 2 - 1) * math.log(bound))
-
-        scale = (log_uniform(coord_rescale, 1) * log_uniform(coord_jitter, ndim)).tolist()
-        coords = [(c - 0.5) * f + 0.5 for c, f in zip(coords, scale)]
-    if coord_shift > 0:
-        shift = ((torch.rand(ndim) * 2 - 1) * coord_shift).tolist()
-        coords = [c + d / n for c, d, n in zip(coords, shift, grid.shape)]
+    if coord_rescale > 1 or coord_jitter > 1 or coord_shift > 0:
+        scale, shift = random_scale_shift(len(grid.shape), coord_shift, coord_jitter, coord_rescale)
+        coords = [(c - 0.5) * f + 0.5 + d / n for c, f, d, n in zip(coords, scale.tolist(), shift.tolist(), grid.shape)]
     return [c - b for c, b in zip(coords, base)]
 
 

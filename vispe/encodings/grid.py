@@ -8,12 +8,13 @@ specific to two axes. Multimodal (text + vision) position ids are not lattices a
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["PositionGrid", "as_grid", "random_lattice_indices"]
+__all__ = ["PositionGrid", "as_grid", "random_lattice_indices", "random_scale_shift"]
 
 
 @dataclass(frozen=True)
@@ -116,3 +117,19 @@ def random_lattice_indices(
     axes = [torch.randperm(int(m))[: int(n)].sort().values.to(device=device, dtype=torch.float32) for n, m in zip(shape, pool)]
     mesh = torch.meshgrid(*axes, indexing="ij")
     return torch.stack([m.reshape(-1) for m in mesh], dim=-1)
+
+
+def random_scale_shift(
+    ndim: int, coord_shift: float = 0.0, coord_jitter: float = 1.0, coord_rescale: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One draw of DINOv3-style coordinate augmentation for ``ndim`` axes (CPU float32, shared by the batch):
+    per-axis scale = one factor log-uniform in ``[1/coord_rescale, coord_rescale]`` times the axis's own in
+    ``[1/coord_jitter, coord_jitter]``, and per-axis shift uniform in ``[-coord_shift, coord_shift]`` (the caller's
+    units). Bounds of 1 (0 for the shift) give the identity; the draws are made either way."""
+
+    def log_uniform(bound: float, n: int) -> torch.Tensor:
+        return torch.exp((torch.rand(n) * 2 - 1) * math.log(bound))
+
+    scale = log_uniform(coord_rescale, 1) * log_uniform(coord_jitter, ndim)
+    shift = (torch.rand(ndim) * 2 - 1) * coord_shift
+    return scale, shift

@@ -20,7 +20,7 @@ from timm.layers.pos_embed_sincos import init_random_2d_freqs
 
 from .._checks import check_choice
 from .base import register_encoding
-from .grid import PositionGrid, random_lattice_indices
+from .grid import PositionGrid, random_lattice_indices, random_scale_shift
 from .rotary import RotaryEncoding
 from .spec import ROTARY_EXTRAPOLATION_MODES
 
@@ -130,15 +130,9 @@ class _LatticeRotary(RotaryEncoding):
         axis by its own in ``[1/coord_jitter, coord_jitter]``, then shift each axis by a uniform
         ``[-coord_shift, coord_shift]`` patches. Angles stay linear in the coordinates, so attention still
         depends only on offsets (rescaled ones)."""
-        ndim = idx.shape[-1]
         centre = idx.new_tensor([(g - 1) / 2 for g in self.grid_size])
-
-        def log_uniform(bound: float, n: int) -> torch.Tensor:
-            return torch.exp((torch.rand(n) * 2 - 1) * math.log(bound)).to(idx.device)
-
-        scale = log_uniform(self.coord_rescale, 1) * log_uniform(self.coord_jitter, ndim)
-        shift = ((torch.rand(ndim) * 2 - 1) * self.coord_shift).to(idx.device)
-        return (idx - centre) * scale + centre + shift
+        scale, shift = random_scale_shift(idx.shape[-1], self.coord_shift, self.coord_jitter, self.coord_rescale)
+        return (idx - centre) * scale.to(idx.device) + centre + shift.to(idx.device)
 
     def check_grid(self, grid: PositionGrid) -> None:
         # any number of axes: the training grid fixes it (``grid_ndims`` only says which hosts a name is listed for)
