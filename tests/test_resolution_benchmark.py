@@ -94,6 +94,44 @@ def test_same_command_same_numbers(tmp_path):
     assert tables[0] == tables[1]
 
 
+def test_parts_run_by_separate_calls_join_one_summary(tmp_path, monkeypatch, capsys):
+    """A long part run on its own joins the top-level table: each part keeps its rows and meta in
+    ``<part>/summary.json``; the top-level summary has every part of the recipe found under ``--out``, in the
+    recipe's order. The sweep keeps evaluations a narrower call did not ask for, and reuses them later."""
+    from vispe.benchmarks.resolution_benchmark import Part
+
+    base = RECIPES["tiny"][0]
+    first = Part(**{**base.__dict__, "encodings": ("none",), "seeds": (0,)})
+    second = Part(**{**base.__dict__, "name": "synthetic_b", "encodings": ("none", "rope_axial"), "seeds": (0,),
+                     "extra_seed_encodings": ()})
+    monkeypatch.setitem(RECIPES, "two_parts", [first, second])
+    out = tmp_path / "bench"
+    assert main(["--recipe", "two_parts", "--parts", "synthetic_b", "--encodings", "rope_axial", "--out", str(out)]) == 0
+    assert main(["--recipe", "two_parts", "--parts", "synthetic", "--out", str(out)]) == 0
+    alone = json.loads((out / "synthetic" / "summary.json").read_text())
+    assert alone["meta"]["part"] == "synthetic" and alone["meta"]["argv"][-1] == str(out)
+    summary = json.loads((out / "summary.json").read_text())
+    assert [r["part"] for r in summary["rows"]] == ["synthetic", "synthetic_b", "synthetic_b"]
+    assert summary["rows"][0] == alone["rows"][0]
+    assert summary["rows"][1:] == json.loads((out / "synthetic_b" / "summary.json").read_text())["rows"]
+    assert set(summary["meta"]["earlier_parts"]) == {"synthetic_b"}
+    text = (out / "summary.md").read_text()
+    assert "### synthetic (" in text and "### synthetic_b (" in text and "Part `synthetic_b`: from an earlier call" in text
+    # widening the second part trains and evaluates only the new run; narrowing it again evaluates nothing
+    capsys.readouterr()
+    assert main(["--recipe", "two_parts", "--parts", "synthetic_b", "--out", str(out)]) == 0
+    printed = capsys.readouterr()
+    assert "start none seed 0" in printed.err and "start rope_axial" not in printed.err
+    assert "none-s0" in printed.out and "rope_axial-s0 (extend)" not in printed.out
+    assert main(["--recipe", "two_parts", "--parts", "synthetic_b", "--encodings", "rope_axial", "--out", str(out)]) == 0
+    sweep = json.loads((out / "synthetic_b" / "resolution" / "resolution.json").read_text())
+    assert {r["label"] for r in sweep["results"]} == {"rope_axial-s0 (extend)", "rope_axial-s0 (interpolate)"}
+    assert [r["label"] for r in sweep["other_results"]] == ["none-s0"]
+    capsys.readouterr()
+    assert main(["--recipe", "two_parts", "--parts", "synthetic_b", "--out", str(out)]) == 0
+    assert "none-s0" not in capsys.readouterr().out  # reused from other_results, not evaluated again
+
+
 def test_techniques_train_with_the_encoding_options_and_compare_with_the_plain_runs(tmp_path, capsys):
     """``--techniques``: each run ``<encoding>+<technique>`` is the encoding trained with the technique's options
     (recorded in the checkpoint), every seed; the summary keeps them apart from the plain rows and compares each with

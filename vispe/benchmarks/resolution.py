@@ -218,7 +218,8 @@ def run_sweep(
     out = Path(out_dir)
     previous: dict[str, dict[str, Any]] = {}
     if reuse and (out / "resolution.json").is_file():
-        for r in json.loads((out / "resolution.json").read_text()).get("results", []):
+        saved = json.loads((out / "resolution.json").read_text())
+        for r in saved.get("results", []) + saved.get("other_results", []):
             if "key" in r:
                 previous[r["key"]] = r
     data_cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -268,6 +269,11 @@ def run_sweep(
         "sizes": sorted({s for j in jobs for s in j["sizes"]}),
         "results": results,
     }
+    # evaluations of checkpoints / policies this call did not ask for stay reusable by a later call
+    used = {r.get("key") for r in results}
+    others = [r for k, r in previous.items() if k not in used]
+    if others:
+        report["other_results"] = others
     out.mkdir(parents=True, exist_ok=True)
     (out / "resolution.json").write_text(json.dumps(report, indent=2))
     (out / "resolution.md").write_text(markdown_table(report))

@@ -203,6 +203,18 @@ def train_part(part: Part, out: Path, jobs: int, threads: int, data_dir: str | N
     return timings
 
 
+def _write_json(path: Path, obj: Any) -> None:
+    """Write ``obj`` as JSON atomically (a killed call leaves the previous file, never half of one)."""
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=str))
+    tmp.replace(path)
+
+
+def _int_sizes(row: dict[str, Any]) -> dict[str, Any]:
+    """A summary row read back from JSON (size keys are strings there) with integer size keys again."""
+    return {**row, "mean": {int(k): v for k, v in row["mean"].items()}, "spread": {int(k): v for k, v in row["spread"].items()}}
+
+
 def _run_folder(checkpoint: str) -> str:
     """``<out>/<part>/<run encoding>-s<seed>/checkpoints/last.ckpt`` -> ``<run encoding>-s<seed>``."""
     return Path(checkpoint).parent.parent.name
@@ -345,6 +357,9 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         out.append("")
     out.append(f"Spread: std over seeds where seeds > 1, else the binomial standard error of one run. "
                f"Recipe `{meta['recipe']}`; wall time {meta['wall_s']:.0f} s; {meta['machine']}.")
+    for name, m in meta.get("earlier_parts", {}).items():
+        out.append(f"Part `{name}`: from an earlier call (`vispe resolution-benchmark {' '.join(m['argv'])}`, "
+                   f"wall time {m['wall_s']:.0f} s; {m['machine']}).")
     effects = technique_effects(rows)
     if effects:
         out.append("\n### Techniques against their encoding's plain runs (same policy; difference ± s.e., verdict at 2 s.e.)\n")
@@ -480,20 +495,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.out)
     t_start = time.perf_counter()
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    machine = _machine(torch.device("cpu"))
     rows, timings = [], {}
     for pt in parts:
         part_out = out / pt.name
         part_out.mkdir(parents=True, exist_ok=True)
+        t_part = time.perf_counter()
         timings[pt.name] = train_part(pt, part_out, args.jobs, args.threads, data_dir, log)
         ckpts = [str(part_out / f"{e}-s{s}" / "checkpoints" / "last.ckpt") for e, s in pt.runs()]
         sweep = run_sweep(ckpts, pt.sizes(), args.policies, part_out / "resolution", labels=[f"{e}-s{s}" for e, s in pt.runs()],
                           eval_subset=pt.eval_subset, data_dir=str(Path(data_dir) / pt.needs_data) if pt.needs_data else None)
-        rows += summarise(sweep, pt)
-    meta = {"recipe": args.recipe, "wall_s": time.perf_counter() - t_start, "machine": _machine(torch.device("cpu")),
+        part_rows = summarise(sweep, pt)
+        rows += part_rows
+        part_meta = {"recipe": args.recipe, "part": pt.name, "argv": list(argv) if argv is not None else sys.argv[1:],
+                     "policies": args.policies, "wall_s": time.perf_counter() - t_part, "machine": machine,
+                     "threads": args.threads, "jobs": args.jobs, "torch": torch.__version__,
+                     "train_seconds": timings[pt.name], "config": {k: v for k, v in pt.__dict__.items()}}
+        _write_json(part_out / "summary.json", {"meta": part_meta, "rows": part_rows})
+    # parts of the recipe run by an earlier call into the same --out keep their rows (each with its own meta),
+    # so a long part run on its own joins the table without re-running the others
+    run_now = {pt.name for pt in parts}
+    earlier = {}
+    for pt in RECIPES[args.recipe]:
+        f = out / pt.name / "summary.json"
+        if pt.name not in run_now and f.is_file():
+            earlier[pt.name] = json.loads(f.read_text())
+            rows += [_int_sizes(r) for r in earlier[pt.name]["rows"]]
+    order = [pt.name for pt in RECIPES[args.recipe]]
+    rows.sort(key=lambda r: order.index(r["part"]) if r["part"] in order else len(order))  # stable: keeps each part's order
+    meta = {"recipe": args.recipe, "wall_s": time.perf_counter() - t_start, "machine": machine,
             "threads": args.threads, "jobs": args.jobs, "torch": torch.__version__, "train_seconds": timings,
-            "parts": [{k: v for k, v in pt.__dict__.items()} for pt in parts]}
-    (out / "summary.json").write_text(json.dumps({"meta": meta, "rows": rows, "claims": claims(rows),
-                                                  "techniques": technique_effects(rows)}, indent=2, default=str))
+            "parts": [{k: v for k, v in pt.__dict__.items()} for pt in parts],
+            "earlier_parts": {name: e["meta"] for name, e in earlier.items()}}
+    _write_json(out / "summary.json", {"meta": meta, "rows": rows, "claims": claims(rows), "techniques": technique_effects(rows)})
     text = markdown(rows, meta)
     (out / "summary.md").write_text(text)
     plot(rows, out / "summary.png")
