@@ -274,20 +274,24 @@ def run_sweep(
     others = [r for k, r in previous.items() if k not in used]
     if others:
         report["other_results"] = others
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "resolution.json").write_text(json.dumps(report, indent=2))
+    write_json_atomic(out / "resolution.json", report)
     (out / "resolution.md").write_text(markdown_table(report))
     plot(report, out / "resolution.png", title=title)
     return report
 
 
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write ``obj`` as JSON through a temporary file and a rename: a killed call leaves the previous file, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=str))
+    tmp.replace(path)
+
+
 def _write_partial(out: Path, results: list[dict[str, Any]], previous: dict[str, dict[str, Any]]) -> None:
     """Save finished evaluations so an interrupted sweep can be resumed (they are reused by key)."""
-    out.mkdir(parents=True, exist_ok=True)
     done = {r["key"]: r for r in list(previous.values()) + results}
-    tmp = out / "resolution.json.tmp"
-    tmp.write_text(json.dumps({"partial": True, "results": list(done.values())}, indent=2))
-    tmp.replace(out / "resolution.json")
+    write_json_atomic(out / "resolution.json", {"partial": True, "results": list(done.values())})
 
 
 def markdown_table(report: dict[str, Any]) -> str:

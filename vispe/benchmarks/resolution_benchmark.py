@@ -203,13 +203,6 @@ def train_part(part: Part, out: Path, jobs: int, threads: int, data_dir: str | N
     return timings
 
 
-def _write_json(path: Path, obj: Any) -> None:
-    """Write ``obj`` as JSON atomically (a killed call leaves the previous file, never half of one)."""
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=str))
-    tmp.replace(path)
-
-
 def _int_sizes(row: dict[str, Any]) -> dict[str, Any]:
     """A summary row read back from JSON (size keys are strings there) with integer size keys again."""
     return {**row, "mean": {int(k): v for k, v in row["mean"].items()}, "spread": {int(k): v for k, v in row["spread"].items()}}
@@ -458,7 +451,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="evaluation policies of the sweep: extend + interpolate (default), or every one an encoding has "
                         "(adds ntk / yarn for the rotary lattice encodings)")
     args = p.parse_args(list(argv) if argv is not None else None)
-    from vispe.benchmarks.resolution import run_sweep
+    from vispe.benchmarks.resolution import run_sweep, write_json_atomic
     from vispe.benchmarks.speed import _machine
 
     import torch
@@ -511,7 +504,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "policies": args.policies, "wall_s": time.perf_counter() - t_part, "machine": machine,
                      "threads": args.threads, "jobs": args.jobs, "torch": torch.__version__,
                      "train_seconds": timings[pt.name], "config": {k: v for k, v in pt.__dict__.items()}}
-        _write_json(part_out / "summary.json", {"meta": part_meta, "rows": part_rows})
+        write_json_atomic(part_out / "summary.json", {"meta": part_meta, "rows": part_rows})
     # parts of the recipe run by an earlier call into the same --out keep their rows (each with its own meta),
     # so a long part run on its own joins the table without re-running the others
     run_now = {pt.name for pt in parts}
@@ -527,7 +520,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "threads": args.threads, "jobs": args.jobs, "torch": torch.__version__, "train_seconds": timings,
             "parts": [{k: v for k, v in pt.__dict__.items()} for pt in parts],
             "earlier_parts": {name: e["meta"] for name, e in earlier.items()}}
-    _write_json(out / "summary.json", {"meta": meta, "rows": rows, "claims": claims(rows), "techniques": technique_effects(rows)})
+    write_json_atomic(out / "summary.json", {"meta": meta, "rows": rows, "claims": claims(rows), "techniques": technique_effects(rows)})
     text = markdown(rows, meta)
     (out / "summary.md").write_text(text)
     plot(rows, out / "summary.png")
