@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-from vispe.benchmarks.resolution_benchmark import RECIPES, main
+from vispe.benchmarks.resolution_benchmark import RECIPES, main, training_order
 
 
 def test_tiny_recipe_end_to_end_and_resume(tmp_path, capsys):
@@ -49,6 +49,20 @@ def test_tiny_recipe_end_to_end_and_resume(tmp_path, capsys):
     assert "start rope_axial seed 1" in err and "start rope_axial seed 0" not in err and "start none" not in err
     assert "rope_axial-s1" in json.loads(timings_path.read_text())
     assert json.loads((tmp_path / "summary.json").read_text())["rows"] == summary["rows"]
+
+
+def test_training_order_resumes_killed_runs_first_then_goes_seed_by_seed(tmp_path):
+    runs = [(e, s) for e in ("learned", "rope_axial", "comrope_ld") for s in (0, 1, 2)]
+    (tmp_path / "comrope_ld-s1" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "comrope_ld-s1" / "checkpoints" / "last.ckpt").write_bytes(b"")  # killed mid-way
+    (tmp_path / "learned-s1" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "learned-s1" / "checkpoints" / "last.ckpt").write_bytes(b"")  # finished: its time is recorded
+    order = training_order(runs, tmp_path, {"learned-s0": 1.0, "learned-s1": 2.0})
+    assert sorted(order) == sorted(set(runs) - {("learned", 0), ("learned", 1)})  # each unfinished run once
+    assert order[0] == ("comrope_ld", 1)
+    seeds = [s for _, s in order[1:]]
+    assert seeds == sorted(seeds)  # then every encoding's seed 0, then seed 1, ...
+    assert order[1:3] == [("rope_axial", 0), ("comrope_ld", 0)]  # recipe order within a seed
 
 
 def test_bad_arguments_fail_before_training(tmp_path, capsys):

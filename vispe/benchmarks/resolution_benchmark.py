@@ -6,8 +6,9 @@
 Each recipe is a list of parts (a data set, a model size, a schedule, the encodings and their seeds).
 Every run is ``vispe fit`` (LightningCLI, the same task and data modules as any user run) with the
 part's overrides; the sweep is :func:`vispe.benchmarks.resolution.run_sweep` with both extrapolation
-policies where an encoding has them. Runs whose wall time is in ``timings.json`` are skipped and a run killed mid-way resumes from its
-``last.ckpt``, so an interrupted benchmark resumes. The summary groups the seeds of each (encoding, policy): mean +- standard
+policies where an encoding has them. Runs whose wall time is in ``timings.json`` are skipped and a run killed
+mid-way resumes from its ``last.ckpt`` (killed runs first, then seed by seed: every encoding's first seed comes early),
+so an interrupted benchmark resumes. The summary groups the seeds of each (encoding, policy): mean +- standard
 deviation over seeds, and for a single seed the binomial standard error of the test accuracy
 ``sqrt(p (1 - p) / n)`` (what a bootstrap over the test set estimates), marked as such.
 
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 __all__ = ["CLAIMS", "HEADLINE", "RECIPES", "TECHNIQUES", "Part", "claims", "main", "plot_techniques", "summarise",
-           "technique_effects"]
+           "technique_effects", "training_order"]
 
 ROOT = Path(__file__).resolve().parents[2]
 #: The encodings the papers compare at 2x resolution; they get several seeds.
@@ -154,6 +155,20 @@ def _fit_command(part: Part, run_encoding: str, seed: int, out: Path, data_dir: 
     return cmd
 
 
+def training_order(runs: Sequence[tuple[str, int]], out: Path, timings: dict[str, Any]) -> list[tuple[str, int]]:
+    """The runs still to train, in the order to train them.
+
+    A run killed mid-way (``last.ckpt`` but no recorded time) resumes first; then seed by seed, so that an interrupted
+    benchmark has every encoding's first seed before any encoding's third. The order changes no result: each run is
+    seeded and deterministic on its own.
+    """
+    todo = [(i, (e, s)) for i, (e, s) in enumerate(runs) if f"{e}-s{s}" not in timings]
+    def key(item: tuple[int, tuple[str, int]]) -> tuple[bool, int, int]:
+        i, (enc, seed) = item
+        return (not (out / f"{enc}-s{seed}" / "checkpoints" / "last.ckpt").is_file(), seed, i)
+    return [run for _, run in sorted(todo, key=key)]
+
+
 def train_part(part: Part, out: Path, jobs: int, threads: int, data_dir: str | None, log) -> dict[str, Any]:
     """Train the part's runs (``jobs`` at a time), skipping finished ones; returns wall times."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONHASHSEED="0")
@@ -161,7 +176,7 @@ def train_part(part: Part, out: Path, jobs: int, threads: int, data_dir: str | N
     timings = json.loads(timings_path.read_text()) if timings_path.is_file() else {}
     # ``last.ckpt`` is rewritten every epoch, so it does not mean "finished": a run is finished once its
     # wall time is recorded. A killed run has a ``last.ckpt`` but no timing and resumes from it.
-    todo = [(e, s) for e, s in part.runs() if f"{e}-s{s}" not in timings]
+    todo = training_order(part.runs(), out, timings)
 
     def command(enc: str, seed: int) -> list[str]:
         cmd = _fit_command(part, enc, seed, out, data_dir)
