@@ -124,6 +124,7 @@ def test_parts_run_by_separate_calls_join_one_summary(tmp_path, monkeypatch, cap
     assert main(["--recipe", "two_parts", "--parts", "synthetic", "--out", str(out)]) == 0
     alone = json.loads((out / "synthetic" / "summary.json").read_text())
     assert alone["meta"]["part"] == "synthetic" and alone["meta"]["argv"][-1] == str(out)
+    assert all((out / p / "summary.png").stat().st_size > 0 for p in ("synthetic", "synthetic_b"))  # each part's own plot
     summary = json.loads((out / "summary.json").read_text())
     assert [r["part"] for r in summary["rows"]] == ["synthetic", "synthetic_b", "synthetic_b"]
     assert summary["rows"][0] == alone["rows"][0]

@@ -12,9 +12,10 @@ so an interrupted benchmark resumes. The summary groups the seeds of each (encod
 deviation over seeds, and for a single seed the binomial standard error of the test accuracy
 ``sqrt(p (1 - p) / n)`` (what a bootstrap over the test set estimates), marked as such.
 
-Outputs under ``--out``: one folder per part with the runs, ``resolution/`` (the per-checkpoint
-sweep), and ``summary.json``, ``summary.md`` and ``summary.png`` (accuracy vs evaluation size with
-error bands); with ``--techniques`` also ``techniques.png`` (one panel per encoding, plain vs each technique) and,
+Outputs under ``--out``: one folder per part with the runs, ``resolution/`` (the per-checkpoint sweep) and the
+part's own ``summary.json`` / ``summary.png``; at the top, ``summary.json``, ``summary.md`` and ``summary.png``
+(accuracy vs evaluation size with error bands, one panel per part); with ``--techniques`` also ``techniques.png``
+(one panel per encoding, plain vs each technique) and,
 in the summary, each technique's difference from its encoding's plain runs at 0.5x, the training size and 2x.
 
     vispe resolution-benchmark --recipe cpu --parts fashion_mnist --techniques all --policies all   # + RPE-2D, DINOv3 aug
@@ -389,11 +390,14 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """One panel per part: accuracy vs evaluation size of the plain runs (``extend`` dashed), bands = spread.
+    Technique runs are left to :func:`plot_techniques`, which sets them against their plain runs."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = [r for r in rows if not r.get("technique")]
     parts = list(dict.fromkeys(r["part"] for r in rows))
     fig, axes = plt.subplots(1, len(parts), figsize=(6.5 * len(parts), 4.5), squeeze=False)
     colours = plt.get_cmap("tab20").colors  # more lines than tab10 has colours
@@ -520,6 +524,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "threads": args.threads, "jobs": args.jobs, "torch": torch.__version__,
                      "train_seconds": timings[pt.name], "config": {k: v for k, v in pt.__dict__.items()}}
         write_json_atomic(part_out / "summary.json", {"meta": part_meta, "rows": part_rows})
+        plot(part_rows, part_out / "summary.png")
     # parts of the recipe run by an earlier call into the same --out keep their rows (each with its own meta),
     # so a long part run on its own joins the table without re-running the others
     run_now = {pt.name for pt in parts}
