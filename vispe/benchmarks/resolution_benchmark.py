@@ -389,28 +389,32 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
-def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    """One panel per part: accuracy vs evaluation size of the plain runs (``extend`` dashed), bands = spread.
+def plot(rows: list[dict[str, Any]], path: Path, policies: Sequence[str] = ("extend", "interpolate")) -> None:
+    """One panel per part: accuracy vs evaluation size of the plain runs, bands = spread; one colour per encoding,
+    ``extend`` dashed, the other policies in ``policies`` solid (every policy's rows stay in ``summary.md``).
     Technique runs are left to :func:`plot_techniques`, which sets them against their plain runs."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in rows if not r.get("technique")]
+    rows = [r for r in rows if not r.get("technique") and (r["extrapolation"] in policies or r["extrapolation"].startswith("own"))]
     parts = list(dict.fromkeys(r["part"] for r in rows))
     fig, axes = plt.subplots(1, len(parts), figsize=(6.5 * len(parts), 4.5), squeeze=False)
-    colours = plt.get_cmap("tab20").colors  # more lines than tab10 has colours
+    tab20 = plt.get_cmap("tab20").colors
+    colours = tab20[0::2] + tab20[1::2]  # ten distinct hues first, then their light shades (more than ten encodings)
     for ax, part in zip(axes[0], parts):
-        for i, r in enumerate(r for r in rows if r["part"] == part):
+        part_rows = [r for r in rows if r["part"] == part]
+        colour_of = {enc: colours[i % len(colours)] for i, enc in enumerate(dict.fromkeys(r["encoding"] for r in part_rows))}
+        for r in part_rows:
             sizes = sorted(r["mean"], key=int)
             m = [r["mean"][s] for s in sizes]
             e = [r["spread"][s] for s in sizes]
             xs = [int(s) for s in sizes]  # keys are strings once read back from summary.json
-            line, = ax.plot(xs, m, marker="o", ms=3, color=colours[i % len(colours)],
-                            ls="--" if r["extrapolation"] == "extend" else "-", label=_label(r))
-            ax.fill_between(xs, [a - b for a, b in zip(m, e)], [a + b for a, b in zip(m, e)], color=line.get_color(), alpha=0.15)
-        ax.axvline(r["train_size"], color="grey", ls=":", lw=1)
+            colour = colour_of[r["encoding"]]
+            ax.plot(xs, m, marker="o", ms=3, color=colour, ls="--" if r["extrapolation"] == "extend" else "-", label=_label(r))
+            ax.fill_between(xs, [a - b for a, b in zip(m, e)], [a + b for a, b in zip(m, e)], color=colour, alpha=0.15)
+        ax.axvline(part_rows[0]["train_size"], color="grey", ls=":", lw=1)
         ax.set(title=part, xlabel="evaluation size (px)", ylabel="top-1 (%)")
         ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
