@@ -389,16 +389,34 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
+#: Line style of each evaluation policy in the plots (encodings without policies: solid).
+_POLICY_STYLES = {"extend": "--", "interpolate": "-", "ntk": ":", "yarn": "-."}
+
+
+def _shown(row: dict[str, Any], policies: Sequence[str]) -> bool:
+    """Whether a plot draws this row: encodings without policies always, the others under ``policies``."""
+    return row["extrapolation"].startswith("own") or row["extrapolation"] in policies
+
+
+def _draw(ax: Any, row: dict[str, Any], colour: Any, label: str, alpha: float) -> None:
+    """One summary row as accuracy vs evaluation size, its spread as a band, in the policy's line style."""
+    sizes = sorted(row["mean"], key=int)
+    xs = [int(s) for s in sizes]  # keys are strings once read back from summary.json
+    m, e = [row["mean"][s] for s in sizes], [row["spread"][s] for s in sizes]
+    ax.plot(xs, m, marker="o", ms=3, color=colour, ls=_POLICY_STYLES.get(row["extrapolation"], "-"), label=label)
+    ax.fill_between(xs, [a - b for a, b in zip(m, e)], [a + b for a, b in zip(m, e)], color=colour, alpha=alpha)
+
+
 def plot(rows: list[dict[str, Any]], path: Path, policies: Sequence[str] = ("extend", "interpolate")) -> None:
     """One panel per part: accuracy vs evaluation size of the plain runs, bands = spread; one colour per encoding,
-    ``extend`` dashed, the other policies in ``policies`` solid (every policy's rows stay in ``summary.md``).
+    the policy as line style (every policy's rows stay in ``summary.md``).
     Technique runs are left to :func:`plot_techniques`, which sets them against their plain runs."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in rows if not r.get("technique") and (r["extrapolation"] in policies or r["extrapolation"].startswith("own"))]
+    rows = [r for r in rows if not r.get("technique") and _shown(r, policies)]
     parts = list(dict.fromkeys(r["part"] for r in rows))
     fig, axes = plt.subplots(1, len(parts), figsize=(6.5 * len(parts), 4.5), squeeze=False)
     tab20 = plt.get_cmap("tab20").colors
@@ -407,13 +425,7 @@ def plot(rows: list[dict[str, Any]], path: Path, policies: Sequence[str] = ("ext
         part_rows = [r for r in rows if r["part"] == part]
         colour_of = {enc: colours[i % len(colours)] for i, enc in enumerate(dict.fromkeys(r["encoding"] for r in part_rows))}
         for r in part_rows:
-            sizes = sorted(r["mean"], key=int)
-            m = [r["mean"][s] for s in sizes]
-            e = [r["spread"][s] for s in sizes]
-            xs = [int(s) for s in sizes]  # keys are strings once read back from summary.json
-            colour = colour_of[r["encoding"]]
-            ax.plot(xs, m, marker="o", ms=3, color=colour, ls="--" if r["extrapolation"] == "extend" else "-", label=_label(r))
-            ax.fill_between(xs, [a - b for a, b in zip(m, e)], [a + b for a, b in zip(m, e)], color=colour, alpha=0.15)
+            _draw(ax, r, colour_of[r["encoding"]], _label(r), alpha=0.15)
         ax.axvline(part_rows[0]["train_size"], color="grey", ls=":", lw=1)
         ax.set(title=part, xlabel="evaluation size (px)", ylabel="top-1 (%)")
         ax.legend(fontsize=6, ncol=2)
@@ -435,22 +447,15 @@ def plot_techniques(rows: list[dict[str, Any]], path: Path, policies: Sequence[s
         return
     techniques = [None, *dict.fromkeys(r["technique"] for r in rows if r.get("technique"))]
     colours = plt.get_cmap("tab10").colors
-    styles = {"extend": "--", "interpolate": "-", "ntk": ":", "yarn": "-."}
     fig, axes = plt.subplots(1, len(keys), figsize=(5.0 * len(keys), 4.2), squeeze=False)
     for ax, (part, enc) in zip(axes[0], keys):
-        for r in rows:
-            if r["part"] != part or r["encoding"] != enc:
-                continue
+        panel = [r for r in rows if r["part"] == part and r["encoding"] == enc and _shown(r, policies)]
+        for r in panel:
             own = r["extrapolation"].startswith("own")
-            if not own and r["extrapolation"] not in policies:
-                continue
-            sizes = sorted(r["mean"], key=int)
-            xs, m, e = [int(s) for s in sizes], [r["mean"][s] for s in sizes], [r["spread"][s] for s in sizes]
-            colour = colours[techniques.index(r.get("technique")) % len(colours)]
-            ax.plot(xs, m, marker="o", ms=3, color=colour, ls="-" if own else styles.get(r["extrapolation"], "-"),
-                    label=(r.get("technique") or "plain") + ("" if own else f" ({r['extrapolation']})"))
-            ax.fill_between(xs, [a - b for a, b in zip(m, e)], [a + b for a, b in zip(m, e)], color=colour, alpha=0.12)
-            ax.axvline(r["train_size"], color="grey", ls=":", lw=1)
+            _draw(ax, r, colours[techniques.index(r.get("technique")) % len(colours)],
+                  (r.get("technique") or "plain") + ("" if own else f" ({r['extrapolation']})"), alpha=0.12)
+        if panel:
+            ax.axvline(panel[0]["train_size"], color="grey", ls=":", lw=1)
         ax.set(title=f"{enc} ({part})", xlabel="evaluation size (px)", ylabel="top-1 (%)")
         ax.legend(fontsize=7)
     fig.tight_layout()
