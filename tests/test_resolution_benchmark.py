@@ -31,12 +31,12 @@ def test_tiny_recipe_end_to_end_and_resume(tmp_path, capsys):
         assert rows[("none", "own (no option)")]["spread"][str(s)] == pytest.approx(100 * math.sqrt(p * (1 - p) / 64))
     assert (tmp_path / "summary.png").stat().st_size > 0 and "| rope_axial (extend) | 2 |" in (tmp_path / "summary.md").read_text()
     # a second call finds every checkpoint and trains nothing
-    stamps = {p: p.stat().st_mtime_ns for p in tmp_path.glob("synthetic/*/checkpoints/last.ckpt")}
+    stamps = {p: p.stat().st_mtime_ns for p in tmp_path.glob("synthetic/*/version_*/checkpoints/last.ckpt")}
     assert len(stamps) == 3
     capsys.readouterr()
     assert main(["--recipe", "tiny", "--out", str(tmp_path)]) == 0
     assert "start" not in capsys.readouterr().err
-    assert stamps == {p: p.stat().st_mtime_ns for p in tmp_path.glob("synthetic/*/checkpoints/last.ckpt")}
+    assert stamps == {p: p.stat().st_mtime_ns for p in tmp_path.glob("synthetic/*/version_*/checkpoints/last.ckpt")}
     # a run killed mid-way has a last.ckpt (written every epoch) but no recorded wall time: it is not
     # skipped, it resumes from that checkpoint, and the table does not change
     timings_path = tmp_path / "synthetic" / "timings.json"
@@ -72,7 +72,7 @@ def test_bad_arguments_fail_before_training(tmp_path, capsys):
         main(["--recipe", "tiny", "--encodings", "rope_9d", "--out", str(tmp_path)])
     assert main(["--recipe", "cpu", "--parts", "fashion_mnist", "--data-dir", str(tmp_path / "nowhere"), "--out", str(tmp_path)]) == 2
     assert "needs 'fashion-mnist'" in capsys.readouterr().err
-    assert not any((tmp_path).glob("*/*/checkpoints"))
+    assert not any((tmp_path).glob("**/checkpoints"))
 
 
 def test_claims_verdicts_follow_the_figures():
@@ -157,7 +157,7 @@ def test_techniques_train_with_the_encoding_options_and_compare_with_the_plain_r
 
     assert main(["--recipe", "tiny", "--out", str(tmp_path), "--encodings", "rope_axial", "--techniques", "randpos",
                  "--policies", "all"]) == 0
-    ckpt = torch.load(tmp_path / "synthetic" / "rope_axial+randpos-s1" / "checkpoints" / "last.ckpt", map_location="cpu",
+    ckpt = torch.load(tmp_path / "synthetic" / "rope_axial+randpos-s1" / "version_0" / "checkpoints" / "last.ckpt", map_location="cpu",
                       weights_only=False)
     assert ckpt["hyper_parameters"]["pos_encoding"] == f"rope_axial[{TECHNIQUES['randpos']}]"
     summary = json.loads((tmp_path / "summary.json").read_text())

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from vispe.tasks import ImageClassification, param_groups_no_decay, warmup_cosine
-from vispe.train_cli import AtomicCheckpointIO, launcher_trainer_settings, main
+from vispe.train_cli import AtomicCheckpointIO, find_last_checkpoint, launcher_trainer_settings, main
 
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = REPO / "configs" / "smoke.yaml"
@@ -34,7 +34,9 @@ def _run(cmd: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
 
 
 def _ckpt(save_dir: Path, name: str = "rope_mixed") -> dict:
-    return torch.load(save_dir / name / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    path = find_last_checkpoint(save_dir / name)
+    assert path is not None, f"no last.ckpt under {save_dir / name}"
+    return torch.load(path, map_location="cpu", weights_only=False)
 
 
 def _last_val(save_dir: Path, version: str) -> dict[str, float]:
@@ -90,7 +92,7 @@ def test_sigkill_then_resume_matches_uninterrupted(uninterrupted, tmp_path):
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     partial = _ckpt(out)
     assert partial["epoch"] == 1 and partial["global_step"] == 8  # the checkpoint written before the kill
-    assert not [p for p in (out / "rope_mixed" / "checkpoints").iterdir() if p.name.endswith(".tmp")]
+    assert not [p for p in (out / "rope_mixed" / "version_0" / "checkpoints").iterdir() if p.name.endswith(".tmp")]
 
     resumed = _run([sys.executable, "train/fit.py", *common, "--ckpt_path", "last"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -99,6 +101,103 @@ def test_sigkill_then_resume_matches_uninterrupted(uninterrupted, tmp_path):
     for k, v in a["state_dict"].items():
         torch.testing.assert_close(b["state_dict"][k], v, rtol=0, atol=1e-6, msg=f"weights differ at {k}")
     assert _last_val(out, "version_1") == pytest.approx(_last_val(uninterrupted, "version_0"), abs=1e-6)
+
+
+_KILLER = """
+import os, signal
+from lightning.pytorch.callbacks import Callback
+class KillAtStep(Callback):
+    def __init__(self, step: int):
+        self.step = step
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_sigkill_mid_epoch_then_resume_matches_uninterrupted(tmp_path):
+    """Killed mid-epoch between two checkpoints (validation + last.ckpt every 2 of the epoch's 4 steps; killed as
+    step 8 starts, after the step-6 checkpoint and one more step), resumed with `--ckpt_path last`: the same
+    weights and validation metrics as the uninterrupted run -- data order, sampler position, RNG streams,
+    optimiser and schedule all continue where the checkpoint left them."""
+    (tmp_path / "killer.py").write_text(_KILLER)
+    (tmp_path / "kill.yaml").write_text("trainer:\n  callbacks:\n    - class_path: killer.KillAtStep\n      init_args: {step: 7}\n")
+    common = ["-c", str(SMOKE), "--trainer.max_epochs", "3", "--trainer.val_check_interval", "2",
+              "--trainer.enable_progress_bar", "false"]
+    straight, out = tmp_path / "straight", tmp_path / "runs"
+    r = _run([sys.executable, "train/fit.py", *common, "--trainer.logger.init_args.save_dir", str(straight)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    env = _env()
+    env["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{env['PYTHONPATH']}"
+    killed = subprocess.run([str(BIN / "vispe"), "fit", *common, "--trainer.logger.init_args.save_dir", str(out),
+                             "-c", str(tmp_path / "kill.yaml")], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    partial = _ckpt(out)
+    assert partial["epoch"] == 1 and partial["global_step"] == 6  # mid-epoch: 2 of epoch 1's 4 steps done
+    resumed = _run([sys.executable, "train/fit.py", *common, "--trainer.logger.init_args.save_dir", str(out),
+                    "--ckpt_path", "last"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a, b = _ckpt(straight), _ckpt(out)
+    assert b["global_step"] == a["global_step"] == 12
+    for k, v in a["state_dict"].items():
+        torch.testing.assert_close(b["state_dict"][k], v, rtol=0, atol=1e-6, msg=f"weights differ at {k}")
+    for (sa, sb) in zip(a["optimizer_states"][0]["state"].values(), b["optimizer_states"][0]["state"].values()):
+        torch.testing.assert_close(sb["exp_avg"], sa["exp_avg"], rtol=0, atol=1e-6)
+    assert a["lr_schedulers"] == b["lr_schedulers"]
+    assert _last_val(out, "version_1") == pytest.approx(_last_val(straight, "version_0"), abs=1e-6)
+
+
+def test_last_ckpt_is_the_final_step_and_reruns_get_their_own_version(tmp_path):
+    """`max_steps: 7` with validation every 2 steps: Lightning's own last save is step 6; ours is step 7. A second
+    run into the same folder writes version_1 and leaves version_0's checkpoint as it was."""
+    common = ["-c", str(SMOKE), "--trainer.max_epochs", "10", "--trainer.val_check_interval", "2",
+              "--trainer.enable_progress_bar", "false", "--trainer.logger.init_args.save_dir", str(tmp_path)]
+    r = _run([sys.executable, "train/fit.py", *common, "--trainer.max_steps", "7"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    first = tmp_path / "rope_mixed" / "version_0" / "checkpoints" / "last.ckpt"
+    assert torch.load(first, map_location="cpu", weights_only=False)["global_step"] == 7
+    before = first.read_bytes()
+    r = _run([sys.executable, "train/fit.py", *common, "--trainer.max_steps", "5"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    second = tmp_path / "rope_mixed" / "version_1" / "checkpoints" / "last.ckpt"
+    assert torch.load(second, map_location="cpu", weights_only=False)["global_step"] == 5
+    assert first.read_bytes() == before
+    assert find_last_checkpoint(tmp_path / "rope_mixed") == second
+
+
+def test_ckpt_path_last_without_a_checkpoint_is_a_clear_error(tmp_path):
+    r = _run([sys.executable, "train/fit.py", "-c", str(SMOKE), "--trainer.logger.init_args.save_dir", str(tmp_path),
+              "--ckpt_path", "last"])
+    assert r.returncode == 2
+    assert "--ckpt_path last: no last.ckpt under" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("how", ["yaml", "flag"])
+def test_config_error_is_one_sentence_without_traceback(tmp_path, how):
+    """A misspelled encoding (in YAML or on the command line): exit 2, the sentence naming it, no traceback;
+    `--debug` shows the traceback."""
+    if how == "yaml":
+        (tmp_path / "typo.yaml").write_text("model:\n  init_args:\n    pos_encoding: rope_axail\n")
+        extra = ["-c", str(tmp_path / "typo.yaml")]
+    else:
+        extra = ["--model.init_args.pos_encoding", "rope_axail"]
+    cmd = [str(BIN / "vispe"), "fit", "-c", str(SMOKE), "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"), *extra]
+    r = _run(cmd)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "unknown positional encoding 'rope_axail'; choose one of" in r.stderr and "Traceback" not in r.stderr
+    assert len([line for line in r.stderr.splitlines() if "rope_axail" in line]) == 1
+    r = _run([*cmd, "--debug"])
+    assert r.returncode != 0 and "Traceback" in r.stderr
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+def test_atomic_checkpoint_follows_the_umask(tmp_path, umask, mode):
+    old = os.umask(umask)
+    try:
+        AtomicCheckpointIO().save_checkpoint({"a": torch.ones(2)}, tmp_path / "last.ckpt")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "last.ckpt").stat().st_mode & 0o777 == mode
 
 
 @pytest.mark.skipif(not (BIN / "fabric").exists(), reason="lightning's fabric launcher not installed")

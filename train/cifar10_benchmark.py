@@ -19,6 +19,13 @@ import sys
 import time
 from pathlib import Path
 
+try:
+    import vispe  # noqa: F401
+except ModuleNotFoundError:  # running from a source checkout without installing
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from vispe.train_cli import find_last_checkpoint
+
 ROOT = Path(__file__).resolve().parents[1]
 
 DEFAULT_ENCODINGS = [
@@ -65,8 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = ROOT / "configs" / "cifar10" / f"{enc}.yaml"
         if not cfg.is_file():
             raise FileNotFoundError(f"no config {cfg} for encoding {enc!r}")
-        ckpt = out / enc / "checkpoints" / "last.ckpt"
-        if not ckpt.is_file():
+        ckpt = find_last_checkpoint(out / enc)
+        if ckpt is None:
             cmd = [sys.executable, "-m", "vispe.cli", "fit", "-c", str(cfg), *RECIPES[args.recipe],
                    "--trainer.logger.init_args.save_dir", str(out)]
             if args.cache_dir:
@@ -79,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             timings[enc] = {"wall_s": round(time.perf_counter() - t0, 1), "recipe": args.recipe}
             timings_path.write_text(json.dumps(timings, indent=2))
             print(f"[{time.strftime('%H:%M:%S')}] {enc}: done in {timings[enc]['wall_s']} s", flush=True)
+            ckpt = find_last_checkpoint(out / enc)
         ckpts.append(str(ckpt))
     if args.sweep:
         cmd = [sys.executable, "-m", "vispe.cli", "resolution", *ckpts, "--out", str(out / "resolution"), *args.sweep_args.split()]

@@ -1,7 +1,8 @@
 """Train with a YAML config: ``python train/fit.py -c configs/smoke.yaml`` (same as ``vispe fit -c ...``).
 
 Also runs under ``fabric run --accelerator cpu --devices 2 train/fit.py -c ...`` (one DDP job) and
-``torchrun``. A first argument of ``fit|validate|test|predict`` selects another subcommand.
+``torchrun``. A first argument of ``fit|validate|test|predict`` selects another subcommand. Errors are one
+sentence, as with ``vispe`` (``--debug`` or ``VISPE_DEBUG=1`` for the traceback).
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ try:
 except ModuleNotFoundError:  # running from a source checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vispe.train_cli import main
+from vispe.cli import main
 
 if __name__ == "__main__":
     args = sys.argv[1:]

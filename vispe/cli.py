@@ -2,10 +2,15 @@
 
 ``vispe fit|validate|test|predict -c configs/...`` is LightningCLI; the other subcommands are
 benchmark commands that print tables and write JSON / Markdown / PNG.
+
+Errors (a bad option in YAML or on the command line, a launcher conflict, a missing file) end the command
+with one sentence on stderr and exit code 2, not a traceback; ``--debug`` (anywhere on the command line) or
+``VISPE_DEBUG=1`` shows the full traceback instead.
 """
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from typing import Callable, Sequence
 
@@ -24,6 +29,16 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 _LIGHTNING = {"fit", "validate", "test", "predict"}
+
+#: top-level module -> the extra that installs it (``pip install 'vispe[EXTRA]'``)
+EXTRA_OF_MODULE: dict[str, str] = {
+    "lightning": "train", "pytorch_lightning": "train", "lightning_fabric": "train", "torchmetrics": "train",
+    "jsonargparse": "train", "matplotlib": "train", "torchvision": "train",
+    "decord": "video", "av": "video", "open_clip": "video",
+    "transformers": "hf",
+}
+
+DEBUG_ENV = "VISPE_DEBUG"
 
 
 def _usage() -> str:
@@ -46,10 +61,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cmd not in SUBCOMMANDS:
         print(f"vispe: unknown command {cmd!r}; choose one of {sorted(SUBCOMMANDS)}\n\n{_usage()}", file=sys.stderr)
         return 2
-    fn = _load(SUBCOMMANDS[cmd][0])
-    # LightningCLI parses its own subcommand, so it receives it back
-    rc = fn([cmd, *rest] if cmd in _LIGHTNING else rest)
+    debug = "--debug" in rest or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    rest = [a for a in rest if a != "--debug"]
+    try:
+        fn = _load(SUBCOMMANDS[cmd][0])
+        # LightningCLI parses its own subcommand, so it receives it back
+        rc = fn([cmd, *rest] if cmd in _LIGHTNING else rest)
+    except ModuleNotFoundError as err:
+        extra = EXTRA_OF_MODULE.get((err.name or "").split(".")[0])
+        if debug or extra is None:
+            raise
+        print(f"vispe {cmd}: needs the {extra!r} extra ({err.name} is not installed): pip install 'vispe[{extra}]'", file=sys.stderr)
+        return 2
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as err:  # one clear sentence; the traceback is for --debug
+        if debug:
+            raise
+        print(f"vispe {cmd}: error: {_reason(err)}\n(run with --debug or {DEBUG_ENV}=1 for the traceback)", file=sys.stderr)
+        return 2
     return int(rc or 0)
+
+
+def _reason(err: BaseException) -> str:
+    """The sentence that says what is wrong. jsonargparse reports a class that failed to build as "Does not validate
+    against any of the Union subtypes" followed by one line per candidate type; the real reason is the line that is
+    not a bare type mismatch (``Expected a <class 'NoneType'>``), so only that line is kept."""
+    text = str(err)
+    if "Errors:" in text:
+        reasons = [line.strip()[2:] for line in text.split("Errors:", 1)[1].splitlines()
+                   if line.strip().startswith("- ") and not line.strip().startswith("- Expected a <class")]
+        if reasons:
+            return "; ".join(reasons)
+    return f"{type(err).__name__}: {text}"
 
 
 if __name__ == "__main__":

@@ -10,9 +10,14 @@
   DataModule (``num_classes``, ``in_chans``, ``image_size`` attributes) for any model whose
   ``__init__`` accepts them, so configs state them once.
 * Defaults added when the config has none: TQDM progress bar, CSV logger (plus TensorBoard when
-  installed), learning-rate monitor, and a ``ModelCheckpoint`` with ``last.ckpt`` in
-  ``<save_dir>/<name>/checkpoints`` (not versioned, so ``--ckpt_path last`` finds it on resume).
-* Checkpoints are written atomically (temp file in the same folder, fsync, ``os.replace``).
+  installed), learning-rate monitor, and a :class:`FinalLastCheckpoint` with ``last.ckpt`` in the
+  logger's versioned folder ``<save_dir>/<name>/version_N/checkpoints``: a rerun never overwrites an
+  earlier run, and ``--ckpt_path last`` resumes from the newest version that has a ``last.ckpt``
+  (:func:`find_last_checkpoint`). ``last.ckpt`` always holds the final step of a run that ended normally.
+* Checkpoints are written atomically (temp file in the same folder, fsync, ``os.replace``), with the
+  permissions the user's umask gives any new file.
+* A run killed at any step and resumed with ``--ckpt_path last`` equals the uninterrupted run: the
+  training loader (:class:`vispe.data.ResumableDataLoader`) continues the epoch where the checkpoint left it.
 """
 from __future__ import annotations
 
@@ -21,17 +26,18 @@ import inspect
 import os
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, ProgressBar, TQDMProgressBar
+from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelCheckpoint, ProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger, Logger
 
-__all__ = ["AtomicCheckpointIO", "VispeCLI", "launcher_trainer_settings", "main"]
+__all__ = ["AtomicCheckpointIO", "FinalLastCheckpoint", "ResumeTrainLoaderState", "VispeCLI", "find_last_checkpoint", "launcher_trainer_settings", "main"]
 
 _TRAINER_DEFAULTS = {"accelerator": "auto", "devices": "auto", "num_nodes": 1, "strategy": "auto", "precision": None}
 _DATA_TO_MODEL = {"num_classes": "num_classes", "in_chans": "in_chans", "image_size": "img_size"}
@@ -54,6 +60,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         try:
+            os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a checkpoint is an ordinary file
             with os.fdopen(fd, "wb") as f:
                 torch.save(checkpoint, f)
                 f.flush()
@@ -71,6 +78,56 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 os.close(dfd)
         except OSError:
             pass
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+class FinalLastCheckpoint(ModelCheckpoint):
+    """``ModelCheckpoint`` whose ``last.ckpt`` is the end of the run: Lightning saves on validation /
+    epoch ends, so a run stopped by ``max_steps`` between two of them (``max_steps: 130,
+    val_check_interval: 40``) would leave step 120 behind as ``last.ckpt``. This one saves once more
+    when training ends normally and the last save is older than the final step."""
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_end(trainer, pl_module)
+        if self.save_last and not trainer.sanity_checking and self._last_global_step_saved != trainer.global_step:
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+
+class ResumeTrainLoaderState(Callback):
+    """Hands the training loader its checkpointed position when a run resumes.
+
+    Lightning restores a stateful loader's ``state_dict`` only if the fit loop builds its loaders after the
+    restore; a task whose ``configure_optimizers`` reads ``trainer.estimated_stepping_batches`` (every vispe
+    task: the schedule's length) makes Lightning build them earlier, and the saved position would be ignored
+    (the resumed epoch would start again from its first batch). This applies it once training starts.
+    """
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trainer.fit_loop._load_combined_loader_states()
+
+
+def _version_number(path: Path) -> int:
+    try:
+        return int(path.name.split("_", 1)[1])
+    except (IndexError, ValueError):
+        return -1
+
+
+def find_last_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    """The ``last.ckpt`` to resume a run from: in the newest ``version_N/checkpoints`` of ``run_dir`` that has
+    one (``<save_dir>/<name>``), else the unversioned ``run_dir/checkpoints`` of older vispe runs; ``None`` if
+    there is none."""
+    run_dir = Path(run_dir)
+    versions = sorted((d for d in run_dir.glob("version_*") if d.is_dir()), key=_version_number, reverse=True)
+    for folder in [*(v / "checkpoints" for v in versions), run_dir / "checkpoints"]:
+        if (folder / "last.ckpt").is_file():
+            return folder / "last.ckpt"
+    return None
 
 
 def _int_or_str(value: str) -> int | str:
@@ -181,15 +238,19 @@ class VispeCLI(LightningCLI):
             callbacks.append(LearningRateMonitor(logging_interval="step"))
         if tcfg.get("enable_checkpointing", True) is not False and not any(isinstance(c, ModelCheckpoint) for c in callbacks):
             if isinstance(first_logger, Logger) and getattr(first_logger, "save_dir", None):
-                ckpt_dir = Path(first_logger.save_dir) / (first_logger.name or "") / "checkpoints"
+                # the logger's own version folder: a rerun gets version_N+1 and never overwrites this run
+                ckpt_dir = Path(first_logger.log_dir) / "checkpoints"
             else:
                 ckpt_dir = Path(tcfg.get("default_root_dir") or ".") / "checkpoints"
-            callbacks.append(ModelCheckpoint(dirpath=str(ckpt_dir), filename="epoch{epoch:03d}", auto_insert_metric_name=False,
-                                             save_top_k=1, save_last=True))
+            callbacks.append(FinalLastCheckpoint(dirpath=str(ckpt_dir), filename="epoch{epoch:03d}", auto_insert_metric_name=False,
+                                                 save_top_k=1, save_last=True))
+        if not any(isinstance(c, ResumeTrainLoaderState) for c in callbacks):
+            callbacks.append(ResumeTrainLoaderState())
         kwargs["callbacks"] = callbacks
         trainer = super().instantiate_trainer(**kwargs)
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        self._run_dir = Path(first_logger.save_dir) / (first_logger.name or "") if isinstance(first_logger, Logger) and getattr(first_logger, "save_dir", None) else None
         launched = int(os.environ.get("WORLD_SIZE", "0") or 0)
         if launched and trainer.world_size != launched:
             raise RuntimeError(
@@ -200,6 +261,20 @@ class VispeCLI(LightningCLI):
         return trainer
 
 
+    def _prepare_subcommand_kwargs(self, subcommand: str) -> dict[str, Any]:
+        kwargs = super()._prepare_subcommand_kwargs(subcommand)
+        if kwargs.get("ckpt_path") == "last":
+            # Lightning would look for "last" in this run's new version folder (empty) and start from scratch
+            run_dir = getattr(self, "_run_dir", None)
+            found = find_last_checkpoint(run_dir) if run_dir is not None else None
+            if found is None:
+                where = f"{run_dir}/version_*/checkpoints" if run_dir is not None else "the logger's folder"
+                raise FileNotFoundError(f"--ckpt_path last: no last.ckpt under {where}; nothing to resume "
+                                        f"(pass a checkpoint file, or drop --ckpt_path to start a new run)")
+            kwargs["ckpt_path"] = str(found)
+        return kwargs
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``vispe fit|validate|test|predict`` and ``train/fit.py``."""
     import vispe  # noqa: F401  (registers models and encodings)
@@ -207,7 +282,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     import vispe.tasks  # noqa: F401
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    VispeCLI(args=argv)
+    with warnings.catch_warnings():
+        # vispe always passes the arguments explicitly (`vispe fit ...` re-dispatches sys.argv)
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+        VispeCLI(args=argv)
     return 0
 
 

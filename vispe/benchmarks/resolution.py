@@ -1,6 +1,6 @@
 """Resolution-generalization sweep: accuracy of trained classifiers across input sizes.
 
-    vispe resolution runs/a/checkpoints/last.ckpt runs/b/checkpoints/last.ckpt \\
+    vispe resolution runs/a/version_0/checkpoints/last.ckpt runs/b/version_0/checkpoints/last.ckpt \\
         --sizes 16,24,32,40,48,56,64 --extrapolation native --out outputs/resolution
 
 Protocol (fixed, written into the JSON):

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from vispe.train_cli import find_last_checkpoint
+
 __all__ = ["CLAIMS", "HEADLINE", "RECIPES", "TECHNIQUES", "Part", "claims", "main", "plot_techniques", "summarise",
            "technique_effects", "training_order"]
 
@@ -166,7 +168,7 @@ def training_order(runs: Sequence[tuple[str, int]], out: Path, timings: dict[str
     todo = [(i, (e, s)) for i, (e, s) in enumerate(runs) if f"{e}-s{s}" not in timings]
     def key(item: tuple[int, tuple[str, int]]) -> tuple[bool, int, int]:
         i, (enc, seed) = item
-        return (not (out / f"{enc}-s{seed}" / "checkpoints" / "last.ckpt").is_file(), seed, i)
+        return (find_last_checkpoint(out / f"{enc}-s{seed}") is None, seed, i)
     return [run for _, run in sorted(todo, key=key)]
 
 
@@ -181,7 +183,7 @@ def train_part(part: Part, out: Path, jobs: int, threads: int, data_dir: str | N
 
     def command(enc: str, seed: int) -> list[str]:
         cmd = _fit_command(part, enc, seed, out, data_dir)
-        if (out / f"{enc}-s{seed}" / "checkpoints" / "last.ckpt").is_file():
+        if find_last_checkpoint(out / f"{enc}-s{seed}") is not None:
             cmd += ["--ckpt_path", "last"]
         return cmd
 
@@ -219,14 +221,22 @@ def train_part(part: Part, out: Path, jobs: int, threads: int, data_dir: str | N
     return timings
 
 
+def _trained_checkpoint(run_dir: Path) -> Path:
+    found = find_last_checkpoint(run_dir)
+    if found is None:
+        raise FileNotFoundError(f"no last.ckpt under {run_dir}: the run did not train (see its log under logs/)")
+    return found
+
+
 def _int_sizes(row: dict[str, Any]) -> dict[str, Any]:
     """A summary row read back from JSON (size keys are strings there) with integer size keys again."""
     return {**row, "mean": {int(k): v for k, v in row["mean"].items()}, "spread": {int(k): v for k, v in row["spread"].items()}}
 
 
 def _run_folder(checkpoint: str) -> str:
-    """``<out>/<part>/<run encoding>-s<seed>/checkpoints/last.ckpt`` -> ``<run encoding>-s<seed>``."""
-    return Path(checkpoint).parent.parent.name
+    """``<out>/<part>/<run encoding>-s<seed>/[version_N/]checkpoints/last.ckpt`` -> ``<run encoding>-s<seed>``."""
+    folder = Path(checkpoint).parent.parent
+    return folder.parent.name if folder.name.startswith("version_") else folder.name
 
 
 def summarise(sweep: dict[str, Any], part: Part) -> list[dict[str, Any]]:
@@ -523,7 +533,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         part_out.mkdir(parents=True, exist_ok=True)
         t_part = time.perf_counter()
         timings[pt.name] = train_part(pt, part_out, args.jobs, args.threads, data_dir, log)
-        ckpts = [str(part_out / f"{e}-s{s}" / "checkpoints" / "last.ckpt") for e, s in pt.runs()]
+        ckpts = [str(_trained_checkpoint(part_out / f"{e}-s{s}")) for e, s in pt.runs()]
         sweep = run_sweep(ckpts, pt.sizes(), args.policies, part_out / "resolution", labels=[f"{e}-s{s}" for e, s in pt.runs()],
                           eval_subset=pt.eval_subset, data_dir=str(Path(data_dir) / pt.needs_data) if pt.needs_data else None)
         part_rows = summarise(sweep, pt)
