@@ -35,6 +35,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .._checks import Choice, Ints, Positive
 from .base import TokenEncoding, register_encoding
 from .gilbert import gilbert_order
 from .grid import PositionGrid
@@ -113,6 +114,14 @@ class LOOPE(TokenEncoding):
 
     grid_ndims = (2,)
     prefix_policy = "prefix tokens get their own learned vectors (zeros init); no curve position"
+
+    #: option rules, checked before __init__ (vispe._checks; see PositionalEncoding.option_checks)
+    option_checks = {
+        "patch_size": Ints(1, length=2),
+        "head": Choice(LOOPE_HEADS),
+        "order_scale": Choice(LOOPE_ORDER_SCALES),
+        "temperature": Positive(),
+    }
 
     def __init__(
         self,

@@ -49,6 +49,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..positions import POSITION_SCHEMES, Text, Visual, build_positions, get_scheme
+from .._checks import Choice, Int, Ints, Positive
 from .base import register_encoding
 from .grid import PositionGrid
 from .rotary import ROTARY_LAYOUTS, RotaryEncoding, apply_rotary, rotary_table
@@ -92,6 +93,15 @@ class MultimodalRotary(RotaryEncoding):
     def num_coords(self) -> int:
         """Coordinates per token, from the scheme record (:data:`vispe.positions.SCHEMES`)."""
         return get_scheme(self.registry_name).num_coords
+
+    #: option rules, checked before __init__ (vispe._checks; see PositionalEncoding.option_checks)
+    option_checks = {
+        "head_dim": Int(2, multiple_of=2),
+        "theta": Positive(),
+        "layout": Choice(ROTARY_LAYOUTS),
+        "mrope_section": Ints(0, length=3, optional=True),
+        "temporal_pairs": Int(0, optional=True),
+    }
 
     def __init__(self, head_dim: int, theta: float = 10000.0, layout: str = "half") -> None:
         super().__init__()

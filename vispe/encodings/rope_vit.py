@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 from timm.layers.pos_embed_sincos import init_random_2d_freqs
 
-from .._checks import check_choice
+from .._checks import Choice, Int, Ints, NonNegative, Positive, Real, check_choice
 from .base import register_encoding
 from .grid import PositionGrid, random_lattice_indices, random_scale_shift
 from .rotary import RotaryEncoding
@@ -80,6 +80,19 @@ class _LatticeRotary(RotaryEncoding):
     extrapolation_modes: ClassVar[tuple[str, ...]] = ROTARY_EXTRAPOLATION_MODES
     yarn_alpha: ClassVar[float] = 1.0
     yarn_beta: ClassVar[float] = 32.0
+
+    #: option rules, checked before __init__ (vispe._checks; see PositionalEncoding.option_checks)
+    option_checks = {
+        "head_dim": Int(2, multiple_of=2),
+        "theta": Positive(),
+        "extrapolation": Choice(ROTARY_EXTRAPOLATION_MODES),
+        "sections": Ints(1, optional=True),
+        "chunk_axes": Ints(0, distinct=True, optional=True),
+        "coord_shift": NonNegative(),
+        "coord_jitter": Real(1),
+        "coord_rescale": Real(1),
+        "random_positions": Real(1),
+    }
 
     def __init__(
         self,
@@ -250,6 +263,9 @@ class RopeMixed(_LatticeRotary):
 
     grid_ndims = (2,)
     per_layer = True
+
+    #: option rules, checked before __init__ (vispe._checks; see PositionalEncoding.option_checks)
+    option_checks = {"temporal_theta": Positive(), "temporal_init": Choice(("ladder", "zero"))}
 
     def __init__(
         self,
