@@ -43,6 +43,7 @@ rotates ``q``/``k`` of shape ``(B, H, L, d)``. The usual lattice hook ``angles(g
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -145,10 +146,13 @@ class MultimodalRotary(RotaryEncoding):
         pos = self.check_positions(pos)
         dev = pos.device
         dev_type = dev.type
+        # float64 positions are those float32 cannot hold exactly (vispe.positions): their angles are formed in
+        # float64, so distinct positions keep distinct rotations
+        wide = pos.dtype == torch.float64
         with torch.autocast(device_type=dev_type, enabled=False):
-            p = pos.to(torch.float32)
+            p = pos.to(torch.float64 if wide else torch.float32)
             amap = self.axis_map().to(dev)
-            freq = self.pair_frequencies(dev)
+            freq = self.pair_frequencies(dev).to(p.dtype)
             none = amap < 0
             idx = amap.clamp(min=0)
             if amap.ndim == 1:
@@ -159,6 +163,10 @@ class MultimodalRotary(RotaryEncoding):
                 sel = p[idx]  # (H, P, B, L)
                 ang = sel.permute(2, 0, 3, 1) * freq  # (B, H, L, P)
                 ang = ang.masked_fill(none[None, :, None, :], 0.0)
+            if wide:
+                # the float64 product rounds to the float32 path's angle bit for bit; only angles past 2^16 rad
+                # (float32 error >= 0.008 rad) are first reduced mod 2*pi, where float32 would blur them
+                ang = torch.where(ang.abs() > 2.0**16, torch.remainder(ang, 2 * math.pi), ang).to(torch.float32)
         return ang
 
     def table_from_positions(self, pos: torch.Tensor) -> torch.Tensor:

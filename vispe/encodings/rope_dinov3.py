@@ -113,7 +113,7 @@ class RopeDinoV3(RopeAxial):
         "shift_coords": NonNegative(optional=True),
         "jitter_coords": Real(1, optional=True),
         "rescale_coords": Real(1, optional=True),
-        "sections": Ints(1, optional=True),
+        "sections": Ints(0, optional=True),
     }
 
     def __init__(

@@ -86,7 +86,7 @@ class _LatticeRotary(RotaryEncoding):
         "head_dim": Int(2, multiple_of=2),
         "theta": Positive(),
         "extrapolation": Choice(ROTARY_EXTRAPOLATION_MODES),
-        "sections": Ints(1, optional=True),
+        "sections": Ints(0, optional=True),
         "chunk_axes": Ints(0, distinct=True, optional=True),
         "coord_shift": NonNegative(),
         "coord_jitter": Real(1),
