@@ -46,6 +46,7 @@ __all__ = [
     "list_encodings",
     "get_encoding_class",
     "encoding_option_checks",
+    "check_context_fields",
     "sdpa",
     "merge_attn_mask",
     "sdpa_with_bias",
@@ -61,13 +62,28 @@ CONTEXT_OPTION_CHECKS: dict[str, OptionCheck] = {
     "dim": Int(1),
     "num_heads": Int(1),
     "head_dim": Int(1),
-    "depth": Int(1),
+    "depth": Int(0),  # a model may have no blocks
     "grid_size": Ints(1),
     "num_prefix_tokens": Int(0),
     "in_chans": Int(1),
     "patch_size": Ints(1),
 }
 _CONTEXT_FIELDS = ("dim", "num_heads", "depth", "grid_size", "num_prefix_tokens", "in_chans", "patch_size")
+
+
+def check_context_fields(owner: str, dim_name: str = "dim", **fields: Any) -> None:
+    """Check the model fields an :class:`EncodingContext` carries (any subset; ``dim`` may be named
+    ``dim_name``, e.g. a model's ``embed_dim``) and that the width splits into heads. Host models call it
+    before building their blocks, so ``num_heads=0`` is a clear error rather than a ``ZeroDivisionError``."""
+    dim = fields.pop(dim_name, fields.pop("dim", None))
+    rules = dict(CONTEXT_OPTION_CHECKS, **{dim_name: CONTEXT_OPTION_CHECKS["dim"]})
+    check_options(owner, rules, {**({dim_name: dim} if dim is not None else {}), **fields})
+    heads = fields.get("num_heads")
+    if dim is not None and heads is not None and dim % heads:
+        raise ValueError(
+            f"{owner}: {dim_name}={dim!r} is not divisible by num_heads={heads!r}; each head gets "
+            f"{dim_name} / num_heads channels (head_dim), so {dim_name} must be a multiple of num_heads"
+        )
 
 
 def _annotation_check(annotation: Any) -> OptionCheck | None:
@@ -126,12 +142,7 @@ class EncodingContext:
 
     def __post_init__(self) -> None:
         # a bad width or head count would otherwise end deep inside an encoding (num_heads=0: ZeroDivisionError)
-        check_options("EncodingContext", CONTEXT_OPTION_CHECKS, {f: getattr(self, f) for f in _CONTEXT_FIELDS})
-        if self.dim % self.num_heads:
-            raise ValueError(
-                f"EncodingContext: dim={self.dim!r} is not divisible by num_heads={self.num_heads!r}; "
-                f"each head gets dim / num_heads channels (head_dim), so dim must be a multiple of num_heads"
-            )
+        check_context_fields("EncodingContext", **{f: getattr(self, f) for f in _CONTEXT_FIELDS})
 
     @property
     def head_dim(self) -> int:
