@@ -147,7 +147,7 @@ class MultimodalRotary(RotaryEncoding):
         dev = pos.device
         dev_type = dev.type
         # float64 positions are those float32 cannot hold exactly (vispe.positions): their angles are formed in
-        # float64, so distinct positions keep distinct rotations
+        # float64, so distinct positions keep distinct rotations and relative angles stay exact far out
         wide = pos.dtype == torch.float64
         with torch.autocast(device_type=dev_type, enabled=False):
             p = pos.to(torch.float64 if wide else torch.float32)
@@ -156,17 +156,17 @@ class MultimodalRotary(RotaryEncoding):
             none = amap < 0
             idx = amap.clamp(min=0)
             if amap.ndim == 1:
-                sel = p[idx]  # (P, B, L): the coordinate each pair reads
-                ang = sel.permute(1, 2, 0) * freq  # (B, L, P)
-                ang = ang.masked_fill(none, 0.0)[:, None]
+                sel = p[idx].permute(1, 2, 0)  # (B, L, P): the coordinate each pair reads
+                ang = (sel * freq).masked_fill(none, 0.0)[:, None]
+                sel = sel[:, None]
             else:
-                sel = p[idx]  # (H, P, B, L)
-                ang = sel.permute(2, 0, 3, 1) * freq  # (B, H, L, P)
-                ang = ang.masked_fill(none[None, :, None, :], 0.0)
+                sel = p[idx].permute(2, 0, 3, 1)  # (B, H, L, P)
+                ang = (sel * freq).masked_fill(none[None, :, None, :], 0.0)
             if wide:
-                # the float64 product rounds to the float32 path's angle bit for bit; only angles past 2^16 rad
-                # (float32 error >= 0.008 rad) are first reduced mod 2*pi, where float32 would blur them
-                ang = torch.where(ang.abs() > 2.0**16, torch.remainder(ang, 2 * math.pi), ang).to(torch.float32)
+                # up to 2^16 the float64 product rounds to the float32 path's angle bit for bit; past it (where
+                # float32 angles are off by >= 2^-7 rad per unit frequency) angles are reduced mod 2*pi in float64
+                far = sel.abs() > 2.0**16
+                ang = torch.where(far, torch.remainder(ang, 2 * math.pi), ang).to(torch.float32)
         return ang
 
     def table_from_positions(self, pos: torch.Tensor) -> torch.Tensor:
