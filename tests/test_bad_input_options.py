@@ -118,7 +118,12 @@ def _run_hooks(enc: nn.Module, ctx: EncodingContext) -> list[torch.Tensor]:
 def _edge_values(rule: OptionCheck) -> list[object]:
     """Valid values at the edge of a rule (a closed bound itself, just inside an open one)."""
     if isinstance(rule, Real) and rule.low is not None:
-        return [rule.low + (1e-3 if rule.low_open else 0.0)]
+        edges = [rule.low + (1e-3 if rule.low_open else 0.0)]
+        if rule.high is not None:
+            edges.append(rule.high * (1 - 1e-3) if rule.high_open else rule.high)
+        else:
+            edges.append(1e30)  # no upper bound: a huge finite value must still give a finite model
+        return edges
     if isinstance(rule, Int) and rule.low is not None and not rule.odd and not rule.multiple_of:
         return [max(rule.low, 0)]
     if isinstance(rule, Bool):
@@ -149,10 +154,9 @@ def test_every_encoding_builds_with_defaults_and_gives_finite_outputs(name):
 
 # edge values that are valid for the option's rule but need a partner option (documented here, not hidden)
 _EDGE_NEEDS = {
-    ("irpe", "ratio", 0.5): None,
-    ("rope_dinov3", "min_period"): {"max_period": 100.0},
+    ("rope_dinov3", "min_period"): {"max_period": 1e30},
     ("rope_dinov3", "max_period"): {"min_period": 1e-3},
-    ("rope_dinov3_3d", "min_period"): {"max_period": 100.0},
+    ("rope_dinov3_3d", "min_period"): {"max_period": 1e30},
     ("rope_dinov3_3d", "max_period"): {"min_period": 1e-3},
 }
 

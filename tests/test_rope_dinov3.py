@@ -288,7 +288,7 @@ def test_bad_options_fail_at_construction_naming_the_value():
         RopeDinoV3(16, min_period=1.0)
     with pytest.raises(ValueError, match=r"min_period=8\.0 must be <= max_period=1\.0"):
         RopeDinoV3(16, min_period=8.0, max_period=1.0)
-    with pytest.raises(ValueError, match=r"base=-2 is not valid; it must be a finite number > 0"):
+    with pytest.raises(ValueError, match=r"base=-2 is not valid; it must be a finite number >= 1"):
         RopeDinoV3(16, base=-2)
     with pytest.raises(ValueError, match=r"shift_coords=-0\.1 is not valid; it must be a finite number >= 0"):
         RopeDinoV3(16, shift_coords=-0.1)

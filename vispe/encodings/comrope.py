@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from .._checks import Bool, Choice, Int, NonNegative, Real, check_choice
+from .._checks import Bool, Choice, Int, Real, check_choice
 from .base import autocast_off_in_backward, register_encoding
 from .block_rotation import rotate_blocks
 from .rotary import RotaryEncoding, RotaryState, apply_rotary, rotary_table
@@ -586,14 +586,14 @@ class ComRopeBase(RotaryEncoding):
     #: option rules, checked before __init__ (vispe._checks; see PositionalEncoding.option_checks)
     option_checks = {
         "block_size": Int(2),
-        "init_std": NonNegative(),
+        "init_std": Real(0, 1e3),  # larger generators no longer give finite rotations
         "zero_init": Bool(),
-        "sigma": NonNegative(),
+        "sigma": Real(0, 1e3),
         "rotation": Choice(ROTATION_METHODS),
-        "coord_shift": NonNegative(),
-        "coord_jitter": Real(1),
-        "coord_rescale": Real(1),
-        "random_positions": Real(1),
+        "coord_shift": Real(0, 1e3),
+        "coord_jitter": Real(1, 1e3),
+        "coord_rescale": Real(1, 1e3),
+        "random_positions": Real(1, 1e3),
     }
 
     def __init__(

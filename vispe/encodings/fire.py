@@ -47,7 +47,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .._checks import Choice, Int, Positive, check_choice
+from .._checks import Choice, Int, Real, check_choice
 from .alibi import LatticePairBias, pair_distance
 from .base import register_encoding
 from .grid import PositionGrid
@@ -99,8 +99,8 @@ class _Fire(LatticePairBias):
     option_checks = {
         "distance": Choice(FIRE_DISTANCES),
         "mlp_width": Int(1),
-        "init_c": Positive(),
-        "init_threshold": Positive(optional=True),
+        "init_c": Real(0, 1e6, low_open=True),
+        "init_threshold": Real(0, 1e6, low_open=True, optional=True),
     }
 
     def __init__(

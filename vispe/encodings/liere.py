@@ -59,7 +59,7 @@ from typing import ClassVar, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from .._checks import Choice, Int, Ints, NonNegative, check_choice
+from .._checks import Choice, Int, Ints, Real, check_choice
 from .base import autocast_off_in_backward, register_encoding
 from .grid import PositionGrid
 from .block_rotation import rotate_blocks
@@ -227,7 +227,7 @@ class LieREBase(RotaryEncoding):
         "grid_size": Ints(1, optional=True),
         "block_size": Int(2, optional=True),
         "coords": Choice(LIERE_COORDS),
-        "init_range": NonNegative(),
+        "init_range": Real(0, 1e3),  # generator entries ~ U(0, init_range); far larger ones overflow the exponential
     }
 
     def __init__(

@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .._checks import Choice, Ints, Positive
+from .._checks import Choice, Ints, Real
 from .base import TokenEncoding, register_encoding
 from .gilbert import gilbert_order
 from .grid import PositionGrid
@@ -156,7 +156,7 @@ class LOOPE(TokenEncoding):
         "patch_size": Ints(1, length=2),
         "head": Choice(LOOPE_HEADS),
         "order_scale": Choice(LOOPE_ORDER_SCALES),
-        "temperature": Positive(),
+        "temperature": Real(1),  # the sinusoid base; below 1 the ladder grows (and overflows near 0)
     }
 
     def __init__(

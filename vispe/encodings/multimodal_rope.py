@@ -50,7 +50,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..positions import POSITION_SCHEMES, Text, Visual, build_positions, get_scheme
-from .._checks import Choice, Int, Ints, Positive
+from .._checks import Choice, Int, Ints, Real
 from .base import register_encoding
 from .grid import PositionGrid
 from .rotary import ROTARY_LAYOUTS, RotaryEncoding, apply_rotary, rotary_table
@@ -98,7 +98,7 @@ class MultimodalRotary(RotaryEncoding):
     #: option rules, checked before __init__ (vispe._checks; see PositionalEncoding.option_checks)
     option_checks = {
         "head_dim": Int(2, multiple_of=2),
-        "theta": Positive(),
+        "theta": Real(1),  # the base of the ladder theta^(-2i/d); below 1 it grows (and overflows near 0)
         "layout": Choice(ROTARY_LAYOUTS),
         "mrope_section": Ints(0, length=3, optional=True),
         "temporal_pairs": Int(0, optional=True),

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 from timm.layers.pos_embed_sincos import init_random_2d_freqs
 
-from .._checks import Choice, Int, Ints, NonNegative, Positive, Real, check_choice
+from .._checks import Choice, Int, Ints, Real, check_choice
 from .base import register_encoding
 from .grid import PositionGrid, random_lattice_indices, random_scale_shift
 from .rotary import RotaryEncoding
@@ -84,14 +84,15 @@ class _LatticeRotary(RotaryEncoding):
     #: option rules, checked before __init__ (vispe._checks; see PositionalEncoding.option_checks)
     option_checks = {
         "head_dim": Int(2, multiple_of=2),
-        "theta": Positive(),
+        "theta": Real(1),  # the base of the ladder theta^(-2i/d); below 1 the ladder grows (and overflows near 0)
         "extrapolation": Choice(ROTARY_EXTRAPOLATION_MODES),
         "sections": Ints(0, optional=True),
         "chunk_axes": Ints(0, distinct=True, optional=True),
-        "coord_shift": NonNegative(),
-        "coord_jitter": Real(1),
-        "coord_rescale": Real(1),
-        "random_positions": Real(1),
+        # training augmentations, bounded where float32 positions (and the random-position pool) stay sane
+        "coord_shift": Real(0, 1e3),
+        "coord_jitter": Real(1, 1e3),
+        "coord_rescale": Real(1, 1e3),
+        "random_positions": Real(1, 1e3),
     }
 
     def __init__(
@@ -265,7 +266,7 @@ class RopeMixed(_LatticeRotary):
     per_layer = True
 
     #: option rules, checked before __init__ (vispe._checks; see PositionalEncoding.option_checks)
-    option_checks = {"temporal_theta": Positive(), "temporal_init": Choice(("ladder", "zero"))}
+    option_checks = {"temporal_theta": Real(1), "temporal_init": Choice(("ladder", "zero"))}
 
     def __init__(
         self,
