@@ -157,3 +157,20 @@ def test_positions_hope_training_draws_only_valid_gammas():
     rng = random.Random(0)
     pos, _ = build_positions("hope", [Visual(3, 2, 2)] * 3, training=True, gamma_choices=(0.5, 1.5), rng=rng)
     assert torch.isfinite(pos).all()
+
+
+@pytest.mark.xfail(strict=True, reason="vispe/integrations/hf.py (HF integration work, not this change) casts the position rows "
+                   "to float32; vispe.positions gives float64 there, and the fix is to keep the builders' dtype in hf.py")
+def test_positions_hf_v2pe_fine_steps_after_a_long_text_stay_distinct():
+    pytest.importorskip("transformers")
+    from test_hf_integration import IMG, VE, VS, _qwen2_vl, _rope_index
+
+    from vispe.integrations import hf as vhf
+
+    torch.manual_seed(0)
+    model = vhf.apply_position_scheme(_qwen2_vl().eval(), "v2pe", delta=1 / 256)
+    ids = torch.tensor([[5] * 70_000 + [VS] + [IMG] * 4 + [VE, 6]])
+    kw = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "image_grid_thw": torch.tensor([[1, 4, 4]])}
+    pos, _ = _rope_index(model, kw, (ids == IMG).long())
+    vis = pos[0, 0, 70_001:70_005]
+    assert bool((vis[1:] > vis[:-1]).all()), vis.tolist()

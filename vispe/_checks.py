@@ -1,7 +1,7 @@
 """Small argument checks shared across vispe (one wording for every bad-option error).
 
 :func:`check_choice` is the one bad-choice message. The option rules below (:class:`Real`, :class:`Int`,
-:class:`Bool`, :class:`Choice`, :class:`Ints`, :class:`Seq`, :class:`AnyOf`) are declared once per option
+:class:`Bool`, :class:`Choice`, :class:`Ints`, :class:`Seq`, :class:`AnyOf`, :class:`Satisfies`) are declared once per option
 (an encoding's ``option_checks``, a position scheme's options) and raise, before anything is built,
 ``TypeError`` (wrong type) or ``ValueError`` (out of range) naming the option, the bad value and what
 is valid: ``"rope_axial: theta=0 is not valid; it must be a finite number > 0"``.
@@ -12,7 +12,7 @@ import math
 import numbers
 from typing import Any, Iterable, Sequence
 
-__all__ = ["check_choice", "OptionCheck", "Real", "Int", "Bool", "Str", "Choice", "Ints", "Seq", "AnyOf", "check_options"]
+__all__ = ["check_choice", "OptionCheck", "Real", "Int", "Bool", "Str", "Choice", "Ints", "Seq", "AnyOf", "Satisfies", "check_options"]
 
 
 def check_choice(name: str, value: Any, choices: Iterable[Any]) -> None:
@@ -246,6 +246,23 @@ class AnyOf(OptionCheck):
         if any(r is None for r in results):
             return None
         return "type" if all(r == "type" for r in results) else "value"
+
+
+class Satisfies(OptionCheck):
+    """Any other rule: ``predicate(value)`` is true (e.g. a list of encoding specs); ``description`` says what
+    is valid, in the words of :meth:`describe`."""
+
+    def __init__(self, predicate: Any, description: str, optional: bool = False) -> None:
+        self.predicate, self.description, self.optional = predicate, description, optional
+
+    def describe(self) -> str:
+        return self.description
+
+    def _valid(self, value: Any) -> str | None:
+        try:
+            return None if self.predicate(value) else "value"
+        except (TypeError, ValueError):
+            return "type"
 
 
 def check_options(owner: str, checks: dict[str, OptionCheck], values: dict[str, Any]) -> None:
