@@ -77,6 +77,34 @@ def test_positions_video_llm_refuses_bad_position_options_at_construction():
     expect_clear_error(build, ["temporal_patch_size", "0"], ValueError)
 
 
+_KINDS = [("negative", -1), ("zero", 0), ("nan", NAN), ("inf", INF), ("string", "1"), ("none", None), ("fraction", 0.5),
+          ("bool", True), ("empty", ()), ("negative_entry", (0.5, -1.0))]
+# options a scheme needs with the one walked (absolute time needs fps or seconds_per_grid; draws need training)
+_PARTNERS = {"tokens_per_second": {"fps": 2.0}, "temporal_patch_size": {"fps": 2.0}, "time_floor": {"fps": 2.0},
+             "gamma_choices": {"training": True}, "delta_choices": {"training": True}}
+
+
+def _scheme_walk():
+    cases = []
+    for name, rec in SCHEMES.items():
+        for option in rec.options():
+            rule = SCHEME_OPTION_CHECKS.get(option)
+            if rule is None:
+                continue
+            for kind, value in _KINDS:
+                if not rule.is_valid(value):
+                    cases.append(pytest.param(name, option, value, id=f"positions-walk-{name}-{option}-{kind}"))
+    return cases
+
+
+@pytest.mark.parametrize("scheme,option,value", _scheme_walk())
+def test_positions_walk_refused_before_building(scheme, option, value):
+    opts = {**_PARTNERS.get(option, {}), option: value}
+    if scheme == "mrope" and option == "seconds_per_grid":
+        opts.pop("fps", None)
+    expect_clear_error(lambda: build_positions(scheme, VID, **opts), [option, repr(value)], (TypeError, ValueError))
+
+
 def test_every_scheme_option_has_a_rule():
     """Every builder option is checked by name (``rng`` and ``timestamp_tokens`` are checked by the builders)."""
     for name, rec in SCHEMES.items():
