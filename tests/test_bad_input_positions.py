@@ -113,7 +113,7 @@ def test_every_scheme_option_has_a_rule():
 
 
 @pytest.mark.parametrize("scheme", list(SCHEMES))
-def test_positions_are_finite_for_valid_options(scheme):
+def test_valid_scheme_options_give_finite_positions(scheme):
     opts = {"hope": {"gamma": 0.5}, "v2pe": {"delta": 1 / 256}, "mrope": {"fps": 0.5}, "qwen3vl": {"fps": 0.5}}.get(scheme, {})
     pos, delta = build_positions(scheme, [Text(5), Visual(3, 4, 6), Text(2), Visual(1, 2, 2)], **opts)
     assert torch.isfinite(pos.double()).all() and math.isfinite(float(delta))
@@ -173,7 +173,7 @@ def test_positions_v2pe_rotary_keeps_relative_logits_far_out():
     assert torch.equal(t32[..., 0, :], t32[..., 1, :])
 
 
-def test_positions_float64_angles_match_float32_where_float32_is_exact():
+def test_float64_angles_match_float32_where_float32_is_exact():
     enc = create_encoding("mrope", EncodingContext(64, 4, 1, (1, 1, 1), num_prefix_tokens=0))
     pos, _ = build_positions("mrope", [Text(4), Visual(2, 3, 3)], fps=1.0, time_floor=False, tokens_per_second=0.75)
     a32 = enc.angles_from_positions(pos.float()[:, None])
@@ -181,7 +181,7 @@ def test_positions_float64_angles_match_float32_where_float32_is_exact():
     assert torch.equal(a32, a64)
 
 
-def test_positions_hope_training_draws_only_valid_gammas():
+def test_hope_training_draws_only_valid_gammas():
     rng = random.Random(0)
     pos, _ = build_positions("hope", [Visual(3, 2, 2)] * 3, training=True, gamma_choices=(0.5, 1.5), rng=rng)
     assert torch.isfinite(pos).all()

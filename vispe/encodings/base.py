@@ -75,10 +75,9 @@ def check_context_fields(owner: str, dim_name: str = "dim", **fields: Any) -> No
     """Check the model fields an :class:`EncodingContext` carries (any subset; ``dim`` may be named
     ``dim_name``, e.g. a model's ``embed_dim``) and that the width splits into heads. Host models call it
     before building their blocks, so ``num_heads=0`` is a clear error rather than a ``ZeroDivisionError``."""
-    dim = fields.pop(dim_name, fields.pop("dim", None))
     rules = dict(CONTEXT_OPTION_CHECKS, **{dim_name: CONTEXT_OPTION_CHECKS["dim"]})
-    check_options(owner, rules, {**({dim_name: dim} if dim is not None else {}), **fields})
-    heads = fields.get("num_heads")
+    check_options(owner, rules, fields)
+    dim, heads = fields.get(dim_name), fields.get("num_heads")
     if dim is not None and heads is not None and dim % heads:
         raise ValueError(
             f"{owner}: {dim_name}={dim!r} is not divisible by num_heads={heads!r}; each head gets "
@@ -196,8 +195,8 @@ class PositionalEncoding(nn.Module):
     @classmethod
     def option_rules(cls) -> dict[str, OptionCheck]:
         """Every constructor option's rule: declared (:attr:`option_checks` along the MRO) or implied by
-        the option's annotation; options with neither are absent. ``grid_size`` must have a length in
-        :attr:`grid_ndims`."""
+        the option's annotation; options with neither are absent (how many axes ``grid_size`` may have is
+        each encoding's own check: :attr:`grid_ndims` lists hosts, some encodings take any number of axes)."""
         declared: dict[str, OptionCheck] = {}
         for klass in reversed(cls.__mro__):
             declared.update(klass.__dict__.get("option_checks", {}) or {})
@@ -210,8 +209,6 @@ class PositionalEncoding(nn.Module):
             rule = declared.get(name) or _annotation_check(param.annotation)
             if rule is not None:
                 rules[name] = rule
-        if rules.get("grid_size") is CONTEXT_OPTION_CHECKS["grid_size"]:
-            rules["grid_size"] = Ints(1, length=cls.grid_ndims)
         if any(p.kind == p.VAR_KEYWORD for p in params):  # options taken through **kwargs (composed encodings)
             rules.update({k: v for k, v in declared.items() if k not in rules and k not in CONTEXT_OPTION_CHECKS})
         return rules

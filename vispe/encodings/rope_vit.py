@@ -87,7 +87,7 @@ class _LatticeRotary(RotaryEncoding):
         "theta": Real(1),  # the base of the ladder theta^(-2i/d); below 1 the ladder grows (and overflows near 0)
         "extrapolation": Choice(ROTARY_EXTRAPOLATION_MODES),
         "sections": Ints(0, optional=True),
-        "chunk_axes": Ints(0, distinct=True, optional=True),
+        "chunk_axes": Ints(0, optional=True),  # a permutation of the grid axes: checked with the grid below
         # training augmentations, bounded where float32 positions (and the random-position pool) stay sane
         "coord_shift": Real(0, 1e3),
         "coord_jitter": Real(1, 1e3),
