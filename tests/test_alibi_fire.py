@@ -408,11 +408,11 @@ def test_bad_input_is_refused_at_construction():
         create_encoding("fire", ctx, distance="cosine")
     with pytest.raises(ValueError, match=r"extrapolation='ntk' is not valid; choose one of \['extend', 'interpolate'\]"):
         create_encoding("alibi_2d", ctx, extrapolation="ntk")
-    with pytest.raises(ValueError, match="mlp_width must be a positive int, got 0"):
+    with pytest.raises(ValueError, match=r"mlp_width=0 is not valid; it must be an int >= 1"):
         create_encoding("fire", ctx, mlp_width=0)
-    with pytest.raises(ValueError, match="init_c .* must be > 0, got 0"):
+    with pytest.raises(ValueError, match=r"init_c=0 is not valid; it must be a finite number > 0"):
         create_encoding("fire", ctx, init_c=0)
-    with pytest.raises(ValueError, match="init_threshold .* must be > 0 or None"):
+    with pytest.raises(ValueError, match=r"init_threshold=-1.0 is not valid; it must be a finite number > 0 and <= 1e\+06 or None"):
         create_encoding("fire", ctx, init_threshold=-1.0)
     with pytest.raises(ValueError, match=r"grid_size=\(2, 4, 4\) must have \(2,\) positive sizes"):
         create_encoding("fire", _ctx((2, 4, 4)))

@@ -185,9 +185,9 @@ def test_deit_s_spec_counts():
 
 def test_bad_input():
     ctx = EncodingContext(16, 2, 2, (3, 4))
-    with pytest.raises(ValueError, match="unknown iRPE method 'hex'"):
+    with pytest.raises(ValueError, match=r"method='hex' is not valid; choose one of \['euclidean', 'quant', 'cross', 'product'\]"):
         create_encoding("irpe", ctx, method="hex")
-    with pytest.raises(ValueError, match="unknown iRPE mode"):
+    with pytest.raises(ValueError, match=r"mode='ctx' is not valid; choose one of \['bias', 'contextual'\]"):
         create_encoding("irpe", ctx, mode="ctx")
     with pytest.raises(ValueError, match="sides"):
         create_encoding("irpe", ctx, sides="kx")
@@ -199,7 +199,7 @@ def test_bad_input():
         create_encoding("irpe", ctx, ratio=0.2)
     with pytest.raises(ValueError, match="grid"):
         create_encoding("irpe", ctx).prepare(PositionGrid((2, 2, 2), 1))
-    with pytest.raises(ValueError, match="unknown iRPE method"):
+    with pytest.raises(ValueError, match="method='bogus' is not valid"):
         timm.create_model(MODEL, pos_encoding={"name": "irpe", "method": "bogus"}, depth=1)
 
 

@@ -16,7 +16,7 @@ MODEL = "vispe_vit_tiny_patch4_32"
 
 
 def _lff(dim=16, grid=(4, 4), **kw):
-    return create_encoding("lff", EncodingContext(dim, 2, 1, grid), **kw)
+    return create_encoding("lff", EncodingContext(dim, 1, 1, grid), **kw)  # one head: dim may be odd
 
 
 def test_init_is_paper_gaussian_kernel():

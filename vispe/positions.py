@@ -30,7 +30,12 @@ token generated at cache index ``j`` gets position ``j + rope_delta`` on every c
 scheme's own rule, so decoding continues exactly as a longer prefill would.
 
 Positions are int64 when a scheme's options can only produce integers and float32 otherwise
-(``hope``, ``v2pe``, absolute-time ``mrope`` without the floor, fractional temporal strides).
+(``hope``, ``v2pe``, absolute-time ``mrope`` without the floor, fractional temporal strides), or float64
+where float32 would not hold every position exactly (past 2^24, or fine fractional steps such as V2PE's
+``delta = 1/256`` after a long text): distinct positions stay distinct, and the rotary encodings take
+float64 positions through a float64 angle computation. Options are checked by name
+(:data:`SCHEME_OPTION_CHECKS`) before anything is built, and positions past 2^53 (where float64 stops
+counting exactly) are refused.
 Visual tokens must be fed in raster order (t-major, then h, then w), with ``H, W`` the LLM-side
 grid; ``spatial_merge_size=m`` lets ``Visual`` carry the ViT grid instead (``H, W`` divisible by
 ``m``).
@@ -71,7 +76,7 @@ from typing import Any, Mapping, Union
 
 import torch
 
-from ._checks import check_choice
+from ._checks import Bool, Choice, Int, Positive, Seq, check_choice, check_options
 
 __all__ = [
     "HOPE_TRAIN_GAMMAS",
@@ -80,6 +85,7 @@ __all__ = [
     "POSITION_SCHEMES",
     "PositionScheme",
     "SCHEMES",
+    "SCHEME_OPTION_CHECKS",
     "get_scheme",
     "V2PE_TRAIN_DELTAS",
     "BatchPositions",
@@ -174,8 +180,8 @@ def validate_segments(segments: Sequence[Segment], spatial_merge_size: int = 1) 
                     f"segment {i}: Visual(T={seg.T}, H={seg.H}, W={seg.W}) is an empty or negative visual block "
                     f"({', '.join(f'{k}={v}' for k, v in bad.items())}); every size must be >= 1"
                 )
-            if seg.seconds_per_grid is not None and not (seg.seconds_per_grid > 0):
-                raise ValueError(f"segment {i}: seconds_per_grid must be > 0, got {seg.seconds_per_grid!r}")
+            if seg.seconds_per_grid is not None and not Positive().is_valid(seg.seconds_per_grid):
+                raise ValueError(f"segment {i}: seconds_per_grid must be a finite number > 0, got {seg.seconds_per_grid!r}")
             m = spatial_merge_size
             seg = Visual(int(seg.T), int(seg.H), int(seg.W), seg.seconds_per_grid)
             if m > 1:
@@ -604,6 +610,28 @@ def get_scheme(scheme: str) -> PositionScheme:
     return rec
 
 
+#: The rule of every position-scheme option, by name (a name means the same in every scheme that takes it),
+#: checked by :func:`build_positions` before any position is built, in training and evaluation alike.
+SCHEME_OPTION_CHECKS = {
+    "fps": Positive(optional=True),
+    "seconds_per_grid": Positive(optional=True),
+    "tokens_per_second": Positive(),
+    "temporal_patch_size": Int(1),
+    "time_floor": Bool(),
+    "temporal_stride": Positive(),
+    "spatial_reset": Bool(),
+    "delta": Positive(),
+    "convention": Choice(VIDEOROPE_CONVENTIONS),
+    "gamma": Positive(),
+    "training": Bool(),
+    "gamma_choices": Seq(Positive(), min_length=1),
+    "delta_choices": Seq(Positive(), min_length=1),
+    "vision_markers": Bool(),
+}
+#: Largest position magnitude kept: float64 counts every integer exactly up to 2^53.
+MAX_EXACT_POSITION = 2.0**53
+
+
 def _check_scheme(scheme: str) -> None:
     get_scheme(scheme)
 
@@ -617,6 +645,7 @@ def _scheme_kwargs(scheme: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     for name in rec.bool_options:
         if name in kwargs and not isinstance(kwargs[name], bool):
             raise TypeError(f"{name} must be a bool, got {kwargs[name]!r}")
+    check_options(f"position scheme {scheme!r}", SCHEME_OPTION_CHECKS, kwargs)
     return kwargs
 
 
@@ -650,9 +679,20 @@ def build_positions(
     cols, nxt = rec.builder(segs, **kw)
     pos = torch.cat(cols, dim=1)
     L = pos.shape[1]
+    top = max(float(pos.abs().max()), abs(nxt))
+    if not math.isfinite(top) or top > MAX_EXACT_POSITION:
+        raise ValueError(
+            f"position scheme {scheme!r}: these options and segments ({kw}) give positions up to {top:g}, past 2^53 where "
+            f"positions stop being exact (or not finite); use a smaller time scale (fps, seconds_per_grid, "
+            f"tokens_per_second, delta, gamma) or a shorter sequence"
+        )
     if any(isinstance(s, Visual) and s.seconds_per_grid is not None for s in segs):
         kw = dict(kw, _any_block_time=True)  # per-block absolute time (read by M-RoPE's dtype rule)
-    dtype = torch.int64 if rec.integer_valued(kw) else torch.float32
+    if rec.integer_valued(kw):
+        dtype = torch.int64
+    else:  # float32 unless it would merge or move positions (past 2^24, fine fractional steps on large offsets)
+        exact = torch.equal(pos.to(torch.float32).to(torch.float64), pos) and float(torch.tensor(nxt - L, dtype=torch.float32)) == nxt - L
+        dtype = torch.float32 if exact else torch.float64
     return pos.to(dtype), torch.tensor(nxt - L, dtype=torch.float64).to(dtype)
 
 
@@ -693,7 +733,10 @@ def build_positions_batch(
     if all(isinstance(s, (Text, Visual)) for s in batch):
         raise ValueError("build_positions_batch got one sample (a list of segments); wrap it in a list or use build_positions")
     built = [build_positions(scheme, s, spatial_merge_size=spatial_merge_size, **scheme_kwargs) for s in batch]
-    dtype = torch.float32 if any(p.dtype.is_floating_point for p, _ in built) else torch.int64
+    dtype = torch.int64
+    if any(p.dtype.is_floating_point for p, _ in built):  # float32 only where it holds every row's positions exactly
+        exact = all(torch.equal(p.to(torch.float32).to(p.dtype), p) for p, _ in built)
+        dtype = torch.float32 if exact else torch.float64
     K = built[0][0].shape[0]
     lengths = torch.tensor([p.shape[1] for p, _ in built])
     L = int(lengths.max())

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 from timm.layers import build_sincos2d_pos_embed, resample_abs_pos_embed, trunc_normal_
 
-from .._checks import check_choice
+from .._checks import Choice, Real, check_choice
 from .base import PositionalEncoding, TokenEncoding, register_encoding
 from .grid import PositionGrid, random_lattice_indices
 from .spec import EXTRAPOLATION_MODES
@@ -41,6 +41,13 @@ class LearnedAbsolute(TokenEncoding):
 
     grid_ndims = (2,)
     prefix_policy = "prefix tokens get their own learned rows (embed_prefix=True) or nothing (embed_prefix=False)"
+
+    #: option rules, checked before __init__ (vispe._checks; see PositionalEncoding.option_checks)
+    option_checks = {
+        "interpolation": Choice(("nearest", "nearest-exact", "bilinear", "bicubic", "area")),
+        "init": Choice(LEARNED_INITS),
+        "init_std": Real(0, 1e3),
+    }
 
     def __init__(
         self,
@@ -186,6 +193,9 @@ class SinCos2d(FixedTableEncoding):
     """
 
     grid_ndims = (2,)
+
+    #: option rules, checked before __init__ (vispe._checks; see PositionalEncoding.option_checks)
+    option_checks = {"temperature": Real(1), "extrapolation": Choice(EXTRAPOLATION_MODES), "random_positions": Real(1, 1e3)}
 
     def __init__(
         self,

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from timm.layers import trunc_normal_
 from torch import nn
 
-from .._checks import check_choice
+from .._checks import Choice, Real, check_choice
 from .absolute import FixedTableEncoding
 from .spec import EXTRAPOLATION_MODES
 from .base import TokenEncoding, register_encoding
@@ -53,6 +53,9 @@ class SinCos3d(FixedTableEncoding):
     """Fixed 3D sin-cos table added to the lattice tokens (t, h, w parts of the width)."""
 
     grid_ndims = (3,)
+
+    #: option rules, checked before __init__ (vispe._checks; see PositionalEncoding.option_checks)
+    option_checks = {"temperature": Real(1), "extrapolation": Choice(EXTRAPOLATION_MODES)}
 
     def __init__(self, dim: int, grid_size: Sequence[int] = (8, 14, 14), temperature: float = 10000.0, extrapolation: str = "extend") -> None:
         super().__init__(dim)

@@ -33,7 +33,7 @@ from typing import ClassVar, Sequence
 import torch
 import torch.nn.functional as F
 
-from .._checks import check_choice
+from .._checks import Choice, check_choice
 from .base import AttentionBiasEncoding, register_encoding, sdpa, sdpa_with_bias
 from .grid import PositionGrid
 from .spec import EXTRAPOLATION_MODES
@@ -233,6 +233,9 @@ class _Alibi(LatticePairBias):
 
     prefix_policy = "zero bias to and from prefix tokens (cls/registers): they sit at distance 0 from every patch"
     distances: ClassVar[tuple[str, ...]] = ALIBI_DISTANCES
+
+    #: option rules, checked before __init__ (vispe._checks; see PositionalEncoding.option_checks)
+    option_checks = {"distance": Choice(ALIBI_DISTANCES), "extrapolation": Choice(EXTRAPOLATION_MODES)}
 
     def __init__(
         self, num_heads: int, grid_size: Sequence[int], distance: str = "euclidean", extrapolation: str = "extend"

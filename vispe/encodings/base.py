@@ -20,14 +20,16 @@ Models never branch on an encoding's name: they call the hooks. Each class state
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Hashable, Sequence, TypeVar
+from typing import Any, Callable, ClassVar, Hashable, Mapping, Sequence, TypeVar
 
 import torch
 import torch.nn as nn
 
+from .._checks import Bool, Int, Ints, OptionCheck, Real, Str, check_options
 # the attention kernels live in .attention; re-exported here for the encodings that import them from .base
 from .attention import autocast_off_in_backward, fold_causal_mask, merge_attn_mask, save_as_recomputed, sdpa, sdpa_with_bias
 from .grid import PositionGrid
@@ -43,6 +45,8 @@ __all__ = [
     "create_encoding",
     "list_encodings",
     "get_encoding_class",
+    "encoding_option_checks",
+    "check_context_fields",
     "sdpa",
     "merge_attn_mask",
     "sdpa_with_bias",
@@ -50,6 +54,73 @@ __all__ = [
     "autocast_off_in_backward",
     "fold_causal_mask",
 ]
+
+
+#: Rules for the fields a host model passes (:class:`EncodingContext`); every encoding that takes one of
+#: them checks it with the same rule (see :attr:`PositionalEncoding.option_checks`).
+CONTEXT_OPTION_CHECKS: dict[str, OptionCheck] = {
+    "dim": Int(1),
+    "num_heads": Int(1),
+    "head_dim": Int(1),
+    "depth": Int(0),  # a model may have no blocks
+    "grid_size": Ints(1),
+    "num_prefix_tokens": Int(0),
+    "in_chans": Int(1),
+    "patch_size": Ints(1),
+}
+_CONTEXT_FIELDS = ("dim", "num_heads", "depth", "grid_size", "num_prefix_tokens", "in_chans", "patch_size")
+
+
+def check_context_fields(owner: str, dim_name: str = "dim", **fields: Any) -> None:
+    """Check the model fields an :class:`EncodingContext` carries (any subset; ``dim`` may be named
+    ``dim_name``, e.g. a model's ``embed_dim``) and that the width splits into heads. Host models call it
+    before building their blocks, so ``num_heads=0`` is a clear error rather than a ``ZeroDivisionError``."""
+    rules = dict(CONTEXT_OPTION_CHECKS, **{dim_name: CONTEXT_OPTION_CHECKS["dim"]})
+    check_options(owner, rules, fields)
+    dim, heads = fields.get(dim_name), fields.get("num_heads")
+    if dim is not None and heads is not None and dim % heads:
+        raise ValueError(
+            f"{owner}: {dim_name}={dim!r} is not divisible by num_heads={heads!r}; each head gets "
+            f"{dim_name} / num_heads channels (head_dim), so {dim_name} must be a multiple of num_heads"
+        )
+
+
+def _annotation_check(annotation: Any) -> OptionCheck | None:
+    """The rule an undeclared option's annotation implies (``float`` -> finite number, ``int`` -> int,
+    ``bool`` -> strict bool, ``str`` -> string, each ``| None`` -> also ``None``); ``None`` for other types."""
+    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
+    text = text.replace(" ", "")
+    optional = text.endswith("|None") or (text.startswith("Optional[") and text.endswith("]"))
+    core = text[: -len("|None")] if text.endswith("|None") else (text[9:-1] if text.startswith("Optional[") else text)
+    make = {"float": Real, "int": Int, "bool": Bool, "str": Str}.get(core)
+    return None if make is None else make(optional=optional)
+
+
+def _validating_init(init: Callable[..., None]) -> Callable[..., None]:
+    """Wrap an encoding's ``__init__`` so its options are checked (:meth:`PositionalEncoding.option_rules`)
+    before anything is built, however it is constructed (registry, class, model spec). Only the outermost
+    constructor checks: a subclass's call to ``super().__init__`` passes values already checked or derived."""
+    sig = inspect.signature(init)
+    var_kw = next((p.name for p in sig.parameters.values() if p.kind == p.VAR_KEYWORD), None)
+
+    @functools.wraps(init)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        cls = type(self)
+        if cls.__init__ is __init__:
+            try:
+                bound = sig.bind(self, *args, **kwargs)
+            except TypeError:
+                bound = None  # a wrong call: let the constructor itself raise Python's message
+            if bound is not None:
+                values = dict(bound.arguments)
+                values.pop(next(iter(sig.parameters)), None)  # self
+                if var_kw:
+                    values.update(values.pop(var_kw, None) or {})
+                check_options(cls.registry_name or cls.__name__, cls.option_rules(), values)
+        init(self, *args, **kwargs)
+
+    __init__._validates_options = True  # type: ignore[attr-defined]
+    return __init__
 
 
 @dataclass(frozen=True)
@@ -67,6 +138,10 @@ class EncodingContext:
     num_prefix_tokens: int = 1
     in_chans: int = 3
     patch_size: tuple[int, ...] = field(default=(16, 16))
+
+    def __post_init__(self) -> None:
+        # a bad width or head count would otherwise end deep inside an encoding (num_heads=0: ZeroDivisionError)
+        check_context_fields("EncodingContext", **{f: getattr(self, f) for f in _CONTEXT_FIELDS})
 
     @property
     def head_dim(self) -> int:
@@ -104,6 +179,39 @@ class PositionalEncoding(nn.Module):
     registry_name: ClassVar[str] = ""
     #: Entries kept by :meth:`cached` (least recently used dropped first).
     cache_size: ClassVar[int] = 8
+    #: The rule of each constructor option (``vispe._checks``: ``Real``, ``Int``, ``Bool``, ``Choice``, ...),
+    #: checked before ``__init__`` runs, whichever way the encoding is built. A class declares only its own
+    #: options (merged along the class hierarchy, a subclass's rule wins); the model's fields
+    #: (:data:`CONTEXT_OPTION_CHECKS`) are declared here, and an undeclared ``float``/``int``/``bool``/``str``
+    #: option gets its annotation's type check (see :meth:`option_rules`).
+    option_checks: ClassVar[Mapping[str, OptionCheck]] = CONTEXT_OPTION_CHECKS
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is not None and not getattr(init, "_validates_options", False):
+            cls.__init__ = _validating_init(init)  # type: ignore[method-assign]
+
+    @classmethod
+    def option_rules(cls) -> dict[str, OptionCheck]:
+        """Every constructor option's rule: declared (:attr:`option_checks` along the MRO) or implied by
+        the option's annotation; options with neither are absent (how many axes ``grid_size`` may have is
+        each encoding's own check: :attr:`grid_ndims` lists hosts, some encodings take any number of axes)."""
+        declared: dict[str, OptionCheck] = {}
+        for klass in reversed(cls.__mro__):
+            declared.update(klass.__dict__.get("option_checks", {}) or {})
+        rules: dict[str, OptionCheck] = {}
+        params = list(inspect.signature(cls.__init__).parameters.values())[1:]
+        for param in params:
+            name = param.name
+            if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+                continue
+            rule = declared.get(name) or _annotation_check(param.annotation)
+            if rule is not None:
+                rules[name] = rule
+        if any(p.kind == p.VAR_KEYWORD for p in params):  # options taken through **kwargs (composed encodings)
+            rules.update({k: v for k, v in declared.items() if k not in rules and k not in CONTEXT_OPTION_CHECKS})
+        return rules
 
     def __init__(self) -> None:
         super().__init__()
@@ -298,6 +406,11 @@ def get_encoding_class(name: str) -> type[PositionalEncoding]:
     if not isinstance(name, str) or name not in _REGISTRY:
         raise ValueError(f"unknown positional encoding {name!r}; choose one of {list_encodings()}")
     return _REGISTRY[name]
+
+
+def encoding_option_checks(name: str) -> dict[str, OptionCheck]:
+    """The rule of every option of the registered encoding ``name`` (see :meth:`PositionalEncoding.option_rules`)."""
+    return get_encoding_class(name).option_rules()
 
 
 def _init_params(cls: type) -> tuple[set[str], bool]:

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from .._checks import check_choice
+from .._checks import Bool, Choice, Int, Real, check_choice
 from .base import autocast_off_in_backward, register_encoding
 from .block_rotation import rotate_blocks
 from .rotary import RotaryEncoding, RotaryState, apply_rotary, rotary_table
@@ -582,6 +582,19 @@ class ComRopeBase(RotaryEncoding):
     pairwise_phases = False
     prefix_policy = "prefix tokens (cls, registers) sit at the grid centre (0.5, ...) and are rotated like patches"
     num_axes: ClassVar[int] = 2
+
+    #: option rules, checked before __init__ (vispe._checks; see PositionalEncoding.option_checks)
+    option_checks = {
+        "block_size": Int(2),
+        "init_std": Real(0, 1e3),  # larger generators no longer give finite rotations
+        "zero_init": Bool(),
+        "sigma": Real(0, 1e3),
+        "rotation": Choice(ROTATION_METHODS),
+        "coord_shift": Real(0, 1e3),
+        "coord_jitter": Real(1, 1e3),
+        "coord_rescale": Real(1, 1e3),
+        "random_positions": Real(1, 1e3),
+    }
 
     def __init__(
         self,

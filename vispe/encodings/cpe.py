@@ -25,6 +25,7 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 
+from .._checks import Int, Seq
 from .base import PositionalEncoding, register_encoding
 from .grid import PositionGrid
 
@@ -71,6 +72,9 @@ class ConditionalPE(PositionalEncoding):
     kind = "conditional"
     grid_ndims = (2,)
     prefix_policy = "prefix tokens bypass the PEG (only the lattice tokens are convolved)"
+
+    #: option rules, checked before __init__ (vispe._checks; see PositionalEncoding.option_checks)
+    option_checks = {"positions": Seq(Int(-1), min_length=1, distinct=True, scalar_ok=True), "kernel_size": Int(1, odd=True)}
 
     def __init__(self, dim: int, depth: int, positions: Sequence[int] = (0,), kernel_size: int = 3) -> None:
         super().__init__()

@@ -47,7 +47,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .._checks import check_choice
+from .._checks import Choice, Int, Real, check_choice
 from .alibi import LatticePairBias, pair_distance
 from .base import register_encoding
 from .grid import PositionGrid
@@ -94,6 +94,14 @@ class _Fire(LatticePairBias):
     """
 
     prefix_policy = "zero bias to and from prefix tokens (cls/registers); the MLP's output level weighs patches against them"
+
+    #: option rules, checked before __init__ (vispe._checks; see PositionalEncoding.option_checks)
+    option_checks = {
+        "distance": Choice(FIRE_DISTANCES),
+        "mlp_width": Int(1),
+        "init_c": Real(0, 1e6, low_open=True),
+        "init_threshold": Real(0, 1e6, low_open=True, optional=True),
+    }
 
     def __init__(
         self,

@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .._checks import AnyOf, Choice, Ints, Real, Seq, Str
 from .base import AttentionBiasEncoding, fold_causal_mask, merge_attn_mask, register_encoding, sdpa, sdpa_with_bias
 from .grid import PositionGrid
 
@@ -131,6 +132,16 @@ class IRPE(AttentionBiasEncoding):
 
     grid_ndims = (2,)
     prefix_policy = "every pair involving a prefix token (cls/registers) uses one extra learned bucket per table"
+
+    #: option rules, checked before __init__ (vispe._checks; see PositionalEncoding.option_checks)
+    option_checks = {
+        "mode": Choice(IRPE_MODES),
+        "method": Choice(IRPE_METHODS),
+        "sides": AnyOf(Str(), Seq(Choice(IRPE_SIDES), min_length=1)),
+        "ratio": Real(0.5, 100),  # beta = 2r buckets per side: r >= 0.5 gives more than one, r <= 100 a table that fits
+        "layers": Ints(0, min_length=0, distinct=True, optional=True),
+        "init_std": Real(0, 1e3),
+    }
 
     def __init__(
         self,

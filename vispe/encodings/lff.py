@@ -26,6 +26,7 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 
+from .._checks import Int, Real
 from .base import TokenEncoding, register_encoding
 from .grid import PositionGrid
 
@@ -74,6 +75,9 @@ class LearnableFourierPE(TokenEncoding):
 
     grid_ndims = (2, 3)
     prefix_policy = "prefix tokens get their own learned vectors (zeros init), or nothing with prefix_embed=False"
+
+    #: option rules, checked before __init__ (vispe._checks; see PositionalEncoding.option_checks)
+    option_checks = {"fourier_dim": Int(2, multiple_of=2), "hidden_dim": Int(1), "groups": Int(1), "gamma": Real(1e-6)}  # W_r ~ N(0, gamma^-2): gamma near 0 overflows
 
     def __init__(
         self,

@@ -59,7 +59,7 @@ from typing import ClassVar, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from .._checks import check_choice
+from .._checks import Choice, Int, Ints, Real, check_choice
 from .base import autocast_off_in_backward, register_encoding
 from .grid import PositionGrid
 from .block_rotation import rotate_blocks
@@ -221,6 +221,14 @@ class LieREBase(RotaryEncoding):
         "the grid centre (0.5, ...) and are rotated like patches (ComRoPE's convention)"
     )
     num_axes: ClassVar[int] = 2
+
+    #: option rules, checked before __init__ (vispe._checks; see PositionalEncoding.option_checks)
+    option_checks = {
+        "grid_size": Ints(1, optional=True),
+        "block_size": Int(2, optional=True),
+        "coords": Choice(LIERE_COORDS),
+        "init_range": Real(0, 1e3),  # generator entries ~ U(0, init_range); far larger ones overflow the exponential
+    }
 
     def __init__(
         self,

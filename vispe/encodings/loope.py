@@ -35,11 +35,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .._checks import Choice, Ints, Real
 from .base import TokenEncoding, register_encoding
 from .gilbert import gilbert_order
 from .grid import PositionGrid
 
-__all__ = ["LOOPE", "LoopeContext", "sinusoid_1d"]
+__all__ = ["LOOPE", "FiniteBatchNorm2d", "LoopeContext", "sinusoid_1d"]
 
 LOOPE_HEADS = ("local", "linear")
 LOOPE_ORDER_SCALES = ("normalized", "index")
@@ -50,6 +51,42 @@ def sinusoid_1d(pos: torch.Tensor, dim: int, temperature: float = 10000.0) -> to
     omega = temperature ** (-torch.arange(0, dim, 2, device=pos.device, dtype=torch.float32) / dim)  # (dim/2,)
     ang = pos.float()[..., None] * omega
     return torch.stack([ang.sin(), ang.cos()], dim=-1).flatten(-2)
+
+
+class FiniteBatchNorm2d(nn.BatchNorm2d):
+    """``nn.BatchNorm2d`` (same parameters, buffers and state-dict keys) whose training statistics come only
+    from the samples whose features are all finite.
+
+    LOOPE normalises its context map over the batch: with a plain BatchNorm one NaN/inf pixel in one sample
+    enters the batch mean (every sample's positions turn NaN) and the running statistics (every later
+    evaluation batch turns NaN). Here a non-finite sample is left out of the batch statistics and of the
+    running-statistics update; its own output stays non-finite, as its input is; a batch with no finite
+    sample updates nothing. On an all-finite batch it is BatchNorm2d (to float rounding). Evaluation is
+    plain BatchNorm2d with the running statistics.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return super().forward(x)
+        ok = torch.isfinite(x).flatten(1).all(1)[:, None, None, None]  # (B, 1, 1, 1): samples that count
+        weight = ok.to(x.dtype).expand_as(x)
+        clean = torch.where(ok, x, torch.zeros((), dtype=x.dtype, device=x.device))
+        count = weight.sum(dim=(0, 2, 3))  # (C,) finite values per channel
+        denom = count.clamp(min=1)
+        mean = clean.sum(dim=(0, 2, 3)) / denom
+        var = ((clean - mean[:, None, None]) * weight).square().sum(dim=(0, 2, 3)) / denom  # biased, as BatchNorm
+        out = (x - mean[:, None, None]) * torch.rsqrt(var + self.eps)[:, None, None]
+        if self.affine:
+            out = out * self.weight[:, None, None] + self.bias[:, None, None]
+        if self.track_running_stats and self.running_mean is not None:
+            with torch.no_grad():
+                seen = count > 0  # no update (not even num_batches_tracked) from a batch without a finite sample
+                self.num_batches_tracked.add_(seen.any().long())
+                f = self.momentum if self.momentum is not None else 1.0 / self.num_batches_tracked.clamp(min=1).double()
+                unbiased = var * count / (count - 1).clamp(min=1)
+                self.running_mean.copy_(torch.where(seen, (1 - f) * self.running_mean + f * mean, self.running_mean))
+                self.running_var.copy_(torch.where(seen, (1 - f) * self.running_var + f * unbiased, self.running_var))
+        return out
 
 
 class LoopeContext(nn.Module):
@@ -64,7 +101,7 @@ class LoopeContext(nn.Module):
         for cin, cout in zip(widths[:-1], widths[1:]):
             layers += [nn.Conv2d(cin, cout, 5, stride=1, padding=2), nn.GELU()]
         self.cnn = nn.Sequential(*layers)
-        self.norm = nn.BatchNorm2d(1)
+        self.norm = FiniteBatchNorm2d(1)  # one bad sample neither spoils the batch nor the running statistics
         self.head_kind = head
         self.num_patches = num_patches
         if head == "linear":
@@ -113,6 +150,14 @@ class LOOPE(TokenEncoding):
 
     grid_ndims = (2,)
     prefix_policy = "prefix tokens get their own learned vectors (zeros init); no curve position"
+
+    #: option rules, checked before __init__ (vispe._checks; see PositionalEncoding.option_checks)
+    option_checks = {
+        "patch_size": Ints(1, length=2),
+        "head": Choice(LOOPE_HEADS),
+        "order_scale": Choice(LOOPE_ORDER_SCALES),
+        "temperature": Real(1),  # the sinusoid base; below 1 the ladder grows (and overflows near 0)
+    }
 
     def __init__(
         self,

@@ -43,12 +43,14 @@ rotates ``q``/``k`` of shape ``(B, H, L, d)``. The usual lattice hook ``angles(g
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
 
 from ..positions import POSITION_SCHEMES, Text, Visual, build_positions, get_scheme
+from .._checks import Choice, Int, Ints, Real
 from .base import register_encoding
 from .grid import PositionGrid
 from .rotary import ROTARY_LAYOUTS, RotaryEncoding, apply_rotary, rotary_table
@@ -93,6 +95,15 @@ class MultimodalRotary(RotaryEncoding):
         """Coordinates per token, from the scheme record (:data:`vispe.positions.SCHEMES`)."""
         return get_scheme(self.registry_name).num_coords
 
+    #: option rules, checked before __init__ (vispe._checks; see PositionalEncoding.option_checks)
+    option_checks = {
+        "head_dim": Int(2, multiple_of=2),
+        "theta": Real(1),  # the base of the ladder theta^(-2i/d); below 1 it grows (and overflows near 0)
+        "layout": Choice(ROTARY_LAYOUTS),
+        "mrope_section": Ints(0, length=3, optional=True),
+        "temporal_pairs": Int(0, optional=True),
+    }
+
     def __init__(self, head_dim: int, theta: float = 10000.0, layout: str = "half") -> None:
         super().__init__()
         self.num_pairs = _check_head_dim(self.registry_name or type(self).__name__, head_dim)
@@ -135,20 +146,27 @@ class MultimodalRotary(RotaryEncoding):
         pos = self.check_positions(pos)
         dev = pos.device
         dev_type = dev.type
+        # float64 positions are those float32 cannot hold exactly (vispe.positions): their angles are formed in
+        # float64, so distinct positions keep distinct rotations and relative angles stay exact far out
+        wide = pos.dtype == torch.float64
         with torch.autocast(device_type=dev_type, enabled=False):
-            p = pos.to(torch.float32)
+            p = pos.to(torch.float64 if wide else torch.float32)
             amap = self.axis_map().to(dev)
-            freq = self.pair_frequencies(dev)
+            freq = self.pair_frequencies(dev).to(p.dtype)
             none = amap < 0
             idx = amap.clamp(min=0)
             if amap.ndim == 1:
-                sel = p[idx]  # (P, B, L): the coordinate each pair reads
-                ang = sel.permute(1, 2, 0) * freq  # (B, L, P)
-                ang = ang.masked_fill(none, 0.0)[:, None]
+                sel = p[idx].permute(1, 2, 0)  # (B, L, P): the coordinate each pair reads
+                ang = (sel * freq).masked_fill(none, 0.0)[:, None]
+                sel = sel[:, None]
             else:
-                sel = p[idx]  # (H, P, B, L)
-                ang = sel.permute(2, 0, 3, 1) * freq  # (B, H, L, P)
-                ang = ang.masked_fill(none[None, :, None, :], 0.0)
+                sel = p[idx].permute(2, 0, 3, 1)  # (B, H, L, P)
+                ang = (sel * freq).masked_fill(none[None, :, None, :], 0.0)
+            if wide:
+                # up to 2^16 the float64 product rounds to the float32 path's angle bit for bit; past it (where
+                # float32 angles are off by >= 2^-7 rad per unit frequency) angles are reduced mod 2*pi in float64
+                far = sel.abs() > 2.0**16
+                ang = torch.where(far, torch.remainder(ang, 2 * math.pi), ang).to(torch.float32)
         return ang
 
     def table_from_positions(self, pos: torch.Tensor) -> torch.Tensor:

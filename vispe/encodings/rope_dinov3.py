@@ -49,7 +49,7 @@ from typing import Sequence
 
 import torch
 
-from .._checks import check_choice
+from .._checks import Choice, Ints, Real, check_choice
 from .base import register_encoding
 from .grid import PositionGrid
 from .rope_vit import RopeAxial
@@ -103,6 +103,18 @@ class RopeDinoV3(RopeAxial):
 
     grid_ndims = (2,)
     layout = "half"
+
+    #: option rules, checked before __init__ (vispe._checks; see PositionalEncoding.option_checks)
+    option_checks = {
+        "base": Real(1, optional=True),
+        "min_period": Real(1e-6, optional=True),  # periods near 0 overflow the frequencies 2*pi/period
+        "max_period": Real(1e-6, optional=True),
+        "normalize_coords": Choice(NORMALIZE_COORDS_MODES),
+        "shift_coords": Real(0, 1e3, optional=True),
+        "jitter_coords": Real(1, 1e3, optional=True),
+        "rescale_coords": Real(1, 1e3, optional=True),
+        "sections": Ints(0, optional=True),
+    }
 
     def __init__(
         self,

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 from timm.layers.pos_embed_sincos import init_random_2d_freqs
 
-from .._checks import check_choice
+from .._checks import Choice, Int, Ints, Real, check_choice
 from .base import register_encoding
 from .grid import PositionGrid, random_lattice_indices, random_scale_shift
 from .rotary import RotaryEncoding
@@ -80,6 +80,20 @@ class _LatticeRotary(RotaryEncoding):
     extrapolation_modes: ClassVar[tuple[str, ...]] = ROTARY_EXTRAPOLATION_MODES
     yarn_alpha: ClassVar[float] = 1.0
     yarn_beta: ClassVar[float] = 32.0
+
+    #: option rules, checked before __init__ (vispe._checks; see PositionalEncoding.option_checks)
+    option_checks = {
+        "head_dim": Int(2, multiple_of=2),
+        "theta": Real(1),  # the base of the ladder theta^(-2i/d); below 1 the ladder grows (and overflows near 0)
+        "extrapolation": Choice(ROTARY_EXTRAPOLATION_MODES),
+        "sections": Ints(0, optional=True),
+        "chunk_axes": Ints(0, optional=True),  # a permutation of the grid axes: checked with the grid below
+        # training augmentations, bounded where float32 positions (and the random-position pool) stay sane
+        "coord_shift": Real(0, 1e3),
+        "coord_jitter": Real(1, 1e3),
+        "coord_rescale": Real(1, 1e3),
+        "random_positions": Real(1, 1e3),
+    }
 
     def __init__(
         self,
@@ -250,6 +264,9 @@ class RopeMixed(_LatticeRotary):
 
     grid_ndims = (2,)
     per_layer = True
+
+    #: option rules, checked before __init__ (vispe._checks; see PositionalEncoding.option_checks)
+    option_checks = {"temporal_theta": Real(1), "temporal_init": Choice(("ladder", "zero"))}
 
     def __init__(
         self,

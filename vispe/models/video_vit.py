@@ -50,6 +50,7 @@ from ..encodings import (
     create_encoding,
     get_encoding_class,
 )
+from ..encodings.base import check_context_fields
 from .layers import NOT_PREPARED, PEAttention, PEBlock, drop_patches, encoding_embed_tokens, encoding_keep_tokens, encoding_prepare, run_blocks
 from ..encodings.spec import PosEncodingArg, parse_pos_encoding
 
@@ -168,8 +169,7 @@ class VispeVideoViT(nn.Module):
             raise ValueError(f"global_pool={global_pool!r}; choose 'token', 'avg' or ''")
         if global_pool == "token" and not class_token:
             raise ValueError("global_pool='token' needs class_token=True; use global_pool='avg' without a class token")
-        if embed_dim % num_heads:
-            raise ValueError(f"embed_dim={embed_dim} is not divisible by num_heads={num_heads}")
+        check_context_fields(type(self).__name__, dim_name="embed_dim", embed_dim=embed_dim, num_heads=num_heads, depth=depth)
         norm_layer = norm_layer or partial(LayerNorm, eps=1e-6)
         img = _triple(img_size)
         img = img * 2 if len(img) == 1 else img

@@ -17,6 +17,7 @@ from timm.models._features import feature_take_indices
 from timm.models.vision_transformer import VisionTransformer
 
 from ..encodings import EncodingContext, PositionGrid, create_encoding, get_encoding_class
+from ..encodings.base import check_context_fields
 from ..encodings.spec import PosEncodingArg, parse_pos_encoding
 from .checkpoint import timm_checkpoint_filter
 from .layers import NOT_PREPARED, PEAttention, PEBlock, drop_patches, encoding_embed_tokens, encoding_keep_tokens, encoding_prepare, run_blocks
@@ -76,6 +77,8 @@ class VispeVisionTransformer(VisionTransformer):
                 f"(e.g. pos_encoding='learned')"
             )
         kwargs["pos_embed"] = "none"
+        sizes = {k: kwargs[k] for k in ("embed_dim", "num_heads", "depth") if k in kwargs}
+        check_context_fields(type(self).__name__, dim_name="embed_dim", **sizes)  # before timm divides by num_heads
         img_size = to_2tuple(kwargs.get("img_size", 224))
         patch_size = to_2tuple(kwargs.get("patch_size", 16))
         if not kwargs.get("dynamic_img_pad", False) and (img_size[0] % patch_size[0] or img_size[1] % patch_size[1]):
