@@ -12,7 +12,13 @@
 * Defaults added when the config has none: TQDM progress bar, CSV logger (plus TensorBoard when
   installed), learning-rate monitor, and a ``ModelCheckpoint`` with ``last.ckpt`` in
   ``<save_dir>/<name>/checkpoints`` (not versioned, so ``--ckpt_path last`` finds it on resume).
-* Checkpoints are written atomically (temp file in the same folder, fsync, ``os.replace``).
+* Checkpoints are written atomically (temp file in the same folder, fsync, ``os.replace``) and read through
+  :func:`vispe.files.read_checkpoint` (``torch.load(weights_only=True)``: a checkpoint's pickle never runs code;
+  a damaged file is named with what to do).
+* ``--ckpt_path`` of a checkpoint whose model hyper-parameters differ from the configured model is refused
+  (LightningCLI would silently build the checkpoint's model instead). ``--ckpt_hparams checkpoint`` builds the
+  checkpoint's model (LightningCLI's behaviour), ``--ckpt_hparams config`` keeps the configured one (its weights
+  must then fit the checkpoint's).
 """
 from __future__ import annotations
 
@@ -31,10 +37,15 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, Pr
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger, Logger
 
-__all__ = ["AtomicCheckpointIO", "VispeCLI", "launcher_trainer_settings", "main"]
+from vispe._checks import check_choice
+from vispe.files import read_checkpoint
+
+__all__ = ["CKPT_HPARAMS", "AtomicCheckpointIO", "VispeCLI", "launcher_trainer_settings", "main"]
 
 _TRAINER_DEFAULTS = {"accelerator": "auto", "devices": "auto", "num_nodes": 1, "strategy": "auto", "precision": None}
 _DATA_TO_MODEL = {"num_classes": "num_classes", "in_chans": "in_chans", "image_size": "img_size"}
+#: ``--ckpt_hparams``: what to do when ``--ckpt_path``'s model hyper-parameters differ from the configured model
+CKPT_HPARAMS = ("refuse", "checkpoint", "config")
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -44,6 +55,12 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     temp dir; when that is another filesystem the final move is a copy, so a kill mid-save can
     leave a truncated ``last.ckpt``. A same-folder ``os.replace`` cannot.
     """
+
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
+        """Always ``weights_only`` (whatever the caller asks): a resumed checkpoint never runs code."""
+        if "://" in str(path):  # remote filesystems: Lightning's own path, still weights_only
+            return super().load_checkpoint(path, map_location=map_location or "cpu", weights_only=True)
+        return read_checkpoint(path, map_location=map_location or "cpu")
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         if storage_options is not None:
@@ -127,6 +144,45 @@ class VispeCLI(LightningCLI):
         kwargs.setdefault("trainer_defaults", {k: v for k, (v, _) in launcher_trainer_settings().items()})
         super().__init__(pl.LightningModule, pl.LightningDataModule, *args, **kwargs)
 
+    def add_arguments_to_parser(self, parser: Any) -> None:
+        parser.add_argument(
+            "--ckpt_hparams", type=str, default="refuse",
+            help="when --ckpt_path's model hyper-parameters differ from the configured model: 'refuse' (default), "
+                 "'checkpoint' (build the checkpoint's model) or 'config' (build the configured model, load the weights into it)",
+        )
+
+    # -- --ckpt_path: read safely, never swap the model silently ---------------------------
+    def _parse_ckpt_path(self) -> None:
+        """LightningCLI replaces the configured model's hyper-parameters by the checkpoint's; here that needs consent."""
+        sub = self.config.get("subcommand")
+        if not sub:
+            return
+        cfg = self.config[sub]
+        policy = cfg.get("ckpt_hparams") or "refuse"
+        check_choice("--ckpt_hparams", policy, CKPT_HPARAMS)
+        ckpt_path = cfg.get("ckpt_path")
+        if not ckpt_path or not Path(ckpt_path).is_file():  # 'last' / 'best' / remote: resolved by the Trainer later
+            return
+        ckpt = read_checkpoint(ckpt_path)
+        hparams = dict(ckpt.get("hyper_parameters") or {}) if isinstance(ckpt, dict) else {}
+        hparams.pop("_instantiator", None)
+        if not hparams or policy == "config":
+            return
+        if policy == "refuse" and cfg.get("model") is not None:
+            self._fill_model_from_data(cfg)  # data-derived arguments (num_classes ...) take part in the comparison
+            diffs = _hparam_differences(cfg.get("model"), hparams)
+            if diffs:
+                raise ValueError(
+                    f"--ckpt_path {str(ckpt_path)!r} was saved from a model with other hyper-parameters than the configured "
+                    f"model: {'; '.join(diffs)}. Pass --ckpt_hparams checkpoint to build the checkpoint's model, "
+                    f"--ckpt_hparams config to build the configured one (the checkpoint's weights must fit it), "
+                    f"or make the config match"
+                )
+            return
+        if "_class_path" in hparams:
+            hparams = {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
+        self.config = self.parser.parse_object({sub: {"model": hparams}}, self.config)
+
     # -- before anything is built ----------------------------------------------------------
     def before_instantiate_classes(self) -> None:
         cfg = self.config[self.subcommand] if self.subcommand else self.config
@@ -198,6 +254,33 @@ class VispeCLI(LightningCLI):
                 f"Set trainer.devices/num_nodes to match the launcher."
             )
         return trainer
+
+
+def _plain(value: Any) -> Any:
+    """Config values as plain Python (jsonargparse Namespaces -> dicts, tuples -> lists) for comparison."""
+    if hasattr(value, "as_dict"):
+        value = value.as_dict()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _hparam_differences(model_cfg: Any, hparams: dict[str, Any]) -> list[str]:
+    """``'key: config X, checkpoint Y'`` for every saved hyper-parameter the configured model sets differently."""
+    model_cfg = _plain(model_cfg) or {}
+    diffs = []
+    saved_class = hparams.get("_class_path")
+    if saved_class and model_cfg.get("class_path") and saved_class != model_cfg["class_path"]:
+        diffs.append(f"model class: config {model_cfg['class_path']}, checkpoint {saved_class}")
+    init = model_cfg.get("init_args") or {}
+    for key, saved in hparams.items():
+        if key.startswith("_") or key not in init:
+            continue
+        if _plain(saved) != init[key]:
+            diffs.append(f"{key}: config {init[key]!r}, checkpoint {_plain(saved)!r}")
+    return diffs
 
 
 def main(argv: Sequence[str] | None = None) -> int:

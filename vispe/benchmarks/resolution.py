@@ -57,11 +57,13 @@ def _parse_sizes(text: str) -> list[int]:
 
 
 def _checkpoint(path: str | Path) -> dict[str, Any]:
+    from vispe.files import read_checkpoint
+
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {str(path)!r}")
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    if "hyper_parameters" not in ckpt or "state_dict" not in ckpt:
+    ckpt = read_checkpoint(path)  # weights_only: a checkpoint's pickle never runs code
+    if not isinstance(ckpt, dict) or "hyper_parameters" not in ckpt or "state_dict" not in ckpt:
         raise ValueError(f"{str(path)!r} is not a Lightning checkpoint of vispe.tasks.ImageClassification (no hyper_parameters)")
     return ckpt
 

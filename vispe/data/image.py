@@ -6,10 +6,9 @@ Locations come from arguments or ``$VISPE_DATA_ROOT``; missing files raise at co
 """
 from __future__ import annotations
 
-import gzip
 import io
-import struct
 import zipfile
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
+from ..files import DamagedFileError, check_idx, check_zip, read_idx
 from .base import ImageDataModule, TensorImageDataset, make_pil_to_uint8, resolve_data_path
 
 __all__ = [
@@ -43,6 +43,7 @@ def load_cifar10_zip(zip_path: str | Path, limit_per_class: int | None = None) -
     """Decode ``<split>/<class>/NNNN.jpg`` members straight from the zip -> uint8 (N, 3, 32, 32), labels."""
     from PIL import Image
 
+    check_zip(zip_path, "CIFAR-10 archive", member_suffix=".jpg")
     with zipfile.ZipFile(zip_path) as z:
         names = sorted(n for n in z.namelist() if n.lower().endswith(".jpg"))
         if limit_per_class is not None:
@@ -63,7 +64,12 @@ def load_cifar10_zip(zip_path: str | Path, limit_per_class: int | None = None) -
             if cls not in CIFAR10_CLASSES:
                 raise ValueError(f"member {n!r} of {zip_path} is not in a CIFAR-10 class folder {CIFAR10_CLASSES}")
             labels[i] = CIFAR10_CLASSES.index(cls)
-            img = Image.open(io.BytesIO(z.read(n))).convert("RGB")
+            try:
+                img = Image.open(io.BytesIO(z.read(n))).convert("RGB")
+            except (zipfile.BadZipFile, OSError, EOFError, zlib.error) as err:  # CRC mismatch, cut member, bad JPEG
+                raise DamagedFileError(zip_path, f"member {n!r} is damaged ({type(err).__name__}: {err})", "download or copy the archive again") from None
+            if img.size != (32, 32):
+                raise DamagedFileError(zip_path, f"member {n!r} is {img.size[0]}x{img.size[1]} px, CIFAR-10 images are 32x32", "check that it is the CIFAR-10 JPEG archive")
             images[i] = np.asarray(img)
     return torch.from_numpy(images).permute(0, 3, 1, 2).contiguous(), torch.from_numpy(labels)
 
@@ -99,6 +105,7 @@ class CIFAR10JpegDataModule(ImageDataModule):
             zp = self.data_dir / f"cifar10_{split}_jpeg.zip"
             if not zp.is_file():
                 raise FileNotFoundError(f"CIFAR-10 {split} archive not found at {str(zp)!r}")
+            check_zip(zp, f"CIFAR-10 {split} archive", member_suffix=".jpg")  # a damaged zip fails here, not in setup
         self.cache_dir = Path(cache_dir) if cache_dir else None
         self.num_classes, self.in_chans, self.image_size = 10, 3, int(image_size)
         self.mean, self.std = CIFAR_MEAN, CIFAR_STD
@@ -266,20 +273,6 @@ class ImageFolderDataModule(ImageDataModule):
 # ------------------------------------------------------------------------------------------
 # Fashion-MNIST (IDX) and scikit-learn digits (csv.gz)
 # ------------------------------------------------------------------------------------------
-def read_idx(path: str | Path) -> np.ndarray:
-    """Read an IDX file (``.gz`` or raw): unsigned-byte images (magic 2051) or labels (2049)."""
-    opener = gzip.open if str(path).endswith(".gz") else open
-    with opener(path, "rb") as f:
-        magic = struct.unpack(">I", f.read(4))[0]
-        if magic == 2051:
-            n, rows, cols = struct.unpack(">III", f.read(12))
-            return np.frombuffer(f.read(), dtype=np.uint8).reshape(n, rows, cols)
-        if magic == 2049:
-            (n,) = struct.unpack(">I", f.read(4))
-            return np.frombuffer(f.read(), dtype=np.uint8).reshape(n)
-    raise ValueError(f"{path}: IDX magic {magic} is neither 2051 (images) nor 2049 (labels)")
-
-
 class FashionMNISTDataModule(ImageDataModule):
     """Fashion-MNIST from the four official IDX files (``.gz`` or decompressed), 28 px grey.
 
@@ -309,6 +302,7 @@ class FashionMNISTDataModule(ImageDataModule):
     def _find(self, stem: str) -> Path:
         for name in (stem + ".gz", stem):
             if (self.data_dir / name).is_file():
+                check_idx(self.data_dir / name, f"Fashion-MNIST file {stem}")  # a truncated file fails here, not in setup
                 return self.data_dir / name
         raise FileNotFoundError(f"Fashion-MNIST file {stem}(.gz) not found in {str(self.data_dir)!r}")
 
@@ -355,14 +349,22 @@ class DigitsDataModule(ImageDataModule):
         if not 0.0 < val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
         self.data_path = path
+        self._table = self._read_table()  # 1,797 rows: read now so a damaged file fails at construction
         self.val_fraction = float(val_fraction)
         self.num_classes, self.in_chans, self.image_size = 10, int(in_chans), int(image_size)
         self.mean, self.std = (0.5,), (0.5,)
 
+    def _read_table(self) -> np.ndarray:
+        try:
+            a = np.loadtxt(self.data_path, delimiter=",", ndmin=2)
+        except (OSError, EOFError, ValueError, zlib.error) as err:
+            raise DamagedFileError(self.data_path, f"is not a readable digits csv(.gz) ({type(err).__name__}: {err})", "download the file again") from None
+        if a.shape[1] != 65:
+            raise DamagedFileError(self.data_path, f"has {a.shape[1]} columns, expected 65 (64 pixels + label)", "check that it is scikit-learn's digits.csv.gz")
+        return a
+
     def build_datasets(self) -> tuple[Dataset, Dataset, Dataset]:
-        a = np.loadtxt(self.data_path, delimiter=",")
-        if a.ndim != 2 or a.shape[1] != 65:
-            raise ValueError(f"{self.data_path}: expected 65 columns (64 pixels + label), got shape {a.shape}")
+        a = self._table
         x = torch.from_numpy(np.round(a[:, :64] * (255.0 / 16.0)).astype(np.uint8)).view(-1, 1, 8, 8)
         y = torch.from_numpy(a[:, 64].astype(np.int64))
         if self.in_chans != 1:
