@@ -25,10 +25,26 @@ __all__ = ["VispeVisionTransformer", "parse_pos_encoding"]  # parse_pos_encoding
 
 
 @register_notrace_function
-def _check_image_input(x: torch.Tensor, patch_size: Tuple[int, int], img_size: Tuple[int, int], dynamic_pad: bool, dynamic_size: bool) -> None:
-    """Fail early, naming the size, on an input the patch cannot tile or the model cannot take.
+def _check_image_input(
+    x: torch.Tensor, patch_size: Tuple[int, int], img_size: Tuple[int, int], dynamic_pad: bool, dynamic_size: bool, in_chans: int = -1
+) -> None:
+    """Fail early, naming the shape, on an input the patch cannot tile or the model cannot take: rank, channels
+    (channels-last and batch-less images are named as such), dtype, size.
 
     The checks branch on the input's shape, so they are one opaque node under FX tracing."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"image input x must be a torch.Tensor (B, C, H, W), got {type(x).__name__}")
+    shape = tuple(x.shape)
+    if x.ndim == 3 and shape[0] == in_chans:
+        raise ValueError(f"image input x has shape {shape}, no batch dimension; expected (B, C={in_chans}, H, W): use x.unsqueeze(0)")
+    if x.ndim == 4 and in_chans > 0 and shape[1] != in_chans and shape[-1] == in_chans:
+        raise ValueError(f"image input x has shape {shape}, channels last; expected (B, C={in_chans}, H, W): use x.permute(0, 3, 1, 2)")
+    if x.ndim != 4 or (in_chans > 0 and shape[1] != in_chans):
+        raise ValueError(f"image input x has shape {shape}; expected (B, C={in_chans}, H, W) with C equal to the model's in_chans")
+    if not x.is_floating_point():
+        raise TypeError(f"image input x has dtype {x.dtype}; expected a floating-point tensor (e.g. x.float() / 255, then normalise)")
+    if shape[0] == 0 or 0 in shape[2:]:
+        raise ValueError(f"image input x has shape {shape}: the batch and spatial sizes must be non-zero")
     h, w = x.shape[-2:]
     ph, pw = patch_size
     if not dynamic_pad and (h % ph or w % pw):
@@ -115,7 +131,7 @@ class VispeVisionTransformer(VisionTransformer):
         ``embed_tokens``, is narrowed after patch dropout and is what every block receives."""
         image = x
         pe_ = self.patch_embed
-        _check_image_input(x, tuple(pe_.patch_size), tuple(pe_.img_size), pe_.dynamic_img_pad, self.dynamic_img_size)
+        _check_image_input(x, tuple(pe_.patch_size), tuple(pe_.img_size), pe_.dynamic_img_pad, self.dynamic_img_size, pe_.proj.in_channels)
         x = self.patch_embed(x)
         grid = _patch_grid(self.patch_embed, x, image, self.num_prefix_tokens)
         if not self.patch_embed.flatten:  # NHWC patches (timm's dynamic_img_size mode)
