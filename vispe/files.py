@@ -162,11 +162,11 @@ def check_zip(path: PathLike, what: str = "zip archive", member_suffix: str | No
             infos = z.infolist()
     except zipfile.BadZipFile as err:
         raise DamagedFileError(
-            path, f"is not a zip archive or is cut short ({err}; {size} bytes)", "download or copy the archive again"
+            path, f"is not a zip archive or is cut short ({err}; {size} bytes), so not a valid {what}", "download or copy the archive again"
         ) from None
     past_end = [i.filename for i in infos if i.header_offset + i.compress_size > size]
     if past_end:
-        raise DamagedFileError(path, f"is cut short: member {past_end[0]!r} lies past the end of the file", "download or copy the archive again")
+        raise DamagedFileError(path, f"is cut short: member {past_end[0]!r} lies past the end of the file ({what})", "download or copy the archive again")
     names = [i.filename for i in infos]
     if member_suffix is not None and not any(n.lower().endswith(member_suffix) for n in names):
         raise DamagedFileError(path, f"holds no {member_suffix} members ({len(names)} members)", f"check that it is the {what}")

@@ -46,6 +46,7 @@ _TRAINER_DEFAULTS = {"accelerator": "auto", "devices": "auto", "num_nodes": 1, "
 _DATA_TO_MODEL = {"num_classes": "num_classes", "in_chans": "in_chans", "image_size": "img_size"}
 #: ``--ckpt_hparams``: what to do when ``--ckpt_path``'s model hyper-parameters differ from the configured model
 CKPT_HPARAMS = ("refuse", "checkpoint", "config")
+_LIGHTNING_CKPT_NAMES = ("last", "best", "hpc", "registry")
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -141,6 +142,12 @@ class VispeCLI(LightningCLI):
         kwargs.setdefault("subclass_mode_model", True)
         kwargs.setdefault("subclass_mode_data", True)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        # a misspelt flag that happens to be a prefix of a real one (--trainer.max_epoch) is an error, not that flag
+        parser_kwargs = dict(kwargs.get("parser_kwargs") or {})
+        parser_kwargs.setdefault("allow_abbrev", False)
+        for sub in self.subcommands():
+            parser_kwargs[sub] = {"allow_abbrev": False, **dict(parser_kwargs.get(sub) or {})}
+        kwargs["parser_kwargs"] = parser_kwargs
         kwargs.setdefault("trainer_defaults", {k: v for k, (v, _) in launcher_trainer_settings().items()})
         super().__init__(pl.LightningModule, pl.LightningDataModule, *args, **kwargs)
 
@@ -161,8 +168,12 @@ class VispeCLI(LightningCLI):
         policy = cfg.get("ckpt_hparams") or "refuse"
         check_choice("--ckpt_hparams", policy, CKPT_HPARAMS)
         ckpt_path = cfg.get("ckpt_path")
-        if not ckpt_path or not Path(ckpt_path).is_file():  # 'last' / 'best' / remote: resolved by the Trainer later
-            return
+        if not ckpt_path or str(ckpt_path) in _LIGHTNING_CKPT_NAMES or str(ckpt_path).startswith("registry:") or "://" in str(ckpt_path):
+            return  # 'last' / 'best' / registry / remote: resolved (and read through AtomicCheckpointIO) by the Trainer
+        if not Path(ckpt_path).is_file():
+            raise FileNotFoundError(
+                f"--ckpt_path {str(ckpt_path)!r} does not exist; pass a checkpoint file, or 'last' to resume from the run's last.ckpt"
+            )
         ckpt = read_checkpoint(ckpt_path)
         hparams = dict(ckpt.get("hyper_parameters") or {}) if isinstance(ckpt, dict) else {}
         hparams.pop("_instantiator", None)
@@ -290,8 +301,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     import vispe.tasks  # noqa: F401
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    _check_config_files(argv)
     VispeCLI(args=argv)
     return 0
+
+
+def _check_config_files(argv: Sequence[str]) -> None:
+    """Parse every ``-c/--config`` file as YAML first: jsonargparse's syntax errors give a line but not the file."""
+    import yaml
+
+    paths = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("-c", "--config")]
+    paths += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+    for path in paths:
+        if not Path(path).is_file():
+            if "\n" in path or ":" in path:  # an inline YAML string, not a file name
+                continue
+            raise FileNotFoundError(f"config file {path!r} does not exist")
+        try:
+            yaml.safe_load(Path(path).read_text())
+        except yaml.YAMLError as err:
+            raise ValueError(f"config file {path!r} is not valid YAML: {' '.join(str(err).split())}") from None
 
 
 if __name__ == "__main__":

@@ -113,7 +113,8 @@ class CIFAR10JpegDataModule(ImageDataModule):
     def _load(self, split: str) -> TensorImageDataset:
         cache = self.cache_dir / f"cifar10_{split}_uint8.npz" if self.cache_dir else None
         if cache is not None and cache.is_file():
-            with np.load(cache) as f:
+            check_zip(cache, "CIFAR-10 decoded cache (.npz; delete it and it is rebuilt)")
+            with np.load(cache, allow_pickle=False) as f:
                 return TensorImageDataset(torch.from_numpy(f["x"]), torch.from_numpy(f["y"]))
         x, y = load_cifar10_zip(self.data_dir / f"cifar10_{split}_jpeg.zip")
         if cache is not None:
