@@ -88,6 +88,8 @@ def _loading_paths(path: Path, tmp_path: Path, capsys):
         "vispe resolution (cli)": _cli_error(lambda: vispe_main(["resolution", str(path), "--out", str(tmp_path / "res")]), capsys),
         "resolution.main": _cli_error(lambda: resolution_main([str(path), "--out", str(tmp_path / "res")]), capsys),
         "vispe fit --ckpt_path": lambda: fit_main(fit),
+        "vispe fit --ckpt_path --weights_only false": lambda: fit_main([*fit, "--weights_only", "false"]),
+        "vispe validate --ckpt_path": lambda: fit_main(["validate", *fit[1:]]),
         "fit resume 'last' (checkpoint io)": lambda: AtomicCheckpointIO().load_checkpoint(path),
         "load_timm_checkpoint": lambda: load_timm_checkpoint(_tiny_vit(), path),
         "text tower": lambda: load_text_tower_checkpoint(build_text_tower(16, dict(context_length=8, width=32, heads=2, layers=1)), path),
