@@ -158,6 +158,12 @@ def test_checkpoints_vispe_written_lightning_checkpoint_loads_weights_only(tmp_p
         assert torch.equal(rebuilt(x), task.eval()(x))
 
 
+def test_checkpoints_path_objects_in_hyper_parameters_are_plain_data(tmp_path):
+    path = tmp_path / "p.ckpt"
+    torch.save({"hyper_parameters": {"text_checkpoint": Path("towers/text.pt")}, "state_dict": {}}, path)
+    assert read_checkpoint(path)["hyper_parameters"]["text_checkpoint"] == Path("towers/text.pt")
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Damaged checkpoints
 # ---------------------------------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import pathlib
 import pickle
 import re
 import struct
@@ -80,9 +81,10 @@ def _first_line(err: BaseException) -> str:
 # checkpoints
 # ----------------------------------------------------------------------------------------------------------------
 #: Globals a vispe checkpoint may hold besides what ``weights_only`` allows by default. Lightning checkpoints written
-#: by ``vispe fit`` need none today (hyper-parameters are plain dicts, lists, numbers and strings); the tuple is the
-#: one place to add a type, and only plain data types belong here, never a callable.
-SAFE_GLOBALS: tuple[Any, ...] = ()
+#: by ``vispe fit`` need none (hyper-parameters, callback, optimizer and scheduler states are dicts, lists, numbers,
+#: strings and tensors); a path given as a ``pathlib`` object in Python lands in the hyper-parameters as one, and
+#: rebuilding a path runs nothing. Only plain data types belong here, never a callable.
+SAFE_GLOBALS: tuple[Any, ...] = (pathlib.PosixPath, pathlib.PurePosixPath)
 
 _GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
 
