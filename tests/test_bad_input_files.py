@@ -308,6 +308,21 @@ def test_checkpoints_fit_resume_other_architecture_is_refused(narrow_ckpt, tmp_p
     assert not any(tmp_path.iterdir())  # refused before any logger / checkpoint folder
 
 
+def test_checkpoints_fit_resume_last_of_other_architecture_is_refused(narrow_ckpt, tmp_path):
+    """`--ckpt_path last` is resolved by the Trainer; the comparison runs there, before any training step."""
+    import shutil
+
+    from vispe.train_cli import main as fit_main
+
+    run = tmp_path / "run"
+    shutil.copytree(narrow_ckpt.parents[2], run)
+    last = run / "rope_mixed" / "checkpoints" / "last.ckpt"
+    stamp = last.stat().st_mtime_ns
+    expect_clear_error(lambda: fit_main(_fit_args(run, "--ckpt_path", "last", "--model.init_args.model_kwargs", WIDE)),
+                       ["--ckpt_path last", "last.ckpt", "embed_dim': 48", "embed_dim': 32"])
+    assert last.stat().st_mtime_ns == stamp  # nothing trained, nothing saved over it
+
+
 def test_checkpoints_fit_resume_opt_in_to_the_checkpoint_architecture(narrow_ckpt, tmp_path):
     """`--ckpt_hparams checkpoint` is the explicit opt-in: the 32-wide model of the checkpoint is built and trained on."""
     from vispe.train_cli import main as fit_main
@@ -505,6 +520,15 @@ def test_data_missing_manifest_names_the_argument(tmp_path):
     from vispe.data import VideoTextDataModule
 
     expect_clear_error(lambda: VideoTextDataModule(val_manifest=str(tmp_path / "nope.json")), ["val_manifest", "nope.json"], FileNotFoundError)
+
+
+def test_data_manifest_listing_missing_videos_fails_at_construction(tmp_path, tiny_video):
+    from vispe.data import VideoTextDataModule
+
+    path = _manifest(tmp_path, json.dumps([{"video": str(tiny_video), "caption": "a"}, {"video": "gone.mp4", "caption": "b"}]))
+    expect_clear_error(lambda: VideoTextDataModule(train_manifest=str(path)), ["train_manifest", "1 of 2 videos", "gone.mp4", "video_root"],
+                       FileNotFoundError)
+    assert VideoTextDataModule(train_manifest=str(path), on_error="skip").train_manifest == str(path)  # the opt-out
 
 
 def test_data_read_json_names_line_and_column(tmp_path):

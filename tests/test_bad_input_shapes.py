@@ -179,3 +179,21 @@ def test_images_video_llm_good_inputs_still_work(llm):
 ])
 def test_images_video_llm_pack_refuses_bad_samples(case, samples, needles, llm):
     expect_clear_error(lambda: llm.pack(samples()), needles)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the classification task's batches
+# ---------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("case, labels, needles", [
+    ("label outside num_classes", torch.tensor([1, 7]), ["label 7", "num_classes=4"]),
+    ("negative label", torch.tensor([-1, 0]), ["label -1", "num_classes=4"]),
+    ("labels of another batch size", torch.tensor([1]), ["(2,)", "(1,)"]),
+    ("one-hot labels", torch.eye(4)[:2], ["(2,)", "(2, 4)"]),
+])
+def test_images_classification_step_refuses_bad_labels(case, labels, needles):
+    from vispe.tasks import ImageClassification
+
+    task = ImageClassification("vispe_vit_tiny_patch4_32", dict(embed_dim=32, depth=1, num_heads=2), "rope_axial", num_classes=4, img_size=16)
+    x = torch.randn(2, 3, 16, 16)
+    expect_clear_error(lambda: task.training_step((x, labels), 0), needles)
+    expect_clear_error(lambda: task.validation_step((x, labels), 0), needles)

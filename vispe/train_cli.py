@@ -194,6 +194,43 @@ class VispeCLI(LightningCLI):
             hparams = {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
         self.config = self.parser.parse_object({sub: {"model": hparams}}, self.config)
 
+    def _check_last_checkpoint(self) -> None:
+        """``--ckpt_path last`` is resolved only once the Trainer exists: compare its hyper-parameters here."""
+        cfg = self.config[self.subcommand]
+        if str(cfg.get("ckpt_path")) != "last" or (cfg.get("ckpt_hparams") or "refuse") == "config":
+            return
+        try:
+            candidates = set()
+            for cb in self.trainer.checkpoint_callbacks:
+                if isinstance(cb, ModelCheckpoint):
+                    candidates |= cb._find_last_checkpoints(self.trainer)
+        except Exception:  # noqa: BLE001  (Lightning internals changed: the strict state-dict load still fails on a mismatch)
+            return
+        existing = [p for p in candidates if os.path.isfile(p)]
+        if not existing:
+            return
+        path = max(existing, key=os.path.getmtime)
+        ckpt = read_checkpoint(path)
+        diffs = _hparam_differences(cfg.get("model"), dict(ckpt.get("hyper_parameters") or {}) if isinstance(ckpt, dict) else {})
+        if diffs:
+            raise ValueError(
+                f"--ckpt_path last ({path!r}) was saved from a model with other hyper-parameters than the configured model: "
+                f"{'; '.join(diffs)}. Make the config match, or pass the file itself (--ckpt_path {path}) with "
+                f"--ckpt_hparams checkpoint to build the checkpoint's model"
+            )
+
+    def before_fit(self) -> None:
+        self._check_last_checkpoint()
+
+    def before_validate(self) -> None:
+        self._check_last_checkpoint()
+
+    def before_test(self) -> None:
+        self._check_last_checkpoint()
+
+    def before_predict(self) -> None:
+        self._check_last_checkpoint()
+
     # -- before anything is built ----------------------------------------------------------
     def before_instantiate_classes(self) -> None:
         cfg = self.config[self.subcommand] if self.subcommand else self.config

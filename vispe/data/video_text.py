@@ -236,9 +236,15 @@ class VideoTextDataModule(L.LightningDataModule):
         for name, manifest in (("train_manifest", train_manifest), ("val_manifest", val_manifest), ("test_manifest", test_manifest)):
             if manifest is not None:  # a missing or damaged manifest fails at construction, not in setup
                 try:
-                    load_manifest(manifest, video_root)
+                    records = load_manifest(manifest, video_root)
                 except FileNotFoundError as err:
                     raise FileNotFoundError(f"{name}: {err}") from None
+                missing = [r.video for r in records if not os.path.isfile(r.video)] if on_error == "raise" else []
+                if missing:
+                    raise FileNotFoundError(
+                        f"{name} {str(manifest)!r}: {len(missing)} of {len(records)} videos do not exist (first: {missing[0]!r}); "
+                        f"set video_root to the folder that holds them, or on_error='skip' to train without them"
+                    )
         self.train_set: VideoTextDataset | None = None
         self.val_sets: list[VideoTextDataset] = []
         self.test_sets: list[VideoTextDataset] = []
