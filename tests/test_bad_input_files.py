@@ -608,9 +608,24 @@ def _yaml(tmp_path: Path, old: str, new: str) -> Path:
     ("unknown pe", ["--model.init_args.pos_encoding", "rope_axail"], ["rope_axail", "choose one of"]),
     ("bad batch size", ["--data.init_args.batch_size", "0"], ["batch_size", "0"]),
     ("bad augment", ["--data.init_args.augment", "rotate"], ["augment", "rotate"]),
+    ("heads do not split width", ["--model.init_args.model_kwargs", "{embed_dim: 30, depth: 1, num_heads: 4}"], ["num_heads"]),
+    ("negative lr", ["--model.init_args.lr", "-1"], ["lr must be > 0", "-1"]),
+    ("negative warmup", ["--model.init_args.warmup_epochs", "-1"], ["warmup_epochs", "-1"]),
+    ("nan weight decay", ["--model.init_args.weight_decay", "nan"], ["weight_decay", "nan"]),
+    ("label smoothing 2", ["--model.init_args.label_smoothing", "2"], ["label_smoothing", "[0, 1)"]),
+    ("mix backend", ["--model.init_args.mix_backend", "foo"], ["mix_backend", "foo", "timm"]),
+    ("negative workers", ["--data.init_args.num_workers", "-1"], ["num_workers", "-1"]),
+    ("zero channels", ["--data.init_args.in_chans", "0"], ["in_chans", "0"]),
+    ("zero eval batch", ["--data.init_args.eval_batch_size", "0"], ["eval_batch_size", "0"]),
+    ("zero eval subset", ["--data.init_args.eval_subset", "0"], ["subset size", "0"]),
+    ("image size not a patch multiple", ["--data.init_args.image_size", "18"], ["img_size=(18, 18)", "patch_size=(4, 4)"]),
+    ("zero devices", ["--trainer.devices", "0"], ["devices", "0"]),
+    ("negative max_epochs", ["--trainer.max_epochs", "-5"], ["max_epochs", "-5"]),
 ])
 def test_cli_bad_flag(case, args, needles, tmp_path, capsys):
-    expect_clear_error(_cli_error(_fit(tmp_path, *args), capsys), needles)
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    expect_clear_error(_cli_error(_fit(tmp_path, *args), capsys), needles, (ValueError, TypeError, FileNotFoundError, MisconfigurationException))
     assert not (tmp_path / "runs").exists(), case
 
 
@@ -627,6 +642,15 @@ def test_cli_bad_yaml(case, old, new, needles, tmp_path, capsys):
     config = _yaml(tmp_path, old, new)
     expect_clear_error(_cli_error(lambda: fit_main(["fit", "-c", str(config)]), capsys), needles)
     assert not (tmp_path / "runs").exists(), case
+
+
+@pytest.mark.parametrize("text, needles", [("- a\n- b\n", ["unexpected config", "- a"]), ("", ["unexpected config"])])
+def test_cli_config_that_is_not_a_mapping(text, needles, tmp_path, capsys):
+    from vispe.train_cli import main as fit_main
+
+    path = tmp_path / "odd.yaml"
+    path.write_text(text)
+    expect_clear_error(_cli_error(lambda: fit_main(["fit", "-c", str(path)]), capsys), needles)
 
 
 def test_cli_missing_config_file(tmp_path, capsys):

@@ -36,6 +36,14 @@ CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
+def _image_shape(num_classes: int, in_chans: int, image_size: int) -> tuple[int, int, int]:
+    """``(num_classes, in_chans, image_size)`` as ints, refused when a count is below its minimum (at construction)."""
+    for name, value, low in (("num_classes", num_classes, 1), ("in_chans", in_chans, 1), ("image_size", image_size, 1)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    return int(num_classes), int(in_chans), int(image_size)
+
+
 # ------------------------------------------------------------------------------------------
 # CIFAR-10 from the JPEG zips
 # ------------------------------------------------------------------------------------------
@@ -107,7 +115,7 @@ class CIFAR10JpegDataModule(ImageDataModule):
                 raise FileNotFoundError(f"CIFAR-10 {split} archive not found at {str(zp)!r}")
             check_zip(zp, f"CIFAR-10 {split} archive", member_suffix=".jpg")  # a damaged zip fails here, not in setup
         self.cache_dir = Path(cache_dir) if cache_dir else None
-        self.num_classes, self.in_chans, self.image_size = 10, 3, int(image_size)
+        self.num_classes, self.in_chans, self.image_size = _image_shape(10, 3, image_size)
         self.mean, self.std = CIFAR_MEAN, CIFAR_STD
 
     def _load(self, split: str) -> TensorImageDataset:
@@ -193,7 +201,7 @@ class TorchvisionDataModule(ImageDataModule):
             self.root = resolve_data_path(root, name.lower(), f"torchvision dataset {name}")
         self.download = download
         self.train_split, self.test_split = train_split, test_split
-        self.num_classes, self.in_chans, self.image_size = int(num_classes), int(in_chans), int(image_size)
+        self.num_classes, self.in_chans, self.image_size = _image_shape(num_classes, in_chans, image_size)
         self.mean, self.std = tuple(mean), tuple(std)
 
     def _make(self, train: bool) -> Dataset:
@@ -256,7 +264,7 @@ class ImageFolderDataModule(ImageDataModule):
         if not classes:
             raise ValueError(f"ImageFolder train_dir {str(self.train_dir)!r} has no class sub-folders")
         self.classes = classes
-        self.num_classes, self.in_chans, self.image_size = len(classes), int(in_chans), int(image_size)
+        self.num_classes, self.in_chans, self.image_size = _image_shape(len(classes), in_chans, image_size)
         self.mean, self.std = tuple(mean), tuple(std)
 
     def build_datasets(self) -> tuple[Dataset, Dataset, Dataset]:
@@ -297,7 +305,7 @@ class FashionMNISTDataModule(ImageDataModule):
         self.save_hyperparameters()
         self.data_dir = resolve_data_path(data_dir, "fashion-mnist", "Fashion-MNIST IDX files")
         self.files = {k: self._find(k) for k in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
-        self.num_classes, self.in_chans, self.image_size = 10, int(in_chans), int(image_size)
+        self.num_classes, self.in_chans, self.image_size = _image_shape(10, in_chans, image_size)
         self.mean, self.std = (0.2860,), (0.3530,)
 
     def _find(self, stem: str) -> Path:
@@ -352,7 +360,7 @@ class DigitsDataModule(ImageDataModule):
         self.data_path = path
         self._table = self._read_table()  # 1,797 rows: read now so a damaged file fails at construction
         self.val_fraction = float(val_fraction)
-        self.num_classes, self.in_chans, self.image_size = 10, int(in_chans), int(image_size)
+        self.num_classes, self.in_chans, self.image_size = _image_shape(10, in_chans, image_size)
         self.mean, self.std = (0.5,), (0.5,)
 
     def _read_table(self) -> np.ndarray:
@@ -413,7 +421,7 @@ class SyntheticDataModule(ImageDataModule):
             raise ValueError(f"num_classes must be >= 2, got {num_classes}")
         if image_size < 4:
             raise ValueError(f"image_size must be >= 4, got {image_size}")
-        self.num_classes, self.in_chans, self.image_size = int(num_classes), int(in_chans), int(image_size)
+        self.num_classes, self.in_chans, self.image_size = _image_shape(num_classes, in_chans, image_size)
         self.train_size, self.val_size, self.noise = int(train_size), int(val_size), float(noise)
         self.mean, self.std = (0.5,), (0.25,)
 

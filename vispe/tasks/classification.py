@@ -125,6 +125,9 @@ class ImageClassification(pl.LightningModule):
             raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
         if lr <= 0:
             raise ValueError(f"lr must be > 0, got {lr}")
+        for name, value in (("warmup_epochs", warmup_epochs), ("min_lr", min_lr), ("weight_decay", weight_decay)):
+            if not value >= 0:  # also refuses NaN
+                raise ValueError(f"{name} must be >= 0, got {value}")
         overrides: dict[str, Any] = dict(num_classes=num_classes, in_chans=in_chans)
         if img_size is not None:
             overrides["img_size"] = img_size
