@@ -269,6 +269,20 @@ def test_checkpoints_wrong_width_into_vit():
     expect_clear_error(lambda: load_timm_checkpoint(_tiny_vit(), wide), ["width 48", "embed_dim=32"])
 
 
+def test_checkpoints_resolution_sweep_of_another_task_or_tampered_weights(narrow_ckpt, tmp_path, capsys):
+    from vispe.benchmarks.resolution import main as resolution_main
+
+    ckpt = read_checkpoint(narrow_ckpt)
+    other = dict(ckpt, hyper_parameters=dict(ckpt["hyper_parameters"], _class_path="vispe.tasks.VideoTextRetrieval"))
+    torch.save(other, tmp_path / "other.ckpt")
+    expect_clear_error(_cli_error(lambda: resolution_main([str(tmp_path / "other.ckpt"), "--out", str(tmp_path / "r")]), capsys),
+                       ["other.ckpt", "VideoTextRetrieval", "ImageClassification"])
+    tampered = dict(ckpt, state_dict={k: v for k, v in ckpt["state_dict"].items() if "blocks.1." not in k})
+    torch.save(tampered, tmp_path / "tampered.ckpt")
+    expect_clear_error(_cli_error(lambda: resolution_main([str(tmp_path / "tampered.ckpt"), "--out", str(tmp_path / "r")]), capsys),
+                       ["tampered.ckpt", "do not rebuild", "blocks.1"])
+
+
 def test_checkpoints_resolution_sweep_of_a_plain_state_dict(tmp_path, capsys):
     from vispe.benchmarks.resolution import main as resolution_main
 
@@ -415,6 +429,38 @@ def test_data_cifar10_damaged_cache_is_named(tmp_path):
     (cache / "cifar10_train_uint8.npz").write_bytes(b"PK\x03\x04 cut")
     dm = CIFAR10JpegDataModule(data_dir=str(_cifar_dir(tmp_path)), cache_dir=str(cache))
     expect_clear_error(lambda: dm._load("train"), ["cifar10_train_uint8.npz", "delete it"])
+
+
+def _image_folder(root: Path, classes: tuple[str, ...], broken: bool = False) -> Path:
+    from PIL import Image
+
+    for c in classes:
+        (root / c).mkdir(parents=True)
+        Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(root / c / "0.png")
+    if broken:
+        (root / classes[0] / "1.png").write_bytes(b"\x89PNG cut")
+    return root
+
+
+def test_data_image_folder_class_mismatch_fails_at_construction(tmp_path):
+    from vispe.data import ImageFolderDataModule
+
+    train = _image_folder(tmp_path / "train", ("cat", "dog"))
+    val = _image_folder(tmp_path / "val", ("cat", "dgo"))
+    expect_clear_error(lambda: ImageFolderDataModule(str(train), str(val), image_size=8), ["val_dir", "dgo", "train_dir"])
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    expect_clear_error(lambda: ImageFolderDataModule(str(empty), str(val), image_size=8), ["train_dir", "no class sub-folders"])
+
+
+@pytest.mark.xfail(strict=True, reason="a corrupt image inside an ImageFolder tree is found when its batch is decoded (PIL names the "
+                                       "file then); finding it at construction would decode the whole data set")
+def test_data_image_folder_corrupt_image_fails_at_construction(tmp_path):
+    from vispe.data import ImageFolderDataModule
+
+    train = _image_folder(tmp_path / "train", ("cat", "dog"), broken=True)
+    val = _image_folder(tmp_path / "val", ("cat", "dog"))
+    expect_clear_error(lambda: ImageFolderDataModule(str(train), str(val), image_size=8), ["1.png"])
 
 
 def _idx_bytes(images: bool = True, n: int = 5) -> bytes:

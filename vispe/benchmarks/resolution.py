@@ -65,6 +65,9 @@ def _checkpoint(path: str | Path) -> dict[str, Any]:
     ckpt = read_checkpoint(path)  # weights_only: a checkpoint's pickle never runs code
     if not isinstance(ckpt, dict) or "hyper_parameters" not in ckpt or "state_dict" not in ckpt:
         raise ValueError(f"{str(path)!r} is not a Lightning checkpoint of vispe.tasks.ImageClassification (no hyper_parameters)")
+    saved_class = ckpt["hyper_parameters"].get("_class_path")
+    if saved_class not in (None, "vispe.tasks.ImageClassification", "vispe.tasks.classification.ImageClassification"):
+        raise ValueError(f"{str(path)!r} is a checkpoint of {saved_class}; the resolution sweep takes vispe.tasks.ImageClassification checkpoints")
     return ckpt
 
 
@@ -177,7 +180,10 @@ def run_sweep(
         ckpt = _checkpoint(path)
         if "vispe_datamodule" not in ckpt:
             raise ValueError(f"{str(path)!r} records no DataModule (train it with 'vispe fit' / vispe.tasks.ImageClassification)")
-        probe = load_classifier(ckpt)
+        try:
+            probe = load_classifier(ckpt)
+        except (RuntimeError, TypeError, KeyError) as err:  # weights that do not fit the recorded hyper-parameters
+            raise ValueError(f"{str(path)!r}: its weights do not rebuild its recorded model ({type(err).__name__}: {' '.join(str(err).split())[:400]})") from None
         ph, pw = probe.model.patch_embed.patch_size
         dm_info = ckpt["vispe_datamodule"]
         train_size = int(dm_info["init_args"].get("image_size") or probe.hparams.get("img_size") or 0)

@@ -263,6 +263,10 @@ class ImageFolderDataModule(ImageDataModule):
         classes = sorted(p.name for p in self.train_dir.iterdir() if p.is_dir())
         if not classes:
             raise ValueError(f"ImageFolder train_dir {str(self.train_dir)!r} has no class sub-folders")
+        for name, folder in (("val_dir", self.val_dir), ("test_dir", self.test_dir)):
+            other = sorted(p.name for p in folder.iterdir() if p.is_dir())
+            if other != classes:  # checked here (a directory listing), not when setup builds the datasets
+                raise ValueError(f"class folders of {name} {str(folder)!r} {other} differ from train_dir's {classes}")
         self.classes = classes
         self.num_classes, self.in_chans, self.image_size = _image_shape(len(classes), in_chans, image_size)
         self.mean, self.std = tuple(mean), tuple(std)
