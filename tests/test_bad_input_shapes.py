@@ -50,6 +50,7 @@ def llm():
     ("zero height", lambda: torch.randn(1, 3, 0, 16), ["(1, 3, 0, 16)", "non-zero"]),
     ("size not a patch multiple", lambda: torch.randn(1, 3, 18, 16), ["18x16", "patch size 4x4"]),
     ("numpy array", lambda: torch.randn(1, 3, 16, 16).numpy(), ["torch.tensor", "ndarray"]),
+    ("float64 into float32 model", lambda: torch.randn(1, 3, 16, 16, dtype=torch.float64), ["torch.float64", "torch.float32", "autocast"]),
 ])
 def test_images_vit_refuses_bad_input(case, make, needles, vit):
     x = make()
@@ -58,6 +59,25 @@ def test_images_vit_refuses_bad_input(case, make, needles, vit):
         if isinstance(x, torch.Tensor):  # every public entry shares the same door
             expect_clear_error(lambda: vit.forward_features(x), needles)
             expect_clear_error(lambda: vit.forward_intermediates(x), needles)
+
+
+@pytest.mark.parametrize("mask, needles", [
+    (torch.ones(3, 5, 5, dtype=torch.bool), ["(3, 5, 5)", "(2, 2, 17, 17)"]),
+    (torch.ones(2, 1, 16, 16, dtype=torch.bool), ["(2, 1, 16, 16)", "prefix tokens"]),
+    (torch.ones(17, dtype=torch.bool), ["(17,)"]),
+])
+def test_images_vit_attn_mask_of_another_shape(mask, needles, vit):
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        expect_clear_error(lambda: vit.forward_features(x, attn_mask=mask), needles)
+        expect_clear_error(lambda: vit.forward_intermediates(x, attn_mask=mask), needles)
+        # a mask that broadcasts is taken: (N, N) for every sample and head
+        assert vit.forward_features(x, attn_mask=torch.ones(17, 17, dtype=torch.bool)).shape == (2, 17, 32)
+
+
+def test_images_vit_bf16_input_under_autocast_is_accepted(vit):
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert vit(torch.randn(1, 3, 16, 16, dtype=torch.bfloat16)).shape == (1, 4)
 
 
 def test_images_fixed_size_vit_refuses_another_size():
@@ -86,6 +106,7 @@ def test_images_vit_grey_model_accepts_grey(vit):
     ("size not a patch multiple", lambda: torch.randn(1, 3, 4, 12, 16), ["12x16", "tubelet 2x8x8"]),
     ("empty batch", lambda: torch.randn(0, 3, 4, 16, 16), ["(0, 3, 4, 16, 16)", "non-zero"]),
     ("list of frames", lambda: [torch.randn(3, 16, 16)] * 4, ["torch.tensor", "list"]),
+    ("float64 into float32 model", lambda: torch.randn(1, 3, 4, 16, 16, dtype=torch.float64), ["torch.float64", "torch.float32"]),
 ])
 def test_images_video_vit_refuses_bad_input(case, make, needles, video_vit):
     x = make()
@@ -148,6 +169,8 @@ def _cache(llm: VideoLLM, b: int = 2) -> KVCache:
                                                                                              _cache(m).attention_mask, _cache(m).rope_delta)),
      ["cache layer 0", "(2, 2, 5, 16)", "(1, 2, 5, 16)"]),
     ("cache is a tuple", lambda m: dict(input_ids=_ids(2, 1), cache=(torch.zeros(1),)), ["cache", "kvcache", "tuple"]),
+    ("additive float mask", lambda m: dict(input_ids=_ids(2), attention_mask=torch.zeros(2, 5)), ["attention_mask", "bool or integer", "float32"]),
+    ("inputs_embeds float64", lambda m: dict(inputs_embeds=torch.randn(2, 5, 32, dtype=torch.float64)), ["inputs_embeds", "float64", "float32"]),
 ])
 def test_images_video_llm_refuses_bad_input(case, kwargs, needles, llm):
     args = kwargs(llm)
@@ -168,6 +191,15 @@ def test_images_video_llm_good_inputs_still_work(llm):
         step = llm(input_ids=ids[:, :1], cache=out.cache, use_cache=True)
         assert step.logits.shape == (2, 1, 50)
         assert llm.generate([[ids[0]], [ids[1, :3]]], max_new_tokens=3).shape == (2, 3)
+
+
+@pytest.mark.parametrize("kwargs, needles", [
+    (dict(max_new_tokens=0), ["max_new_tokens", "0"]),
+    (dict(max_new_tokens=2.5), ["max_new_tokens", "2.5"]),
+    (dict(max_new_tokens=2, eos_token_id=99), ["eos_token_id=99", "[0, 50)"]),
+])
+def test_images_video_llm_generate_refuses_bad_arguments(kwargs, needles, llm):
+    expect_clear_error(lambda: llm.generate([[torch.tensor([1, 2])]], **kwargs), needles)
 
 
 @pytest.mark.parametrize("case, samples, needles", [

@@ -383,11 +383,17 @@ class VideoLLM(nn.Module):
                 raise TypeError(f"inputs_embeds must be a float tensor (B, L, dim={self.dim}), got {getattr(inputs_embeds, 'dtype', type(inputs_embeds).__name__)}")
             if inputs_embeds.ndim != 3 or inputs_embeds.shape[-1] != self.dim:
                 raise ValueError(f"inputs_embeds must be (B, L, dim={self.dim}), got shape {shape(inputs_embeds)}")
+            weight_dtype = self.tok_embed.weight.dtype
+            if inputs_embeds.dtype != weight_dtype and not torch.is_autocast_enabled(inputs_embeds.device.type):
+                raise TypeError(f"inputs_embeds has dtype {inputs_embeds.dtype}, the model's weights {weight_dtype}; convert it or run under torch.autocast")
             B, L = inputs_embeds.shape[:2]
         if L < 1:
             raise ValueError("the input sequence is empty (L = 0)")
-        if attention_mask is not None and shape(attention_mask) != (B, L):
-            raise ValueError(f"attention_mask must be (B, L) = ({B}, {L}) like the input, got shape {shape(attention_mask)}")
+        if attention_mask is not None:
+            if shape(attention_mask) != (B, L):
+                raise ValueError(f"attention_mask must be (B, L) = ({B}, {L}) like the input, got shape {shape(attention_mask)}")
+            if attention_mask.is_floating_point():  # an additive 0/-inf mask would be read inverted by .bool()
+                raise TypeError(f"attention_mask must be bool or integer 0/1 (1 = a real token), got {attention_mask.dtype}")
         if labels is not None:
             if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or labels.dtype == torch.bool:
                 raise TypeError(f"labels must be an integer tensor (B, L), got {getattr(labels, 'dtype', type(labels).__name__)}")
@@ -495,8 +501,10 @@ class VideoLLM(nn.Module):
             batch = self.pack(batch, padding_side="left")
         if batch.padding_side != "left" and not bool(batch.attention_mask.all()):
             raise ValueError("generate() needs a left-padded batch (pack(..., padding_side='left'))")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        if eos_token_id is not None and not 0 <= eos_token_id < self.vocab_size:
+            raise ValueError(f"eos_token_id={eos_token_id!r} is outside the vocabulary [0, {self.vocab_size}): generation could never stop on it")
         out = self.forward_batch(batch, use_cache=True)
         cache = out.cache
         nxt = out.logits[:, -1].argmax(-1)

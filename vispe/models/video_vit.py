@@ -61,7 +61,7 @@ def _triple(x: int | Sequence[int]) -> tuple[int, ...]:
 
 
 @register_notrace_function
-def _as_video(x: torch.Tensor, in_chans: int, kernel: tuple[int, int, int]) -> torch.Tensor:
+def _as_video(x: torch.Tensor, in_chans: int, kernel: tuple[int, int, int], weight_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Check a video's layout and size; a 4D image becomes a still clip of one tubelet (opaque under FX:
     it branches on the input's shape)."""
     if not isinstance(x, torch.Tensor):
@@ -81,6 +81,8 @@ def _as_video(x: torch.Tensor, in_chans: int, kernel: tuple[int, int, int]) -> t
         )
     if not x.is_floating_point():
         raise TypeError(f"video input x has dtype {x.dtype}; expected a floating-point tensor (e.g. x.float() / 255, then normalise)")
+    if weight_dtype is not None and x.dtype != weight_dtype and not torch.is_autocast_enabled(x.device.type):
+        raise TypeError(f"video input x has dtype {x.dtype}, the model's weights {weight_dtype}; convert with x.to({weight_dtype}) or run under torch.autocast")
     if 0 in tuple(x.shape):
         raise ValueError(f"video input x has shape {shape}: every size must be non-zero")
     tubelet_lattice(*x.shape[2:], kernel=kernel)
@@ -127,7 +129,7 @@ class TubeletEmbed(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, C, T, H, W)`` video or ``(B, C, H, W)`` still image -> tubelet tokens ``(B, t, h, w, D)``."""
-        x = _as_video(x, self.in_chans, self.kernel)
+        x = _as_video(x, self.in_chans, self.kernel, self.proj.weight.dtype)
         return self.proj(x).permute(0, 2, 3, 4, 1)
 
 
