@@ -283,6 +283,16 @@ def test_checkpoints_resolution_sweep_of_another_task_or_tampered_weights(narrow
                        ["tampered.ckpt", "do not rebuild", "blocks.1"])
 
 
+def test_data_damaged_earlier_sweep_results_are_named(narrow_ckpt, tmp_path, capsys):
+    from vispe.benchmarks.resolution import main as resolution_main
+
+    out = tmp_path / "res"
+    out.mkdir()
+    (out / "resolution.json").write_text('{"results": [')  # a sweep killed while writing (or a hand edit)
+    expect_clear_error(_cli_error(lambda: resolution_main([str(narrow_ckpt), "--out", str(out), "--sizes", "16"]), capsys),
+                       ["resolution.json", "not valid json", "line 1"])
+
+
 def test_checkpoints_resolution_sweep_of_a_plain_state_dict(tmp_path, capsys):
     from vispe.benchmarks.resolution import main as resolution_main
 

@@ -36,6 +36,8 @@ from typing import Any, Sequence
 
 import torch
 
+from vispe.files import read_json
+
 __all__ = ["DEFAULT_SIZES", "RESIZE_POLICY", "evaluate_sizes", "load_classifier", "main", "run_sweep"]
 
 DEFAULT_SIZES = (16, 24, 32, 40, 48, 56, 64)
@@ -226,7 +228,7 @@ def run_sweep(
     out = Path(out_dir)
     previous: dict[str, dict[str, Any]] = {}
     if reuse and (out / "resolution.json").is_file():
-        saved = json.loads((out / "resolution.json").read_text())
+        saved = read_json(out / "resolution.json", "earlier sweep results")
         for r in saved.get("results", []) + saved.get("other_results", []):
             if "key" in r:
                 previous[r["key"]] = r
