@@ -524,6 +524,13 @@ def test_data_fashion_mnist_damaged_file_fails_at_construction(kind, needles, tm
     expect_clear_error(lambda: FashionMNISTDataModule(data_dir=str(d)), [name, *needles])
 
 
+def test_data_fashion_mnist_labels_of_another_split_fail_at_construction(tmp_path):
+    from vispe.data import FashionMNISTDataModule
+
+    d = _fmnist_dir(tmp_path, {"t10k-labels-idx1-ubyte.gz": gzip.compress(_idx_bytes(False, n=7))})
+    expect_clear_error(lambda: FashionMNISTDataModule(data_dir=str(d)), ["t10k-labels-idx1-ubyte.gz", "(7,)", "(5, 28, 28)"])
+
+
 def test_data_read_idx_of_truncated_gz_names_the_file(tmp_path):
     path = tmp_path / "x-idx3-ubyte.gz"
     full = gzip.compress(_idx_bytes(True, n=300))
@@ -631,6 +638,8 @@ def test_data_three_cell_damaged_npz(tmp_path):
     expect_clear_error(lambda: load_npz(path), [str(path), "cut short"])
     np.savez(path, cells=np.zeros(3))
     expect_clear_error(lambda: load_npz(path), [str(path), "lacks the arrays"])
+    np.savez(path, cells=np.array([{"payload": 1}], dtype=object))  # a pickle inside the npz is never loaded
+    expect_clear_error(lambda: load_npz(path), [str(path), "pickled python objects"])
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -309,6 +309,11 @@ class FashionMNISTDataModule(ImageDataModule):
         self.save_hyperparameters()
         self.data_dir = resolve_data_path(data_dir, "fashion-mnist", "Fashion-MNIST IDX files")
         self.files = {k: self._find(k) for k in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
+        for prefix in ("train", "t10k"):
+            images, labels = (check_idx(self.files[f"{prefix}-{kind}"]) for kind in ("images-idx3-ubyte", "labels-idx1-ubyte"))
+            if len(images) != 3 or len(labels) != 1 or images[0] != labels[0]:
+                raise DamagedFileError(self.files[f"{prefix}-labels-idx1-ubyte"], f"holds labels of shape {labels} for images of shape {images}",
+                                       "use the images and labels files of the same split")
         self.num_classes, self.in_chans, self.image_size = _image_shape(10, in_chans, image_size)
         self.mean, self.std = (0.2860,), (0.3530,)
 
