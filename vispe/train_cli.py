@@ -14,10 +14,16 @@
   logger's versioned folder ``<save_dir>/<name>/version_N/checkpoints``: a rerun never overwrites an
   earlier run, and ``--ckpt_path last`` resumes from the newest version that has a ``last.ckpt``
   (:func:`find_last_checkpoint`). ``last.ckpt`` always holds the final step of a run that ended normally.
-* Checkpoints are written atomically (temp file in the same folder, fsync, ``os.replace``), with the
-  permissions the user's umask gives any new file.
 * A run killed at any step and resumed with ``--ckpt_path last`` equals the uninterrupted run: the
   training loader (:class:`vispe.data.ResumableDataLoader`) continues the epoch where the checkpoint left it.
+* Checkpoints are written atomically (temp file in the same folder, fsync, ``os.replace``, the permissions the
+  user's umask gives any new file) and read through
+  :func:`vispe.files.read_checkpoint` (``torch.load(weights_only=True)``: a checkpoint's pickle never runs code;
+  a damaged file is named with what to do).
+* ``--ckpt_path`` of a checkpoint whose model hyper-parameters differ from the configured model is refused
+  (LightningCLI would silently build the checkpoint's model instead). ``--ckpt_hparams checkpoint`` builds the
+  checkpoint's model (LightningCLI's behaviour), ``--ckpt_hparams config`` keeps the configured one (its weights
+  must then fit the checkpoint's).
 """
 from __future__ import annotations
 
@@ -37,10 +43,17 @@ from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelChec
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger, Logger
 
-__all__ = ["AtomicCheckpointIO", "FinalLastCheckpoint", "ResumeTrainLoaderState", "VispeCLI", "find_last_checkpoint", "launcher_trainer_settings", "main"]
+from vispe._checks import check_choice
+from vispe.files import read_checkpoint
+
+__all__ = ["CKPT_HPARAMS", "AtomicCheckpointIO", "FinalLastCheckpoint", "ResumeTrainLoaderState", "VispeCLI",
+           "find_last_checkpoint", "launcher_trainer_settings", "main"]
 
 _TRAINER_DEFAULTS = {"accelerator": "auto", "devices": "auto", "num_nodes": 1, "strategy": "auto", "precision": None}
 _DATA_TO_MODEL = {"num_classes": "num_classes", "in_chans": "in_chans", "image_size": "img_size"}
+#: ``--ckpt_hparams``: what to do when ``--ckpt_path``'s model hyper-parameters differ from the configured model
+CKPT_HPARAMS = ("refuse", "checkpoint", "config")
+_LIGHTNING_CKPT_NAMES = ("last", "best", "hpc", "registry")
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -50,6 +63,12 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     temp dir; when that is another filesystem the final move is a copy, so a kill mid-save can
     leave a truncated ``last.ckpt``. A same-folder ``os.replace`` cannot.
     """
+
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
+        """Always ``weights_only`` (whatever the caller asks): a resumed checkpoint never runs code."""
+        if "://" in str(path):  # remote filesystems: Lightning's own path, still weights_only
+            return super().load_checkpoint(path, map_location=map_location or "cpu", weights_only=True)
+        return read_checkpoint(path, map_location=map_location or "cpu")
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         if storage_options is not None:
@@ -181,8 +200,103 @@ class VispeCLI(LightningCLI):
         kwargs.setdefault("subclass_mode_model", True)
         kwargs.setdefault("subclass_mode_data", True)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        # a misspelt flag that happens to be a prefix of a real one (--trainer.max_epoch) is an error, not that flag
+        parser_kwargs = dict(kwargs.get("parser_kwargs") or {})
+        parser_kwargs.setdefault("allow_abbrev", False)
+        for sub in self.subcommands():
+            parser_kwargs[sub] = {"allow_abbrev": False, **dict(parser_kwargs.get(sub) or {})}
+        kwargs["parser_kwargs"] = parser_kwargs
         kwargs.setdefault("trainer_defaults", {k: v for k, (v, _) in launcher_trainer_settings().items()})
         super().__init__(pl.LightningModule, pl.LightningDataModule, *args, **kwargs)
+
+    def add_arguments_to_parser(self, parser: Any) -> None:
+        parser.add_argument(
+            "--ckpt_hparams", type=str, default="refuse",
+            help="when --ckpt_path's model hyper-parameters differ from the configured model: 'refuse' (default), "
+                 "'checkpoint' (build the checkpoint's model) or 'config' (build the configured model, load the weights into it)",
+        )
+
+    # -- --ckpt_path: read safely, never swap the model silently ---------------------------
+    def _parse_ckpt_path(self) -> None:
+        """LightningCLI replaces the configured model's hyper-parameters by the checkpoint's; here that needs consent."""
+        sub = self.config.get("subcommand")
+        if not sub:
+            return
+        cfg = self.config[sub]
+        policy = cfg.get("ckpt_hparams") or "refuse"
+        check_choice("--ckpt_hparams", policy, CKPT_HPARAMS)
+        ckpt_path = cfg.get("ckpt_path")
+        if not ckpt_path or str(ckpt_path) in _LIGHTNING_CKPT_NAMES or str(ckpt_path).startswith("registry:") or "://" in str(ckpt_path):
+            return  # 'last' / 'best' / registry / remote: resolved (and read through AtomicCheckpointIO) by the Trainer
+        if not Path(ckpt_path).is_file():
+            raise FileNotFoundError(
+                f"--ckpt_path {str(ckpt_path)!r} does not exist; pass a checkpoint file, or 'last' to resume from the run's last.ckpt"
+            )
+        ckpt = read_checkpoint(ckpt_path)
+        hparams = dict(ckpt.get("hyper_parameters") or {}) if isinstance(ckpt, dict) else {}
+        hparams.pop("_instantiator", None)
+        if not hparams or policy == "config":
+            return
+        if policy == "refuse" and cfg.get("model") is not None:
+            self._fill_model_from_data(cfg)  # data-derived arguments (num_classes ...) take part in the comparison
+            diffs = _hparam_differences(cfg.get("model"), hparams)
+            if diffs:
+                raise ValueError(
+                    f"--ckpt_path {str(ckpt_path)!r} was saved from a model with other hyper-parameters than the configured "
+                    f"model: {'; '.join(diffs)}. Pass --ckpt_hparams checkpoint to build the checkpoint's model, "
+                    f"--ckpt_hparams config to build the configured one (the checkpoint's weights must fit it), "
+                    f"or make the config match"
+                )
+            return
+        if "_class_path" in hparams:
+            hparams = {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
+        self.config = self.parser.parse_object({sub: {"model": hparams}}, self.config)
+
+    def _last_checkpoint(self) -> Path:
+        """``--ckpt_path last``: the newest ``last.ckpt`` among the run's versions (Lightning would look only in this
+        run's new, empty version folder and silently start from scratch)."""
+        run_dir = getattr(self, "_run_dir", None)
+        found = find_last_checkpoint(run_dir) if run_dir is not None else None
+        if found is None:
+            where = f"{run_dir}/version_*/checkpoints" if run_dir is not None else "the logger's folder"
+            raise FileNotFoundError(f"--ckpt_path last: no last.ckpt under {where}; nothing to resume "
+                                    f"(pass a checkpoint file, or drop --ckpt_path to start a new run)")
+        return found
+
+    def _prepare_subcommand_kwargs(self, subcommand: str) -> dict[str, Any]:
+        kwargs = super()._prepare_subcommand_kwargs(subcommand)
+        if kwargs.get("ckpt_path") == "last":
+            kwargs["ckpt_path"] = str(self._last_checkpoint())
+        return kwargs
+
+    def _check_last_checkpoint(self) -> None:
+        """``--ckpt_path last`` is resolved only once the Trainer exists: compare its hyper-parameters here."""
+        cfg = self.config[self.subcommand]
+        if str(cfg.get("ckpt_path")) != "last":
+            return
+        path = self._last_checkpoint()
+        if (cfg.get("ckpt_hparams") or "refuse") == "config":
+            return
+        ckpt = read_checkpoint(path)
+        diffs = _hparam_differences(cfg.get("model"), dict(ckpt.get("hyper_parameters") or {}) if isinstance(ckpt, dict) else {})
+        if diffs:
+            raise ValueError(
+                f"--ckpt_path last ({path!r}) was saved from a model with other hyper-parameters than the configured model: "
+                f"{'; '.join(diffs)}. Make the config match, or pass the file itself (--ckpt_path {path}) with "
+                f"--ckpt_hparams checkpoint to build the checkpoint's model"
+            )
+
+    def before_fit(self) -> None:
+        self._check_last_checkpoint()
+
+    def before_validate(self) -> None:
+        self._check_last_checkpoint()
+
+    def before_test(self) -> None:
+        self._check_last_checkpoint()
+
+    def before_predict(self) -> None:
+        self._check_last_checkpoint()
 
     # -- before anything is built ----------------------------------------------------------
     def before_instantiate_classes(self) -> None:
@@ -261,18 +375,31 @@ class VispeCLI(LightningCLI):
         return trainer
 
 
-    def _prepare_subcommand_kwargs(self, subcommand: str) -> dict[str, Any]:
-        kwargs = super()._prepare_subcommand_kwargs(subcommand)
-        if kwargs.get("ckpt_path") == "last":
-            # Lightning would look for "last" in this run's new version folder (empty) and start from scratch
-            run_dir = getattr(self, "_run_dir", None)
-            found = find_last_checkpoint(run_dir) if run_dir is not None else None
-            if found is None:
-                where = f"{run_dir}/version_*/checkpoints" if run_dir is not None else "the logger's folder"
-                raise FileNotFoundError(f"--ckpt_path last: no last.ckpt under {where}; nothing to resume "
-                                        f"(pass a checkpoint file, or drop --ckpt_path to start a new run)")
-            kwargs["ckpt_path"] = str(found)
-        return kwargs
+def _plain(value: Any) -> Any:
+    """Config values as plain Python (jsonargparse Namespaces -> dicts, tuples -> lists) for comparison."""
+    if hasattr(value, "as_dict"):
+        value = value.as_dict()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _hparam_differences(model_cfg: Any, hparams: dict[str, Any]) -> list[str]:
+    """``'key: config X, checkpoint Y'`` for every saved hyper-parameter the configured model sets differently."""
+    model_cfg = _plain(model_cfg) or {}
+    diffs = []
+    saved_class = hparams.get("_class_path")
+    if saved_class and model_cfg.get("class_path") and saved_class != model_cfg["class_path"]:
+        diffs.append(f"model class: config {model_cfg['class_path']}, checkpoint {saved_class}")
+    init = model_cfg.get("init_args") or {}
+    for key, saved in hparams.items():
+        if key.startswith("_") or key not in init:
+            continue
+        if _plain(saved) != init[key]:
+            diffs.append(f"{key}: config {init[key]!r}, checkpoint {_plain(saved)!r}")
+    return diffs
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -282,11 +409,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     import vispe.tasks  # noqa: F401
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    _check_config_files(argv)
     with warnings.catch_warnings():
         # vispe always passes the arguments explicitly (`vispe fit ...` re-dispatches sys.argv)
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
         VispeCLI(args=argv)
     return 0
+
+
+def _check_config_files(argv: Sequence[str]) -> None:
+    """Parse every ``-c/--config`` file as YAML first: jsonargparse's syntax errors give a line but not the file."""
+    import yaml
+
+    paths = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("-c", "--config")]
+    paths += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+    for path in paths:
+        if not Path(path).is_file():
+            if "\n" in path or ":" in path:  # an inline YAML string, not a file name
+                continue
+            raise FileNotFoundError(f"config file {path!r} does not exist")
+        try:
+            yaml.safe_load(Path(path).read_text())
+        except yaml.YAMLError as err:
+            raise ValueError(f"config file {path!r} is not valid YAML: {' '.join(str(err).split())}") from None
 
 
 if __name__ == "__main__":

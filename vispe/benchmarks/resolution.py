@@ -36,6 +36,8 @@ from typing import Any, Sequence
 
 import torch
 
+from vispe.files import read_json
+
 __all__ = ["DEFAULT_SIZES", "RESIZE_POLICY", "evaluate_sizes", "load_classifier", "main", "run_sweep"]
 
 DEFAULT_SIZES = (16, 24, 32, 40, 48, 56, 64)
@@ -57,12 +59,17 @@ def _parse_sizes(text: str) -> list[int]:
 
 
 def _checkpoint(path: str | Path) -> dict[str, Any]:
+    from vispe.files import read_checkpoint
+
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {str(path)!r}")
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    if "hyper_parameters" not in ckpt or "state_dict" not in ckpt:
+    ckpt = read_checkpoint(path)  # weights_only: a checkpoint's pickle never runs code
+    if not isinstance(ckpt, dict) or "hyper_parameters" not in ckpt or "state_dict" not in ckpt:
         raise ValueError(f"{str(path)!r} is not a Lightning checkpoint of vispe.tasks.ImageClassification (no hyper_parameters)")
+    saved_class = ckpt["hyper_parameters"].get("_class_path")
+    if saved_class not in (None, "vispe.tasks.ImageClassification", "vispe.tasks.classification.ImageClassification"):
+        raise ValueError(f"{str(path)!r} is a checkpoint of {saved_class}; the resolution sweep takes vispe.tasks.ImageClassification checkpoints")
     return ckpt
 
 
@@ -175,7 +182,10 @@ def run_sweep(
         ckpt = _checkpoint(path)
         if "vispe_datamodule" not in ckpt:
             raise ValueError(f"{str(path)!r} records no DataModule (train it with 'vispe fit' / vispe.tasks.ImageClassification)")
-        probe = load_classifier(ckpt)
+        try:
+            probe = load_classifier(ckpt)
+        except (RuntimeError, TypeError, KeyError) as err:  # weights that do not fit the recorded hyper-parameters
+            raise ValueError(f"{str(path)!r}: its weights do not rebuild its recorded model ({type(err).__name__}: {' '.join(str(err).split())[:400]})") from None
         ph, pw = probe.model.patch_embed.patch_size
         dm_info = ckpt["vispe_datamodule"]
         train_size = int(dm_info["init_args"].get("image_size") or probe.hparams.get("img_size") or 0)
@@ -218,7 +228,7 @@ def run_sweep(
     out = Path(out_dir)
     previous: dict[str, dict[str, Any]] = {}
     if reuse and (out / "resolution.json").is_file():
-        saved = json.loads((out / "resolution.json").read_text())
+        saved = read_json(out / "resolution.json", "earlier sweep results")
         for r in saved.get("results", []) + saved.get("other_results", []):
             if "key" in r:
                 previous[r["key"]] = r

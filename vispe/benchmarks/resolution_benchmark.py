@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from vispe.files import read_json
 from vispe.train_cli import find_last_checkpoint
 
 __all__ = ["CLAIMS", "HEADLINE", "RECIPES", "TECHNIQUES", "Part", "claims", "main", "plot_techniques", "summarise",
@@ -176,7 +177,7 @@ def train_part(part: Part, out: Path, jobs: int, threads: int, data_dir: str | N
     """Train the part's runs (``jobs`` at a time), skipping finished ones; returns wall times."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONHASHSEED="0")
     timings_path = out / "timings.json"
-    timings = json.loads(timings_path.read_text()) if timings_path.is_file() else {}
+    timings = read_json(timings_path, "benchmark cache") if timings_path.is_file() else {}
     # ``last.ckpt`` is rewritten every epoch, so it does not mean "finished": a run is finished once its
     # wall time is recorded. A killed run has a ``last.ckpt`` but no timing and resumes from it.
     todo = training_order(part.runs(), out, timings)
@@ -551,7 +552,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for pt in RECIPES[args.recipe]:
         f = out / pt.name / "summary.json"
         if pt.name not in run_now and f.is_file():
-            earlier[pt.name] = json.loads(f.read_text())
+            earlier[pt.name] = read_json(f, "benchmark cache")
             rows += [_int_sizes(r) for r in earlier[pt.name]["rows"]]
     order = [pt.name for pt in RECIPES[args.recipe]]
     rows.sort(key=lambda r: order.index(r["part"]) if r["part"] in order else len(order))  # stable: keeps each part's order

@@ -16,6 +16,8 @@ import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
+from vispe.files import read_json
+
 __all__ = ["main", "build_parser", "run_one", "run_benchmark", "format_table", "plot_results", "DEFAULTS", "DEFAULT_ENCODINGS"]
 
 DEFAULT_ENCODINGS: tuple[str, ...] = ("rope_axial_3d", "rope_mixed_3d", "sincos3d", "learned_3d", "none")
@@ -232,7 +234,7 @@ def run_benchmark(args: argparse.Namespace) -> tuple[list[dict[str, Any]], float
     gen_s = time.perf_counter() - t0
     from vispe.data.video_text import position_free_r1
 
-    ceiling = position_free_r1(json.loads(Path(dm._manifests()[1]).read_text()))
+    ceiling = position_free_r1(read_json(Path(dm._manifests()[1]), "manifest"))
     print(f"data: {args.num_train} train / {args.num_val} val clips under {dm.root} ({gen_s:.0f} s incl. generation)", flush=True)
     rows = []
     for name in names:

@@ -17,6 +17,8 @@ import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
+from vispe.files import read_json
+
 __all__ = ["main", "build_parser", "run_leaderboard", "format_table", "plot_results", "QUICK_ENCODINGS", "DEFAULTS"]
 
 #: ``--quick``: no PE and the two RoPE-ViT baselines; they learn the task within the quick budget
@@ -281,7 +283,7 @@ def run_leaderboard(args: argparse.Namespace) -> list[dict[str, Any]]:
     out = Path(args.out) if args.out else None
     previous: dict[str, dict[str, Any]] = {}
     if out is not None and args.append and (out / "results.json").exists():
-        previous = {r["encoding"]: r for r in json.loads((out / "results.json").read_text())["results"]}
+        previous = {r["encoding"]: r for r in read_json(out / "results.json", "earlier results")["results"]}
     datamodule = ThreeCellDataModule(
         num_samples=args.num_samples, grid_size=args.grid, cell_size=args.cell_size, seed=args.seed,
         vector_sum=args.vector_sum, batch_size=args.batch_size, eval_batch_size=max(256, args.batch_size),
@@ -323,7 +325,7 @@ def merge_results(args: argparse.Namespace) -> list[dict[str, Any]]:
         path = Path(folder) / "results.json"
         if not path.exists():
             raise ValueError(f"--merge: {path} does not exist")
-        data = json.loads(path.read_text())
+        data = read_json(path, "earlier results")
         other = {k: v for k, v in data["recipe"].items() if k != "threads"}
         if recipe is not None and other != recipe:
             diff = sorted(k for k in set(other) | set(recipe) if other.get(k) != recipe.get(k))

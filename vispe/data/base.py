@@ -237,6 +237,13 @@ class ImageDataModule(pl.LightningDataModule):
             raise ValueError(f"augment={augment!r} is not valid; choose one of {list(AUGMENTATIONS)}")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if eval_batch_size is not None and eval_batch_size < 1:
+            raise ValueError(f"eval_batch_size must be >= 1 (or None for batch_size), got {eval_batch_size}")
+        if num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0 (0: load in the main process), got {num_workers}")
+        for name, n in (("train_subset", train_subset), ("eval_subset", eval_subset)):
+            if n is not None and n < 1:
+                raise ValueError(f"{name}: subset size must be >= 1 (or None for the whole split), got {n}")
         self.batch_size = int(batch_size)
         self.eval_batch_size = int(eval_batch_size or batch_size)
         self.num_workers = int(num_workers)

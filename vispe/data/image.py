@@ -6,10 +6,9 @@ Locations come from arguments or ``$VISPE_DATA_ROOT``; missing files raise at co
 """
 from __future__ import annotations
 
-import gzip
 import io
-import struct
 import zipfile
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
+from ..files import DamagedFileError, check_idx, check_zip, read_idx
 from .base import ImageDataModule, TensorImageDataset, make_pil_to_uint8, resolve_data_path
 
 __all__ = [
@@ -36,6 +36,14 @@ CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
+def _image_shape(num_classes: int, in_chans: int, image_size: int) -> tuple[int, int, int]:
+    """``(num_classes, in_chans, image_size)`` as ints, refused when a count is below its minimum (at construction)."""
+    for name, value, low in (("num_classes", num_classes, 1), ("in_chans", in_chans, 1), ("image_size", image_size, 1)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    return int(num_classes), int(in_chans), int(image_size)
+
+
 # ------------------------------------------------------------------------------------------
 # CIFAR-10 from the JPEG zips
 # ------------------------------------------------------------------------------------------
@@ -43,6 +51,7 @@ def load_cifar10_zip(zip_path: str | Path, limit_per_class: int | None = None) -
     """Decode ``<split>/<class>/NNNN.jpg`` members straight from the zip -> uint8 (N, 3, 32, 32), labels."""
     from PIL import Image
 
+    check_zip(zip_path, "CIFAR-10 archive", member_suffix=".jpg")
     with zipfile.ZipFile(zip_path) as z:
         names = sorted(n for n in z.namelist() if n.lower().endswith(".jpg"))
         if limit_per_class is not None:
@@ -63,7 +72,12 @@ def load_cifar10_zip(zip_path: str | Path, limit_per_class: int | None = None) -
             if cls not in CIFAR10_CLASSES:
                 raise ValueError(f"member {n!r} of {zip_path} is not in a CIFAR-10 class folder {CIFAR10_CLASSES}")
             labels[i] = CIFAR10_CLASSES.index(cls)
-            img = Image.open(io.BytesIO(z.read(n))).convert("RGB")
+            try:
+                img = Image.open(io.BytesIO(z.read(n))).convert("RGB")
+            except (zipfile.BadZipFile, OSError, EOFError, zlib.error) as err:  # CRC mismatch, cut member, bad JPEG
+                raise DamagedFileError(zip_path, f"member {n!r} is damaged ({type(err).__name__}: {err})", "download or copy the archive again") from None
+            if img.size != (32, 32):
+                raise DamagedFileError(zip_path, f"member {n!r} is {img.size[0]}x{img.size[1]} px, CIFAR-10 images are 32x32", "check that it is the CIFAR-10 JPEG archive")
             images[i] = np.asarray(img)
     return torch.from_numpy(images).permute(0, 3, 1, 2).contiguous(), torch.from_numpy(labels)
 
@@ -99,14 +113,16 @@ class CIFAR10JpegDataModule(ImageDataModule):
             zp = self.data_dir / f"cifar10_{split}_jpeg.zip"
             if not zp.is_file():
                 raise FileNotFoundError(f"CIFAR-10 {split} archive not found at {str(zp)!r}")
+            check_zip(zp, f"CIFAR-10 {split} archive", member_suffix=".jpg")  # a damaged zip fails here, not in setup
         self.cache_dir = Path(cache_dir) if cache_dir else None
-        self.num_classes, self.in_chans, self.image_size = 10, 3, int(image_size)
+        self.num_classes, self.in_chans, self.image_size = _image_shape(10, 3, image_size)
         self.mean, self.std = CIFAR_MEAN, CIFAR_STD
 
     def _load(self, split: str) -> TensorImageDataset:
         cache = self.cache_dir / f"cifar10_{split}_uint8.npz" if self.cache_dir else None
         if cache is not None and cache.is_file():
-            with np.load(cache) as f:
+            check_zip(cache, "CIFAR-10 decoded cache (.npz; delete it and it is rebuilt)")
+            with np.load(cache, allow_pickle=False) as f:
                 return TensorImageDataset(torch.from_numpy(f["x"]), torch.from_numpy(f["y"]))
         x, y = load_cifar10_zip(self.data_dir / f"cifar10_{split}_jpeg.zip")
         if cache is not None:
@@ -185,7 +201,7 @@ class TorchvisionDataModule(ImageDataModule):
             self.root = resolve_data_path(root, name.lower(), f"torchvision dataset {name}")
         self.download = download
         self.train_split, self.test_split = train_split, test_split
-        self.num_classes, self.in_chans, self.image_size = int(num_classes), int(in_chans), int(image_size)
+        self.num_classes, self.in_chans, self.image_size = _image_shape(num_classes, in_chans, image_size)
         self.mean, self.std = tuple(mean), tuple(std)
 
     def _make(self, train: bool) -> Dataset:
@@ -247,8 +263,12 @@ class ImageFolderDataModule(ImageDataModule):
         classes = sorted(p.name for p in self.train_dir.iterdir() if p.is_dir())
         if not classes:
             raise ValueError(f"ImageFolder train_dir {str(self.train_dir)!r} has no class sub-folders")
+        for name, folder in (("val_dir", self.val_dir), ("test_dir", self.test_dir)):
+            other = sorted(p.name for p in folder.iterdir() if p.is_dir())
+            if other != classes:  # checked here (a directory listing), not when setup builds the datasets
+                raise ValueError(f"class folders of {name} {str(folder)!r} {other} differ from train_dir's {classes}")
         self.classes = classes
-        self.num_classes, self.in_chans, self.image_size = len(classes), int(in_chans), int(image_size)
+        self.num_classes, self.in_chans, self.image_size = _image_shape(len(classes), in_chans, image_size)
         self.mean, self.std = tuple(mean), tuple(std)
 
     def build_datasets(self) -> tuple[Dataset, Dataset, Dataset]:
@@ -266,20 +286,6 @@ class ImageFolderDataModule(ImageDataModule):
 # ------------------------------------------------------------------------------------------
 # Fashion-MNIST (IDX) and scikit-learn digits (csv.gz)
 # ------------------------------------------------------------------------------------------
-def read_idx(path: str | Path) -> np.ndarray:
-    """Read an IDX file (``.gz`` or raw): unsigned-byte images (magic 2051) or labels (2049)."""
-    opener = gzip.open if str(path).endswith(".gz") else open
-    with opener(path, "rb") as f:
-        magic = struct.unpack(">I", f.read(4))[0]
-        if magic == 2051:
-            n, rows, cols = struct.unpack(">III", f.read(12))
-            return np.frombuffer(f.read(), dtype=np.uint8).reshape(n, rows, cols)
-        if magic == 2049:
-            (n,) = struct.unpack(">I", f.read(4))
-            return np.frombuffer(f.read(), dtype=np.uint8).reshape(n)
-    raise ValueError(f"{path}: IDX magic {magic} is neither 2051 (images) nor 2049 (labels)")
-
-
 class FashionMNISTDataModule(ImageDataModule):
     """Fashion-MNIST from the four official IDX files (``.gz`` or decompressed), 28 px grey.
 
@@ -303,12 +309,18 @@ class FashionMNISTDataModule(ImageDataModule):
         self.save_hyperparameters()
         self.data_dir = resolve_data_path(data_dir, "fashion-mnist", "Fashion-MNIST IDX files")
         self.files = {k: self._find(k) for k in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
-        self.num_classes, self.in_chans, self.image_size = 10, int(in_chans), int(image_size)
+        for prefix in ("train", "t10k"):
+            images, labels = (check_idx(self.files[f"{prefix}-{kind}"]) for kind in ("images-idx3-ubyte", "labels-idx1-ubyte"))
+            if len(images) != 3 or len(labels) != 1 or images[0] != labels[0]:
+                raise DamagedFileError(self.files[f"{prefix}-labels-idx1-ubyte"], f"holds labels of shape {labels} for images of shape {images}",
+                                       "use the images and labels files of the same split")
+        self.num_classes, self.in_chans, self.image_size = _image_shape(10, in_chans, image_size)
         self.mean, self.std = (0.2860,), (0.3530,)
 
     def _find(self, stem: str) -> Path:
         for name in (stem + ".gz", stem):
             if (self.data_dir / name).is_file():
+                check_idx(self.data_dir / name, f"Fashion-MNIST file {stem}")  # a truncated file fails here, not in setup
                 return self.data_dir / name
         raise FileNotFoundError(f"Fashion-MNIST file {stem}(.gz) not found in {str(self.data_dir)!r}")
 
@@ -355,14 +367,22 @@ class DigitsDataModule(ImageDataModule):
         if not 0.0 < val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
         self.data_path = path
+        self._table = self._read_table()  # 1,797 rows: read now so a damaged file fails at construction
         self.val_fraction = float(val_fraction)
-        self.num_classes, self.in_chans, self.image_size = 10, int(in_chans), int(image_size)
+        self.num_classes, self.in_chans, self.image_size = _image_shape(10, in_chans, image_size)
         self.mean, self.std = (0.5,), (0.5,)
 
+    def _read_table(self) -> np.ndarray:
+        try:
+            a = np.loadtxt(self.data_path, delimiter=",", ndmin=2)
+        except (OSError, EOFError, ValueError, zlib.error) as err:
+            raise DamagedFileError(self.data_path, f"is not a readable digits csv(.gz) ({type(err).__name__}: {err})", "download the file again") from None
+        if a.shape[1] != 65:
+            raise DamagedFileError(self.data_path, f"has {a.shape[1]} columns, expected 65 (64 pixels + label)", "check that it is scikit-learn's digits.csv.gz")
+        return a
+
     def build_datasets(self) -> tuple[Dataset, Dataset, Dataset]:
-        a = np.loadtxt(self.data_path, delimiter=",")
-        if a.ndim != 2 or a.shape[1] != 65:
-            raise ValueError(f"{self.data_path}: expected 65 columns (64 pixels + label), got shape {a.shape}")
+        a = self._table
         x = torch.from_numpy(np.round(a[:, :64] * (255.0 / 16.0)).astype(np.uint8)).view(-1, 1, 8, 8)
         y = torch.from_numpy(a[:, 64].astype(np.int64))
         if self.in_chans != 1:
@@ -410,7 +430,7 @@ class SyntheticDataModule(ImageDataModule):
             raise ValueError(f"num_classes must be >= 2, got {num_classes}")
         if image_size < 4:
             raise ValueError(f"image_size must be >= 4, got {image_size}")
-        self.num_classes, self.in_chans, self.image_size = int(num_classes), int(in_chans), int(image_size)
+        self.num_classes, self.in_chans, self.image_size = _image_shape(num_classes, in_chans, image_size)
         self.train_size, self.val_size, self.noise = int(train_size), int(val_size), float(noise)
         self.mean, self.std = (0.5,), (0.25,)
 

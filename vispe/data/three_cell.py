@@ -242,11 +242,22 @@ def save_npz(samples: ThreeCellSamples, path: str | Path) -> Path:
 
 
 def load_npz(path: str | Path) -> ThreeCellSamples:
-    with np.load(Path(path)) as f:
-        return ThreeCellSamples(
-            f["cells"], f["modes"], f["labels"], tuple(int(g) for g in f["grid_size"]),  # type: ignore[arg-type]
-            int(f["seed"]), str(f["vector_sum"]), int(f["max_sq_distance"]),
-        )
+    """Samples written by :func:`save_npz` (no pickles: ``allow_pickle=False``); a damaged file is named."""
+    from ..files import DamagedFileError, check_zip
+
+    check_zip(path, "Three Cell samples file (.npz)")
+    with np.load(Path(path), allow_pickle=False) as npz:
+        try:
+            f = {k: npz[k] for k in npz.files}
+        except ValueError as err:  # object arrays: numpy refuses to unpickle them, without naming the file
+            raise DamagedFileError(path, f"holds pickled Python objects ({err}); Three Cell files hold plain arrays only", "generate it again") from None
+    missing = [k for k in ("cells", "modes", "labels", "grid_size", "seed", "vector_sum", "max_sq_distance") if k not in f]
+    if missing:
+        raise DamagedFileError(path, f"lacks the arrays {missing} of a Three Cell samples file", "generate it again (generate_three_cell / save_npz)")
+    return ThreeCellSamples(
+        f["cells"], f["modes"], f["labels"], tuple(int(g) for g in f["grid_size"]),  # type: ignore[arg-type]
+        int(f["seed"]), str(f["vector_sum"]), int(f["max_sq_distance"]),
+    )
 
 
 def split_bounds(num_samples: int, split: str, fractions: Sequence[float] = (0.8, 0.1, 0.1)) -> tuple[int, int]:

@@ -4,6 +4,7 @@ A missing or undecodable video raises :class:`VideoReadError` naming the file.
 """
 from __future__ import annotations
 
+import numbers
 import os
 import random
 from pathlib import Path
@@ -81,6 +82,8 @@ def sample_frame_indices(num_available: int, num_frames: int, mode: str = "unifo
     Repeats frames when the clip is shorter than requested.
     """
     check_choice("sampling mode", mode, ("uniform", "random"))
+    if isinstance(num_frames, bool) or not isinstance(num_frames, numbers.Integral) or num_frames < 1:
+        raise ValueError(f"num_frames must be an integer >= 1 (or None for every frame), got {num_frames!r}")
     if num_available < 1:
         raise ValueError("the video has no frames")
     seg = num_available / num_frames
@@ -123,6 +126,8 @@ def read_video(
     Raises :class:`VideoReadError` (naming the file) for a missing, empty or undecodable file.
     """
     check_choice("backend", backend, ("decord", "pyav"))
+    if num_frames is not None and (isinstance(num_frames, bool) or not isinstance(num_frames, numbers.Integral) or num_frames < 1):
+        raise ValueError(f"num_frames must be an integer >= 1 (or None for every frame), got {num_frames!r}")
     path = Path(path)
     if not path.is_file():
         raise VideoReadError(path, "no such file")

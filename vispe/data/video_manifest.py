@@ -7,11 +7,12 @@ list of ``{"video": ..., "caption(s)": ...}`` records, a JSON object keyed by fi
 from __future__ import annotations
 
 import csv
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
+
+from ..files import DamagedFileError, read_json
 
 __all__ = ["VideoTextRecord", "load_manifest"]
 
@@ -83,12 +84,15 @@ def load_manifest(
             merged[rec.video] = rec
 
     if path.suffix.lower() in (".csv", ".tsv"):
-        with path.open(newline="") as fh:
-            reader = csv.DictReader(fh, delimiter="\t" if path.suffix.lower() == ".tsv" else ",")
-            for i, row in enumerate(reader):
-                add(_record_from_mapping(row, f"{path}:{i + 2}"))
+        try:
+            with path.open(newline="", encoding="utf-8") as fh:
+                reader = csv.DictReader(fh, delimiter="\t" if path.suffix.lower() == ".tsv" else ",")
+                for i, row in enumerate(reader):
+                    add(_record_from_mapping({k: v for k, v in row.items() if k is not None and v is not None}, f"{path}:{i + 2}"))
+        except (UnicodeDecodeError, csv.Error) as err:
+            raise DamagedFileError(path, f"is not a readable CSV manifest ({type(err).__name__}: {err})", "write it as UTF-8 CSV with a header row") from None
     else:
-        data = json.loads(path.read_text())
+        data = read_json(path, "video/caption manifest")
         if isinstance(data, Mapping) and "sentences" in data:  # MSR-VTT train_val_videodatainfo.json
             for s in data["sentences"]:
                 add(VideoTextRecord(str(s["video_id"]), [s["caption"]]))

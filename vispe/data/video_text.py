@@ -11,6 +11,7 @@ re-exported here.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import random
 import tempfile
@@ -230,6 +231,20 @@ class VideoTextDataModule(L.LightningDataModule):
         self.eval_batch_size = eval_batch_size or batch_size
         self.num_workers = num_workers
         self.on_error, self.resize_mode, self.train_sampling, self.cache = on_error, resize_mode, train_sampling, cache
+        if isinstance(num_frames, bool) or not isinstance(num_frames, numbers.Integral) or num_frames < 1:
+            raise ValueError(f"num_frames must be an integer >= 1, got {num_frames!r}")
+        for name, manifest in (("train_manifest", train_manifest), ("val_manifest", val_manifest), ("test_manifest", test_manifest)):
+            if manifest is not None:  # a missing or damaged manifest fails at construction, not in setup
+                try:
+                    records = load_manifest(manifest, video_root)
+                except FileNotFoundError as err:
+                    raise FileNotFoundError(f"{name}: {err}") from None
+                missing = [r.video for r in records if not os.path.isfile(r.video)] if on_error == "raise" else []
+                if missing:
+                    raise FileNotFoundError(
+                        f"{name} {str(manifest)!r}: {len(missing)} of {len(records)} videos do not exist (first: {missing[0]!r}); "
+                        f"set video_root to the folder that holds them, or on_error='skip' to train without them"
+                    )
         self.train_set: VideoTextDataset | None = None
         self.val_sets: list[VideoTextDataset] = []
         self.test_sets: list[VideoTextDataset] = []

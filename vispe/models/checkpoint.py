@@ -10,7 +10,9 @@ Every key ends in exactly one bucket of a :class:`LoadReport`: kept (loaded as i
 the checkpoint does not: freshly initialised), dropped (the checkpoint has it, the model does
 not, e.g. ``pos_embed`` when the encoding is rotary, or a head of another size). Changes made to
 the model so that it can hold the checkpoint (layer scale switched on) are listed as ``adapted``.
-Nothing is dropped silently: the report is logged at WARNING level whenever something was dropped or is new.
+Nothing is dropped silently: the report is logged at WARNING level whenever something was dropped or is new,
+and a state dict of which nothing fits the model (a ResNet's, say) is refused with ``ValueError``.
+Files are read through :mod:`vispe.files` (safetensors, or ``torch.load(weights_only=True)``): never unpickled code.
 """
 from __future__ import annotations
 
@@ -197,6 +199,12 @@ def adapt_timm_state_dict(state_dict: Mapping[str, Any], model: nn.Module) -> tu
             else:
                 report.kept.append(k)
     report.new = [k for k in target if k not in out]
+    if not report.kept and not report.resampled:
+        raise ValueError(
+            f"the checkpoint keeps nothing of the model: 0 of {len(target)} model tensors found a match "
+            f"({len(report.dropped)} checkpoint tensors dropped, e.g. {', '.join(report.dropped[:3])}); it is not a timm "
+            f"VisionTransformer checkpoint of this layout. Pass a ViT/DeiT/Eva checkpoint, or build the model without one"
+        )
     return out, report
 
 
@@ -216,15 +224,14 @@ def timm_checkpoint_filter(state_dict: Mapping[str, Any], model: nn.Module) -> d
 def load_timm_checkpoint(model: nn.Module, checkpoint: str | os.PathLike | Mapping[str, Any]) -> LoadReport:
     """Load a timm ViT checkpoint (a state dict or a ``.pth``/``.safetensors`` file) into ``model``."""
     if not isinstance(checkpoint, Mapping):
+        from vispe.files import read_state_dict
+
         path = os.fspath(checkpoint)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"checkpoint file not found: {path}")
-        if path.endswith(".safetensors"):
-            from safetensors.torch import load_file
-
-            checkpoint = load_file(path)
-        else:
-            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        checkpoint = read_state_dict(path)  # safetensors, or torch.load(weights_only=True): never runs code
+        if not isinstance(checkpoint, Mapping):
+            raise ValueError(f"checkpoint {path!r} holds a {type(checkpoint).__name__}, not a state dict")
     out, report = adapt_timm_state_dict(checkpoint, model)
     missing, unexpected = model.load_state_dict(out, strict=False)
     assert not unexpected, unexpected  # adapt_timm_state_dict only returns model keys

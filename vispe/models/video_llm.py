@@ -361,6 +361,64 @@ class VideoLLM(nn.Module):
         mask = mask | (ki == qi)[None]  # fully padded rows would otherwise give NaN
         return mask[:, None]
 
+    def _check_inputs(self, input_ids, inputs_embeds, attention_mask, cache, labels, rope_delta) -> None:
+        """Every input's rank, dtype, batch and length agreement and the token ids' range, before any compute
+        (a wrong shape otherwise ends in an index or broadcast error deep inside attention)."""
+
+        def shape(t: torch.Tensor) -> tuple[int, ...]:
+            return tuple(t.shape)
+
+        if input_ids is not None:
+            if not isinstance(input_ids, torch.Tensor) or input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+                raise TypeError(f"input_ids must be an integer tensor (B, L), got {getattr(input_ids, 'dtype', type(input_ids).__name__)}")
+            if input_ids.ndim != 2:
+                raise ValueError(f"input_ids must be (B, L), got shape {shape(input_ids)}" + (" (add a batch dimension: ids[None])" if input_ids.ndim == 1 else ""))
+            if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.vocab_size):
+                raise ValueError(
+                    f"input_ids must lie in [0, vocab_size={self.vocab_size}), got values in [{int(input_ids.min())}, {int(input_ids.max())}]"
+                )
+            B, L = input_ids.shape
+        else:
+            if not isinstance(inputs_embeds, torch.Tensor) or not inputs_embeds.is_floating_point():
+                raise TypeError(f"inputs_embeds must be a float tensor (B, L, dim={self.dim}), got {getattr(inputs_embeds, 'dtype', type(inputs_embeds).__name__)}")
+            if inputs_embeds.ndim != 3 or inputs_embeds.shape[-1] != self.dim:
+                raise ValueError(f"inputs_embeds must be (B, L, dim={self.dim}), got shape {shape(inputs_embeds)}")
+            weight_dtype = self.tok_embed.weight.dtype
+            if inputs_embeds.dtype != weight_dtype and not torch.is_autocast_enabled(inputs_embeds.device.type):
+                raise TypeError(f"inputs_embeds has dtype {inputs_embeds.dtype}, the model's weights {weight_dtype}; convert it or run under torch.autocast")
+            B, L = inputs_embeds.shape[:2]
+        if L < 1:
+            raise ValueError("the input sequence is empty (L = 0)")
+        if attention_mask is not None:
+            if shape(attention_mask) != (B, L):
+                raise ValueError(f"attention_mask must be (B, L) = ({B}, {L}) like the input, got shape {shape(attention_mask)}")
+            if attention_mask.is_floating_point():  # an additive 0/-inf mask would be read inverted by .bool()
+                raise TypeError(f"attention_mask must be bool or integer 0/1 (1 = a real token), got {attention_mask.dtype}")
+        if labels is not None:
+            if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or labels.dtype == torch.bool:
+                raise TypeError(f"labels must be an integer tensor (B, L), got {getattr(labels, 'dtype', type(labels).__name__)}")
+            if shape(labels) != (B, L):
+                raise ValueError(f"labels must be (B, L) = ({B}, {L}) like the input, got shape {shape(labels)}")
+            bad = (labels != IGNORE_INDEX) & ((labels < 0) | (labels >= self.vocab_size))
+            if bool(bad.any()):
+                raise ValueError(f"labels must lie in [0, vocab_size={self.vocab_size}) or be {IGNORE_INDEX} (ignored), got {int(labels[bad][0])}")
+        if rope_delta is not None and torch.is_tensor(rope_delta) and rope_delta.numel() not in (1, B):
+            raise ValueError(f"rope_delta must have 1 or B={B} values, got shape {shape(rope_delta)}")
+        if cache is not None:
+            if not isinstance(cache, KVCache):
+                raise TypeError(f"cache must be the KVCache returned by a forward with use_cache=True, got {type(cache).__name__}")
+            if len(cache.keys) != len(self.blocks) or len(cache.values) != len(self.blocks):
+                raise ValueError(f"cache holds {len(cache.keys)} layers, the model has {len(self.blocks)}")
+            if cache.attention_mask.ndim != 2 or cache.attention_mask.shape[0] != B:
+                raise ValueError(f"cache is for batch size {shape(cache.attention_mask)[:1]}, the input has B={B} (cache attention_mask {shape(cache.attention_mask)})")
+            lk = cache.attention_mask.shape[1]
+            expected = (B, self.num_heads, lk, self.dim // self.num_heads)
+            for i, (k, v) in enumerate(zip(cache.keys, cache.values)):
+                if shape(k) != expected or shape(v) != expected:
+                    raise ValueError(f"cache layer {i}: keys/values must be {expected}, got {shape(k)} / {shape(v)}")
+            if cache.rope_delta.numel() not in (1, B):
+                raise ValueError(f"cache.rope_delta must have 1 or B={B} values, got shape {shape(cache.rope_delta)}")
+
     def forward(
         self,
         input_ids: torch.Tensor | None = None,
@@ -380,6 +438,7 @@ class VideoLLM(nn.Module):
         """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        self._check_inputs(input_ids, inputs_embeds, attention_mask, cache, labels, rope_delta)
         x = self.tok_embed(input_ids) if inputs_embeds is None else inputs_embeds
         B, L = x.shape[:2]
         if attention_mask is None:
@@ -442,8 +501,10 @@ class VideoLLM(nn.Module):
             batch = self.pack(batch, padding_side="left")
         if batch.padding_side != "left" and not bool(batch.attention_mask.all()):
             raise ValueError("generate() needs a left-padded batch (pack(..., padding_side='left'))")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        if eos_token_id is not None and not 0 <= eos_token_id < self.vocab_size:
+            raise ValueError(f"eos_token_id={eos_token_id!r} is outside the vocabulary [0, {self.vocab_size}): generation could never stop on it")
         out = self.forward_batch(batch, use_cache=True)
         cache = out.cache
         nxt = out.logits[:, -1].argmax(-1)

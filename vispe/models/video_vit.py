@@ -62,15 +62,30 @@ def _triple(x: int | Sequence[int]) -> tuple[int, ...]:
 
 
 @register_notrace_function
-def _as_video(x: torch.Tensor, in_chans: int, kernel: tuple[int, int, int]) -> torch.Tensor:
+def _as_video(x: torch.Tensor, in_chans: int, kernel: tuple[int, int, int], weight_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Check a video's layout and size; a 4D image becomes a still clip of one tubelet (opaque under FX:
     it branches on the input's shape)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"video input x must be a torch.Tensor (B, C, T, H, W), got {type(x).__name__}")
+    shape = tuple(x.shape)
     if x.ndim == 4 and x.shape[1] == in_chans:
         x = x.unsqueeze(2).expand(-1, -1, kernel[0], -1, -1)
+    elif x.ndim == 5 and shape[1] != in_chans and shape[2] == in_chans:
+        raise ValueError(f"video input x has shape {shape}, frames before channels; expected (B, C={in_chans}, T, H, W): use x.transpose(1, 2)")
+    elif x.ndim == 5 and shape[1] != in_chans and shape[-1] == in_chans:
+        raise ValueError(f"video input x has shape {shape}, channels last; expected (B, C={in_chans}, T, H, W): use x.permute(0, 4, 1, 2, 3)")
+    elif x.ndim == 4 and shape[0] == in_chans:
+        raise ValueError(f"video input x has shape {shape}, no batch dimension; expected (B, C={in_chans}, T, H, W): use x.unsqueeze(0)")
     if x.ndim != 5 or x.shape[1] != in_chans:
         raise ValueError(
-            f"expected a video of shape (B, C={in_chans}, T, H, W) or an image (B, C={in_chans}, H, W), got {tuple(x.shape)}"
+            f"expected a video of shape (B, C={in_chans}, T, H, W) or an image (B, C={in_chans}, H, W), got {shape}"
         )
+    if not x.is_floating_point():
+        raise TypeError(f"video input x has dtype {x.dtype}; expected a floating-point tensor (e.g. x.float() / 255, then normalise)")
+    if weight_dtype is not None and x.dtype != weight_dtype and not torch.is_autocast_enabled(x.device.type):
+        raise TypeError(f"video input x has dtype {x.dtype}, the model's weights {weight_dtype}; convert with x.to({weight_dtype}) or run under torch.autocast")
+    if 0 in tuple(x.shape):
+        raise ValueError(f"video input x has shape {shape}: every size must be non-zero")
     tubelet_lattice(*x.shape[2:], kernel=kernel)
     return x
 
@@ -115,7 +130,7 @@ class TubeletEmbed(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, C, T, H, W)`` video or ``(B, C, H, W)`` still image -> tubelet tokens ``(B, t, h, w, D)``."""
-        x = _as_video(x, self.in_chans, self.kernel)
+        x = _as_video(x, self.in_chans, self.kernel, self.proj.weight.dtype)
         return self.proj(x).permute(0, 2, 3, 4, 1)
 
 
@@ -333,6 +348,12 @@ class VispeVideoViT(nn.Module):
         return x if pre_logits else self.head(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits of a float video ``(B, C, T, H, W)``.
+
+        A 4D float image ``(B, C, H, W)`` is accepted on purpose as a still clip (one tubelet of identical frames, one
+        temporal position): video models take images this way and timm's generic model tests feed images. Every other
+        layout (frames before channels, channels last, no batch dimension, integer pixels) is refused before any compute.
+        """
         return self.forward_head(self.forward_features(x))
 
     # ------------------------------------------------------------------------------------

@@ -26,10 +26,29 @@ __all__ = ["VispeVisionTransformer", "parse_pos_encoding"]  # parse_pos_encoding
 
 
 @register_notrace_function
-def _check_image_input(x: torch.Tensor, patch_size: Tuple[int, int], img_size: Tuple[int, int], dynamic_pad: bool, dynamic_size: bool) -> None:
-    """Fail early, naming the size, on an input the patch cannot tile or the model cannot take.
+def _check_image_input(
+    x: torch.Tensor, patch_size: Tuple[int, int], img_size: Tuple[int, int], dynamic_pad: bool, dynamic_size: bool, in_chans: int = -1,
+    weight_dtype: Optional[torch.dtype] = None,
+) -> None:
+    """Fail early, naming the shape, on an input the patch cannot tile or the model cannot take: rank, channels
+    (channels-last and batch-less images are named as such), dtype, size.
 
     The checks branch on the input's shape, so they are one opaque node under FX tracing."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"image input x must be a torch.Tensor (B, C, H, W), got {type(x).__name__}")
+    shape = tuple(x.shape)
+    if x.ndim == 3 and shape[0] == in_chans:
+        raise ValueError(f"image input x has shape {shape}, no batch dimension; expected (B, C={in_chans}, H, W): use x.unsqueeze(0)")
+    if x.ndim == 4 and in_chans > 0 and shape[1] != in_chans and shape[-1] == in_chans:
+        raise ValueError(f"image input x has shape {shape}, channels last; expected (B, C={in_chans}, H, W): use x.permute(0, 3, 1, 2)")
+    if x.ndim != 4 or (in_chans > 0 and shape[1] != in_chans):
+        raise ValueError(f"image input x has shape {shape}; expected (B, C={in_chans}, H, W) with C equal to the model's in_chans")
+    if not x.is_floating_point():
+        raise TypeError(f"image input x has dtype {x.dtype}; expected a floating-point tensor (e.g. x.float() / 255, then normalise)")
+    if weight_dtype is not None and x.dtype != weight_dtype and not torch.is_autocast_enabled(x.device.type):
+        raise TypeError(f"image input x has dtype {x.dtype}, the model's weights {weight_dtype}; convert with x.to({weight_dtype}) or run under torch.autocast")
+    if shape[0] == 0 or 0 in shape[2:]:
+        raise ValueError(f"image input x has shape {shape}: the batch and spatial sizes must be non-zero")
     h, w = x.shape[-2:]
     ph, pw = patch_size
     if not dynamic_pad and (h % ph or w % pw):
@@ -45,6 +64,24 @@ def _check_image_input(x: torch.Tensor, patch_size: Tuple[int, int], img_size: T
 
 
 @register_notrace_function
+def _check_attn_mask(attn_mask: Optional[torch.Tensor], x: torch.Tensor, num_heads: int) -> None:
+    """An attention mask must broadcast to ``(B, num_heads, N, N)`` for the N tokens the blocks see (prefix tokens included)."""
+    if attn_mask is None:
+        return
+    b, n = x.shape[:2]
+    target = (b, num_heads, n, n)
+    ok = attn_mask.ndim >= 2 and tuple(attn_mask.shape[-2:]) == (n, n)
+    if ok:
+        try:
+            ok = torch.broadcast_shapes(tuple(attn_mask.shape), target) == target
+        except RuntimeError:
+            ok = False
+    if not ok:
+        raise ValueError(f"attn_mask has shape {tuple(attn_mask.shape)}; it must broadcast to (B, num_heads, N, N) = {target} "
+                         f"(N counts the prefix tokens)")
+
+
+@register_notrace_function
 def _patch_grid(patch_embed: torch.nn.Module, patches: torch.Tensor, image: torch.Tensor, num_prefix_tokens: int) -> PositionGrid:
     """The lattice of the patch tokens (NHWC patches carry it; flattened ones get it from the image size)."""
     if patches.ndim == 4:
@@ -54,7 +91,7 @@ def _patch_grid(patch_embed: torch.nn.Module, patches: torch.Tensor, image: torc
     return PositionGrid(grid_hw, num_prefix_tokens)
 
 
-for _fn in ("_check_image_input", "_patch_grid", "encoding_prepare", "encoding_embed_tokens", "encoding_keep_tokens", "drop_patches"):
+for _fn in ("_check_image_input", "_check_attn_mask", "_patch_grid", "encoding_prepare", "encoding_embed_tokens", "encoding_keep_tokens", "drop_patches"):
     torch.fx.wrap(_fn)  # opaque under any FX tracer (see vispe.models.layers)
 
 
@@ -118,7 +155,8 @@ class VispeVisionTransformer(VisionTransformer):
         ``embed_tokens``, is narrowed after patch dropout and is what every block receives."""
         image = x
         pe_ = self.patch_embed
-        _check_image_input(x, tuple(pe_.patch_size), tuple(pe_.img_size), pe_.dynamic_img_pad, self.dynamic_img_size)
+        _check_image_input(x, tuple(pe_.patch_size), tuple(pe_.img_size), pe_.dynamic_img_pad, self.dynamic_img_size, pe_.proj.in_channels,
+                           pe_.proj.weight.dtype)
         x = self.patch_embed(x)
         grid = _patch_grid(self.patch_embed, x, image, self.num_prefix_tokens)
         if not self.patch_embed.flatten:  # NHWC patches (timm's dynamic_img_size mode)
@@ -149,6 +187,7 @@ class VispeVisionTransformer(VisionTransformer):
     ):
         """Run the blocks, yielding ``(index, tokens)`` after each (``state`` from :meth:`embed_with_state`;
         prepared here when not given)."""
+        _check_attn_mask(attn_mask, x, self.blocks[0].attn.num_heads if len(self.blocks) else 1)
         yield from run_blocks(self.blocks, self.pos_encoding, x, grid, attn_mask, is_causal, self.grad_checkpointing, last_index, state)
 
     def forward_features(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False) -> torch.Tensor:

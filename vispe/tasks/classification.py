@@ -125,6 +125,9 @@ class ImageClassification(pl.LightningModule):
             raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
         if lr <= 0:
             raise ValueError(f"lr must be > 0, got {lr}")
+        for name, value in (("warmup_epochs", warmup_epochs), ("min_lr", min_lr), ("weight_decay", weight_decay)):
+            if not value >= 0:  # also refuses NaN
+                raise ValueError(f"{name} must be >= 0, got {value}")
         overrides: dict[str, Any] = dict(num_classes=num_classes, in_chans=in_chans)
         if img_size is not None:
             overrides["img_size"] = img_size
@@ -185,8 +188,17 @@ class ImageClassification(pl.LightningModule):
             np.random.seed(s)
             torch.manual_seed(s)
 
+    def _check_labels(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Labels agree with the images and lie in [0, num_classes) (else: torch's 'Target 7 is out of bounds')."""
+        if y.ndim != 1 or y.shape[0] != x.shape[0] or y.is_floating_point():
+            raise ValueError(f"labels must be integer class ids of shape (B,) = ({x.shape[0]},), got {y.dtype} {tuple(y.shape)}")
+        bad = (y < 0) | (y >= self.hparams.num_classes)
+        if bool(bad.any()):
+            raise ValueError(f"label {int(y[bad][0])} is outside [0, num_classes={self.hparams.num_classes}); check the data module's classes")
+
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
+        self._check_labels(x, y)
         if self.mixer is not None:
             x, soft = self._mix(x, y)
             logits = self(x)
@@ -202,6 +214,7 @@ class ImageClassification(pl.LightningModule):
 
     def _eval_step(self, batch: tuple[torch.Tensor, torch.Tensor], metrics: MetricCollection, stage: str) -> None:
         x, y = batch
+        self._check_labels(x, y)
         logits = self(x)
         loss = F.cross_entropy(logits, y)
         metrics.update(logits, y)

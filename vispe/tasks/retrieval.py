@@ -133,7 +133,9 @@ def load_text_tower_checkpoint(text: nn.Module, path: str | Path, strict: bool =
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"text tower checkpoint {str(path)!r} does not exist")
-    sd = torch.load(path, map_location="cpu", weights_only=True)
+    from vispe.files import read_checkpoint
+
+    sd = read_checkpoint(path, what="text tower checkpoint")
     if isinstance(sd, Mapping) and "state_dict" in sd:
         sd = sd["state_dict"]
     if not isinstance(sd, Mapping):
