@@ -473,3 +473,31 @@ def test_no_fold_for_q_k_norms_or_other_encodings(monkeypatch):
     enc = _enc("comrope_ld", rotation="blocks")
     state = enc.prepare(PositionGrid((3, 3)))
     assert enc.fold_qk_basis(state, 0) == (None, state)  # block products: no shared basis
+
+
+@pytest.mark.parametrize("time_scale,frame_denominator", [(None, 7), ("spatial", 7), ("frames", 4)])
+def test_3d_frame_coordinates_of_a_4_frame_7x7_clip(time_scale, frame_denominator):
+    """Released ComRoPE (Longin-Yu/ComRoPE model.py, get_positions, num_axes == 3) places frame t at
+    (t + 0.5) / n_spatial; vispe's earlier (t + 0.5) / T is time_scale='frames'. Every path -- lattice line
+    tables, spectral state, per-token matrix_exp -- uses the same coordinates."""
+    torch.manual_seed(0)
+    kw = {} if time_scale is None else {"time_scale": time_scale}
+    enc = _enc("comrope_ld_3d", 3, block_size=4, **kw)
+    grid = PositionGrid((4, 7, 7), 1)
+    t, r, c = torch.meshgrid(torch.arange(4.0), torch.arange(7.0), torch.arange(7.0), indexing="ij")
+    expected = torch.stack([(t + 0.5) / frame_denominator, (r + 0.5) / 7, (c + 0.5) / 7], -1).reshape(-1, 3)
+    expected = torch.cat([torch.full((1, 3), 0.5), expected])  # cls at the centre, as released (cls_position)
+    frames = sorted({round(v, 6) for v in expected[1:, 0].tolist()})
+    assert frames == [round((i + 0.5) / frame_denominator, 6) for i in range(4)]  # main before issue 27: /4 by default
+    slow = rotation_from_generators(expected, enc.axis_generators())
+    assert torch.allclose(enc.rotations(grid, None), slow, atol=2e-5)  # lattice line tables
+    assert torch.allclose(enc.reference_rotations(grid), slow, atol=2e-5)
+    state = enc.prepare(grid, None)
+    assert isinstance(state, ComRopeSpectralState)
+    for layer in range(enc.depth):
+        assert torch.allclose(state.for_layer(layer), slow[layer], atol=2e-5)
+
+
+def test_3d_time_scale_bad_input():
+    with pytest.raises(ValueError, match="time_scale"):
+        _enc("comrope_ld_3d", 3, time_scale="seconds")

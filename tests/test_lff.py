@@ -32,6 +32,22 @@ def test_init_is_paper_gaussian_kernel():
         assert abs(got - 0.5 * math.exp(-d * d / (2 * gamma**2))) < 0.02
 
 
+def test_lightglue_init_option_draws_std_gamma_to_the_minus_2():
+    """The widely used implementation (cvg/LightGlue) draws W_r with std gamma^-2: its kernel length scale is gamma^2."""
+    torch.manual_seed(0)
+    gamma = 0.5
+    paper = LearnableFourierFeatures(2, 8, fourier_dim=40_000, gamma=gamma)
+    common = LearnableFourierFeatures(2, 8, fourier_dim=40_000, gamma=gamma, freq_init="lightglue")
+    assert abs(paper.freqs.std().item() - 2.0) < 0.05 and abs(common.freqs.std().item() - 4.0) < 0.1
+    x = torch.tensor([[[0.3, 0.4]]])
+    y = x + torch.tensor([0.2, 0.0])
+    got = (common.fourier(x) * common.fourier(y)).sum().item()
+    assert abs(got - 0.5 * math.exp(-0.04 / (2 * gamma**4))) < 0.02
+    assert _lff(freq_init="lightglue").features.freqs.shape == _lff().features.freqs.shape
+    with pytest.raises(ValueError, match="freq_init"):
+        _lff(freq_init="std")
+
+
 def test_new_resolution_is_new_inputs():
     """Coordinates are normalised centres: column c of a w-wide grid and column 3c+1 of a 3w-wide grid
     are the same point, so they get the same encoding."""

@@ -110,6 +110,41 @@ def test_mrope_absolute_time():
         build_positions("mrope", seg, fps=0)
 
 
+def test_mrope_absolute_time_is_exact_rational():
+    """Temporal ids are floor(t * (p / fps) * tokens_per_second) in exact arithmetic: a float64 product
+    floors 3 * (2/3) * 25 = 49.999... to 49 (main before issue 27: 78 of these 640 ids one step low)."""
+    from fractions import Fraction
+
+    wrong = 0
+    for fps in (1.5, 3, 6, 12, 24):
+        for tps in (2, 25):
+            pos, _ = build_positions("mrope", [Visual(64, 1, 1)], fps=fps, tokens_per_second=tps)
+            exact = [math.floor(t * Fraction(2) / Fraction(fps) * tps) for t in range(64)]
+            wrong += sum(a != b for a, b in zip(pos[0].tolist(), exact))
+    assert wrong == 0
+    pos, _ = build_positions("mrope", [Visual(64, 1, 1)], fps=3, tokens_per_second=25)
+    assert pos[0, 3].item() == 50
+    # a float seconds_per_grid stands for the rational it was typed as (2/3 s, 29.97 fps)
+    pos, _ = build_positions("mrope", [Visual(4, 1, 1, seconds_per_grid=2 / 3)], tokens_per_second=25)
+    assert pos[0].tolist() == [0, 16, 33, 50]
+    pos, _ = build_positions("mrope", [Visual(31, 1, 1)], fps=29.97, tokens_per_second=2)
+    assert pos[0].tolist() == [math.floor(t * Fraction(2) * 100 / 2997 * 2) for t in range(31)]
+    pos, _ = build_positions("mrope", [Visual(4, 1, 1)], fps=3, tokens_per_second=25, time_floor=False)
+    assert torch.allclose(pos[0].double(), torch.tensor([0, 50 / 3, 100 / 3, 50], dtype=torch.float64))
+
+
+def test_mrope_absolute_time_matches_transformers_qwen2_5_vl():
+    """transformers' own Qwen2.5-VL ``get_vision_position_ids`` (the processor's seconds-per-grid as a float32
+    tensor, as ``Qwen2_5_VLProcessor`` makes it) gives the same temporal ids over the fps x tps scan."""
+    qwen = pytest.importorskip("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl")
+    for fps in (1.5, 3, 6, 12, 24):
+        for tps in (2, 25):
+            spg = torch.tensor([2 / fps])  # float32, as the processor stores second_per_grid_ts
+            ref = qwen.Qwen2_5_VLModel.get_vision_position_ids(None, 0, torch.tensor([64, 1, 1]), 1, 1, tps * spg[0])
+            pos, _ = build_positions("mrope", [Visual(64, 1, 1)], fps=fps, tokens_per_second=tps)
+            assert pos[0].tolist() == ref[0].tolist(), (fps, tps)
+
+
 def test_v2pe_visual_positions_advance_by_delta():
     for delta in (1 / 256, 0.25, 0.5, 1.0):
         pos, rd = build_positions("v2pe", [Text(3), Visual(1, 4, 5), Text(2)], delta=delta)

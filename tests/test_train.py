@@ -311,7 +311,10 @@ def test_cifar10_configs_build_their_model(config):
 
     cfg = yaml.safe_load(config.read_text())
     init = cfg["model"]["init_args"]
-    assert init["pos_encoding"] == config.stem and init["model"].startswith("vispe_")
+    from vispe.encodings.spec import parse_pos_encoding
+
+    # the encoding the file is named after (a name, or a spec with options such as seqpe's CPU-scale regularisers)
+    assert parse_pos_encoding(init["pos_encoding"])[0] == config.stem and init["model"].startswith("vispe_")
     assert cfg["data"]["class_path"] == "vispe.data.CIFAR10JpegDataModule"
     model = build_model(init["model"], init.get("model_kwargs"), init["pos_encoding"], num_classes=10, img_size=32)
     assert model.patch_embed.patch_size == (4, 4) and model.embed_dim == 192  # ViT-Tiny class, patch 4

@@ -72,6 +72,7 @@ import numbers
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any, Mapping, Union
 
 import torch
@@ -241,6 +242,31 @@ def _rope_1d(segments: Sequence[Segment]) -> tuple[list[torch.Tensor], float]:
     return cols, nxt
 
 
+#: largest denominator used to read a float option as the rational number it stands for (see _exact)
+_EXACT_MAX_DENOMINATOR = 10**9
+
+
+def _exact(value: float | int | Fraction) -> Fraction:
+    """The rational number a positive option stands for: ints and Fractions as they are, a float as the
+    nearest fraction with denominator <= 1e9 (``2 / 3`` typed as ``0.6666666666666666`` -> ``2/3``,
+    ``29.97`` -> ``2997/100``), so products such as ``3 * (2/3) * 25`` are exactly 50 before the floor."""
+    if isinstance(value, (int, Fraction)):
+        return Fraction(value)
+    return Fraction(value).limit_denominator(_EXACT_MAX_DENOMINATOR)
+
+
+def absolute_time_ids(num_grids: int, seconds_per_grid: float | Fraction, tokens_per_second: float | Fraction,
+                      floor: bool = True) -> torch.Tensor:
+    """Absolute-time M-RoPE temporal ids ``t * seconds_per_grid * tokens_per_second`` for ``t < num_grids``
+    (float64 ``(num_grids,)``), in exact rational arithmetic and then floored (Qwen2.5-VL) -- a float
+    product floors ``3 * (2/3) * 25 = 49.999...`` to 49."""
+    step = _exact(seconds_per_grid) * _exact(tokens_per_second)
+    num, den = step.numerator, step.denominator
+    if floor:
+        return torch.tensor([t * num // den for t in range(num_grids)], dtype=_F)
+    return torch.tensor([float(Fraction(t * num, den)) for t in range(num_grids)], dtype=_F)
+
+
 def _mrope(
     segments: Sequence[Segment],
     fps: float | None = None,
@@ -253,10 +279,11 @@ def _mrope(
     if fps is not None and seconds_per_grid is not None:
         raise ValueError("give either fps or seconds_per_grid for absolute-time M-RoPE, not both")
     if fps is not None:
-        default_spg = temporal_patch_size / _check_positive("fps", fps)
+        _check_positive("fps", fps)
+        default_spg = Fraction(temporal_patch_size) / _exact(fps)
     elif seconds_per_grid is not None:
         default_spg = _check_positive("seconds_per_grid", seconds_per_grid)
-    tokens_per_second = _check_positive("tokens_per_second", tokens_per_second)
+    _check_positive("tokens_per_second", tokens_per_second)
     cols, nxt = [], 0.0
     for seg in segments:
         if isinstance(seg, Text):
@@ -266,10 +293,8 @@ def _mrope(
         spg = seg.seconds_per_grid if seg.seconds_per_grid is not None else default_spg
         t = None
         if spg is not None:
-            # multiply in float and floor only at the end (an integer cast of spg zeroes t above 2 fps)
-            t = torch.arange(seg.T, dtype=_F) * (spg * tokens_per_second)
-            if time_floor:
-                t = torch.floor(t)
+            # exact rational product, floored at the end (an integer cast of spg zeroes t above 2 fps)
+            t = absolute_time_ids(seg.T, spg, tokens_per_second, floor=time_floor)
         tt, hh, ww = _mesh(seg.T, seg.H, seg.W, t)
         blk = torch.stack([tt, hh, ww]) + nxt
         cols.append(blk)

@@ -45,8 +45,10 @@ ROOT = Path(__file__).resolve().parents[2]
 HEADLINE = ("learned", "sincos2d", "rope_axial", "rope_mixed", "comrope_ap", "comrope_ld")
 #: the 2026 catalogue additions (DINOv3 RoPE, 2D ALiBi, FIRE, LieRE): every seed too, so their rows carry spreads
 CATALOGUE_2026 = ("rope_dinov3", "alibi_2d", "fire", "liere")
+#: SeqPE (Li et al. 2025): its extrapolation is the point of the paper, so every seed too
+SEQPE = ("seqpe",)
 ALL_2D = ("none", "learned", "sincos2d", "rope_axial", "rope_mixed", "irpe", "cpe", "lff", "loope", "comrope_ap", "comrope_ld",
-          *CATALOGUE_2026)
+          *CATALOGUE_2026, *SEQPE)
 #: Training-time resolution-generalisation techniques (``--techniques``): name -> the encoding options that turn it on.
 #: A technique run ``<encoding>+<technique>`` trains the encoding with those options, with every seed of the part, and
 #: is swept like any run (so the evaluation-time policies ``ntk`` / ``yarn`` combine with it under ``--policies all``).
@@ -112,7 +114,7 @@ RECIPES: dict[str, list[Part]] = {
         Part(
             "fashion_mnist", "vispe.data.FashionMNISTDataModule", {"image_size": 28, "in_chans": 1, "augment": "flip"},
             28, 7, {**_SMALL_VIT, "patch_size": 7}, {**_CPU_FIT, "model.init_args.warmup_epochs": 0.2, "trainer.max_epochs": 10},
-            ALL_2D, (0, 1, 2), extra_seed_encodings=HEADLINE + CATALOGUE_2026, needs_data="fashion-mnist",
+            ALL_2D, (0, 1, 2), extra_seed_encodings=HEADLINE + CATALOGUE_2026 + SEQPE, needs_data="fashion-mnist",
         ),
         Part(
             "cifar10", "vispe.data.CIFAR10JpegDataModule", {"augment": "crop_flip"},

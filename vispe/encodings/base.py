@@ -318,6 +318,11 @@ class PositionalEncoding(nn.Module):
         """Parameter names (relative to this module) that must not be weight-decayed."""
         return set()
 
+    def auxiliary_loss(self) -> torch.Tensor | None:
+        """A training regulariser of the encoding's own (a scalar the task adds to its loss with its
+        ``aux_loss_weight``; e.g. SeqPE's contrastive and distillation terms), or ``None`` (default)."""
+        return None
+
     def load_timm_pos_embed(self, pos_embed: torch.Tensor) -> dict[str, torch.Tensor] | None:
         """Map a timm checkpoint's ``pos_embed`` onto this encoding's parameters (``None``: not used)."""
         return None

@@ -449,14 +449,21 @@ def _odd_powers(half_step: torch.Tensor, count: int) -> torch.Tensor:
     return pows[..., :count, :, :]
 
 
-def lattice_line_rotations(gen: torch.Tensor, size: int, jitter: torch.Tensor | None = None) -> torch.Tensor:
-    """``exp(v G)`` for the ``size`` patch-centre values ``v_i = (i + 0.5) / size`` of one axis (each
+def lattice_line_rotations(gen: torch.Tensor, size: int, jitter: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
+    """``exp(v G)`` for the ``size`` patch-centre values ``v_i = scale (i + 0.5) / size`` of one axis (each
     optionally moved by ``jitter[i]``), plus the centre ``v = 0.5`` appended last.
 
     Centres are odd multiples of ``1 / (2 size)`` and the centre is ``size`` of them, so one
     ``matrix_exp(G / (2 size))`` per block and a few batched products give the whole axis
     (exact up to float32 rounding): ``(..., size + 1, b, b)`` for generators ``gen`` ``(..., b, b)``.
+    ``scale != 1`` (ComRoPE-3D's released time axis, ``(t + 0.5) / n_spatial``) evaluates the lines with
+    ``scale G`` and the centre row by its own ``matrix_exp(G / 2)``.
     """
+    if scale != 1.0:
+        lines = lattice_line_rotations(gen * scale, size, jitter)[..., :-1, :, :]
+        with torch.autocast(device_type=gen.device.type, enabled=False):
+            centre = torch.linalg.matrix_exp((0.5 * gen.float()).contiguous())
+        return torch.cat([lines, centre.unsqueeze(-3)], dim=-3)
     with torch.autocast(device_type=gen.device.type, enabled=False):
         gen = gen.float()
         half = torch.linalg.matrix_exp((gen / (2 * size)).contiguous())
@@ -684,6 +691,7 @@ class ComRopeBase(RotaryEncoding):
         :func:`lattice_line_rotations`."""
         dev = device if device is not None else self.base.device
         jitter = self.line_offsets(grid, dev)
+        scales = self.axis_scales(grid)
         with torch.autocast(device_type=torch.device(dev).type, enabled=False):
             gens = self.axis_line_generators()
             if torch.is_grad_enabled() and any(g.requires_grad for g in gens):
@@ -691,11 +699,11 @@ class ComRopeBase(RotaryEncoding):
                 # backward (~10-20 MiB for ViT-S); recomputing them at its end costs a few ms
                 tables = [
                     checkpoint(lattice_line_rotations, gen, grid.shape[a], None if jitter is None else jitter[a],
-                               use_reentrant=False)
+                               scales[a], use_reentrant=False)
                     for a, gen in enumerate(gens)
                 ]
             else:
-                tables = [lattice_line_rotations(gen, grid.shape[a], None if jitter is None else jitter[a])
+                tables = [lattice_line_rotations(gen, grid.shape[a], None if jitter is None else jitter[a], scales[a])
                           for a, gen in enumerate(gens)]
             # per axis: (depth, H, m_a, n_a + 1, b, b), the last row is the centre (prefix tokens)
             return self.combine(tables, _token_line_index(grid, dev))
@@ -708,10 +716,26 @@ class ComRopeBase(RotaryEncoding):
         state = ComRopeState.build(*self.line_tables(grid, device))
         return torch.stack([state.for_layer(i) for i in range(self.depth)])
 
+    def axis_scales(self, grid: PositionGrid) -> tuple[float, ...]:
+        """Per axis, the factor on the lattice coordinates ``(i + 0.5) / size``; default 1 (each axis in (0, 1))."""
+        return (1.0,) * grid.ndim
+
+    def coordinates(self, grid: PositionGrid, device: torch.device | str | None,
+                    jitter: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+        """Each token's coordinates ``(S + N, ndim)``: :func:`comrope_coordinates` times :meth:`axis_scales`
+        on the lattice rows (prefix tokens stay at the centre ``0.5``)."""
+        coords = comrope_coordinates(grid, device, jitter)
+        scales = self.axis_scales(grid)
+        if any(f != 1.0 for f in scales):
+            factor = torch.tensor(scales, device=coords.device, dtype=coords.dtype)
+            s = grid.num_prefix_tokens
+            coords = torch.cat([coords[:s], coords[s:] * factor], dim=0)
+        return coords
+
     def reference_rotations(self, grid: PositionGrid, device: torch.device | None = None,
                             jitter: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
         """Direct ``matrix_exp`` of every token's block generator (slow; for tests and analysis)."""
-        coords = comrope_coordinates(grid, device if device is not None else self.base.device, jitter)
+        coords = self.coordinates(grid, device if device is not None else self.base.device, jitter)
         with torch.autocast(device_type=coords.device.type, enabled=False):
             return block_rotations(self.coefficients(coords), self.skew_blocks())
 
@@ -751,7 +775,7 @@ class ComRopeBase(RotaryEncoding):
             blocks, omega, evals = spectral_decomposition(self.skew_blocks())  # (depth, H, m, b, b), (depth, H, m, b/2)
             if bool(evals.detach().diff(dim=-1).min() <= SPECTRAL_MIN_GAP):
                 return None
-            coef = self.coefficients(comrope_coordinates(grid, dev, self.line_offsets(grid, dev)))  # (depth, H or 1, L, m)
+            coef = self.coefficients(self.coordinates(grid, dev, self.line_offsets(grid, dev)))  # (depth, H or 1, L, m)
             angles = (coef[..., None] * omega[:, :, None]).flatten(-2)  # (depth, H, L, m * b/2)
             m = self.num_blocks
             eye = torch.eye(m, device=blocks.device, dtype=blocks.dtype)
@@ -910,9 +934,41 @@ class ComRopeLD(ComRopeLDBase):
     num_axes = 2
 
 
+#: ComRoPE-3D time coordinate: released ``(t + 0.5) / n_spatial`` or vispe's ``(t + 0.5) / T``
+COMROPE_TIME_SCALES: tuple[str, ...] = ("spatial", "frames")
+
+
 @register_encoding("comrope_ld_3d")
 class ComRopeLD3d(ComRopeLDBase):
-    """ComRoPE-LD on video grids ``(t, h, w)``, each axis normalised to (0, 1)."""
+    """ComRoPE-LD on video grids ``(t, h, w)``.
+
+    Height and width are normalised to (0, 1) (``(i + 0.5) / size``). Time follows the released code by
+    default, ``time_scale='spatial'``: frame ``t`` at ``(t + 0.5) / n_spatial`` (Longin-Yu/ComRoPE,
+    ``model.py``, ``CustomVITConfig.get_positions``, the ``num_axes == 3`` branch: the ``(frame, row, col)``
+    indices are all divided by ``num_patches_on_single_axis``), so one frame step is one spatial patch step
+    and more frames reach further, like RoPE's time axis; ``n_spatial`` is the larger of ``h`` and ``w`` on
+    non-square grids (the released code has square images only). ``time_scale='frames'``
+    (vispe before issue 27): ``(t + 0.5) / T``, every clip's time spans (0, 1) whatever its length --
+    frame-count changes then compress or stretch time instead of extending it. Prefix tokens sit at 0.5 on
+    every axis, as released (``cls_position``).
+    """
+
+    option_checks = {"time_scale": Choice(COMROPE_TIME_SCALES)}
 
     grid_ndims = (3,)
     num_axes = 3
+
+    def __init__(self, head_dim: int, num_heads: int, depth: int, block_size: int = 8, init_std: float = 1.0,
+                 zero_init: bool = False, sigma: float = 0.0, shared_scalars: bool = False, rotation: str = "auto",
+                 coord_shift: float = 0.0, coord_jitter: float = 1.0, coord_rescale: float = 1.0,
+                 random_positions: float = 1.0, time_scale: str = "spatial") -> None:
+        check_choice("time_scale", time_scale, COMROPE_TIME_SCALES)
+        super().__init__(head_dim, num_heads, depth, block_size, init_std, zero_init, sigma, shared_scalars, rotation,
+                         coord_shift, coord_jitter, coord_rescale, random_positions)
+        self.time_scale = time_scale
+
+    def axis_scales(self, grid: PositionGrid) -> tuple[float, ...]:
+        if self.time_scale == "frames":
+            return (1.0,) * grid.ndim
+        t, h, w = grid.shape
+        return (t / max(h, w), 1.0, 1.0)

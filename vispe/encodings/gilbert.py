@@ -8,7 +8,12 @@ J. Cerveny's ``gilbert2d``; the code here is an independent iterative rewrite.
 For a rectangle whose longer side is odd and shorter side even there is no unit-step path between
 the two corners of the long side (grid-graph colouring argument); in that case the curve runs
 along the shorter side instead, which always admits one. With this choice every grid size gets a
-path of unit steps that visits each cell once (checked exhaustively in the tests).
+path of unit steps that visits each cell once (checked exhaustively in the tests). This choice is
+``orientation='adaptive'``. ``orientation='released'`` is LOOPE's released curve
+(AbtahiMajeed144/LOOPE, ``models/positional_encodings/hilbert.py``, ``gilbert_2d``: it always starts the
+recursion with the major axis along the width, ``generate(0, 0, width, 0, 0, height)``, whatever the
+shape): identical on squares and on rectangles wider than tall with an even height or odd width, a
+different (still one-visit-per-cell) order on the others, where it may take diagonal or longer steps.
 """
 from __future__ import annotations
 
@@ -16,7 +21,10 @@ from functools import lru_cache
 
 import torch
 
-__all__ = ["gilbert_path", "gilbert_order"]
+__all__ = ["gilbert_path", "gilbert_order", "GILBERT_ORIENTATIONS"]
+
+#: how the curve picks its major axis (see the module docstring)
+GILBERT_ORIENTATIONS: tuple[str, ...] = ("adaptive", "released")
 
 
 def _sgn(v: int) -> int:
@@ -65,16 +73,24 @@ def _walk(x: int, y: int, ax: int, ay: int, bx: int, by: int, out: list[tuple[in
 
 
 @lru_cache(maxsize=64)
-def gilbert_path(height: int, width: int) -> tuple[tuple[int, int], ...]:
-    """The cells ``(row, col)`` of an ``height x width`` grid in the order the curve visits them."""
+def gilbert_path(height: int, width: int, orientation: str = "adaptive") -> tuple[tuple[int, int], ...]:
+    """The cells ``(row, col)`` of an ``height x width`` grid in the order the curve visits them.
+
+    ``orientation='adaptive'`` (default): unit steps on every grid; ``'released'``: LOOPE's released
+    curve, major axis always along the width (module docstring)."""
     if height <= 0 or width <= 0:
         raise ValueError(f"gilbert_path needs positive sizes, got {height}x{width}")
+    if orientation not in GILBERT_ORIENTATIONS:
+        raise ValueError(f"orientation={orientation!r} is not valid; choose one of {list(GILBERT_ORIENTATIONS)}")
     out: list[tuple[int, int]] = []  # (x=col, y=row)
-    long_is_x = width >= height
-    if long_is_x and width % 2 and not height % 2 and height > 1:
-        long_is_x = False  # odd long side with even short side: go along the short side (see module doc)
-    elif not long_is_x and height % 2 and not width % 2 and width > 1:
-        long_is_x = True
+    if orientation == "released":
+        long_is_x = True  # released hilbert.py gilbert_2d: no branch on the shape
+    else:
+        long_is_x = width >= height
+        if long_is_x and width % 2 and not height % 2 and height > 1:
+            long_is_x = False  # odd long side with even short side: go along the short side (see module doc)
+        elif not long_is_x and height % 2 and not width % 2 and width > 1:
+            long_is_x = True
     if long_is_x:
         _walk(0, 0, width, 0, 0, height, out)
     else:
@@ -82,13 +98,15 @@ def gilbert_path(height: int, width: int) -> tuple[tuple[int, int], ...]:
     return tuple((y, x) for x, y in out)
 
 
-def gilbert_order(height: int, width: int, device: torch.device | str | None = None) -> torch.Tensor:
+def gilbert_order(
+    height: int, width: int, device: torch.device | str | None = None, orientation: str = "adaptive"
+) -> torch.Tensor:
     """For every cell in row-major order, its 0-based step along the curve: int64 ``(height*width,)``.
 
     This is the inverse permutation of :func:`gilbert_path` (the step *of* patch ``p``, not the patch
     *at* step ``p``).
     """
-    path = gilbert_path(int(height), int(width))
+    path = gilbert_path(int(height), int(width), orientation)
     rows = torch.tensor([r for r, _ in path], dtype=torch.int64)
     cols = torch.tensor([c for _, c in path], dtype=torch.int64)
     order = torch.empty(height * width, dtype=torch.int64)

@@ -26,18 +26,25 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 
-from .._checks import Int, Real
+from .._checks import Choice, Int, Real, check_choice
 from .base import TokenEncoding, register_encoding
 from .grid import PositionGrid
 
-__all__ = ["LearnableFourierFeatures", "LearnableFourierPE"]
+__all__ = ["LearnableFourierFeatures", "LearnableFourierPE", "LFF_FREQ_INITS"]
+
+#: how ``W_r`` starts: ``'paper'`` -- Li et al. 2021, Algorithm 1, ``W_r ~ N(0, gamma^-2)``: variance gamma^-2, std
+#: 1/gamma, so that F(x).F(y) ~ 0.5 exp(-|x - y|^2 / (2 gamma^2)) and gamma is the kernel's length scale;
+#: ``'lightglue'`` -- the widely copied implementation (cvg/LightGlue ``lightglue/lightglue.py``,
+#: ``LearnableFourierPositionalEncoding``, also in kornia and transformers' LightGlue) draws std gamma^-2, i.e. reads
+#: the paper's second argument as a standard deviation (length scale gamma^2; identical at its gamma = 1).
+LFF_FREQ_INITS: tuple[str, ...] = ("paper", "lightglue")
 
 
 class LearnableFourierFeatures(nn.Module):
     """The paper's Algorithm 1: ``(N, G, M)`` coordinates -> ``(N, D)`` encodings."""
 
     def __init__(self, coord_dim: int, out_dim: int, fourier_dim: int = 768, hidden_dim: int = 32, groups: int = 1,
-                 gamma: float = 0.1) -> None:
+                 gamma: float = 0.1, freq_init: str = "paper") -> None:
         super().__init__()
         if fourier_dim % 2:
             raise ValueError(f"lff fourier_dim |F| must be even (cos and sin halves), got {fourier_dim}")
@@ -46,7 +53,10 @@ class LearnableFourierFeatures(nn.Module):
         if gamma <= 0:
             raise ValueError(f"lff gamma must be > 0, got {gamma}")
         self.coord_dim, self.groups, self.fourier_dim = coord_dim, groups, fourier_dim
-        self.freqs = nn.Parameter(torch.randn(fourier_dim // 2, coord_dim) / gamma)  # W_r ~ N(0, gamma^-2)
+        check_choice("freq_init", freq_init, LFF_FREQ_INITS)
+        # paper: W_r ~ N(0, gamma^-2), i.e. std 1/gamma; 'lightglue': std gamma^-2 (see LFF_FREQ_INITS)
+        std = 1.0 / gamma if freq_init == "paper" else gamma**-2
+        self.freqs = nn.Parameter(torch.randn(fourier_dim // 2, coord_dim) * std)
         self.mlp = nn.Sequential(nn.Linear(fourier_dim, hidden_dim), nn.GELU(), nn.Linear(hidden_dim, out_dim // groups))
 
     def fourier(self, coords: torch.Tensor) -> torch.Tensor:
@@ -70,6 +80,7 @@ class LearnableFourierPE(TokenEncoding):
         hidden_dim: ``|H|`` of the MLP, default 32.
         groups: 1 (joint coordinate, default) or the grid's number of axes (one group per axis).
         gamma: length scale of the init ``W_r ~ N(0, gamma^-2)`` in normalised units, default 0.1.
+        freq_init: ``'paper'`` (default: std ``1/gamma``) or ``'lightglue'`` (std ``gamma^-2``); see ``LFF_FREQ_INITS``.
         prefix_embed: learned vectors (zeros init) for the prefix tokens, default True.
     """
 
@@ -77,7 +88,8 @@ class LearnableFourierPE(TokenEncoding):
     prefix_policy = "prefix tokens get their own learned vectors (zeros init), or nothing with prefix_embed=False"
 
     #: option rules, checked before __init__ (vispe._checks; see PositionalEncoding.option_checks)
-    option_checks = {"fourier_dim": Int(2, multiple_of=2), "hidden_dim": Int(1), "groups": Int(1), "gamma": Real(1e-6)}  # W_r ~ N(0, gamma^-2): gamma near 0 overflows
+    option_checks = {"fourier_dim": Int(2, multiple_of=2), "hidden_dim": Int(1), "groups": Int(1), "gamma": Real(1e-6),
+                     "freq_init": Choice(LFF_FREQ_INITS)}  # W_r ~ N(0, gamma^-2): gamma near 0 overflows
 
     def __init__(
         self,
@@ -89,6 +101,7 @@ class LearnableFourierPE(TokenEncoding):
         groups: int = 1,
         gamma: float = 0.1,
         prefix_embed: bool = True,
+        freq_init: str = "paper",
     ) -> None:
         super().__init__()
         ndim = len(tuple(grid_size))
@@ -96,7 +109,7 @@ class LearnableFourierPE(TokenEncoding):
             raise ValueError(f"lff groups={groups} is not valid for a {ndim}-D grid; choose 1 (joint) or {ndim} (per axis)")
         self.ndim = ndim
         self.groups = groups
-        self.features = LearnableFourierFeatures(ndim // groups, dim, fourier_dim, hidden_dim, groups, gamma)
+        self.features = LearnableFourierFeatures(ndim // groups, dim, fourier_dim, hidden_dim, groups, gamma, freq_init)
         self.prefix_embed = nn.Parameter(torch.zeros(1, num_prefix_tokens, dim)) if prefix_embed and num_prefix_tokens else None
 
     def table_for(self, grid: PositionGrid, device: torch.device | None) -> torch.Tensor:

@@ -1,13 +1,33 @@
 """LOOPE -- learnable patch order for a 1D sinusoidal encoding (Chowdhury, Rahman, Taki, 2025).
 
 Each patch gets a scalar position ``X = X_G + X_C``: ``X_G`` is the step at which a Gilbert
-(generalised Hilbert) curve over the ``h x w`` grid visits the patch (:mod:`vispe.encodings.gilbert`;
-0-based as in the paper) and ``X_C in (-1, 1)`` is a bounded, image-conditioned offset from a small
+(generalised Hilbert) curve over the ``h x w`` grid visits the patch (:mod:`vispe.encodings.gilbert`),
+counted from 1 as the released code does, and ``X_C in (-1, 1)`` is a bounded, image-conditioned offset from a small
 context CNN, so neighbouring patches can move closer, further apart or swap while the curve keeps
 locality. The encoding is the standard transformer sinusoid of ``X``
 (``PE[2i] = sin(X w_i)``, ``PE[2i+1] = cos(X w_i)``, ``w_i = 10000^(-2i/D)``), added to the patch
-tokens; prefix tokens get their own learned vectors (zeros init, as in the released code). It is
-per image: computed in ``embed_tokens`` from the ``image=`` the host model passes.
+tokens; prefix tokens get their own learned vectors (zeros init, as in the released ``ArtPE``), or, in
+the fixed-order baseline, the sinusoid of position 0 (released ``get_hilbert_pos_embed``). It is per
+image: computed in ``embed_tokens`` from the ``image=`` the host model passes.
+
+Released-code conventions (AbtahiMajeed144/LOOPE, ``models/positional_encodings/hilbert.py`` and
+``art_pe.py``) are the defaults; each vispe deviation is an option:
+
+* ``curve_start=1``: ``gilbert_2d`` writes ``arr[y, x] = idx + 1`` (hilbert.py, the loop at the end of
+  ``gilbert_2d``), so the first patch sits at position 1 and position 0 is left to the cls token.
+  ``curve_start=0`` counts from 0 (vispe before issue 27; the paper's text).
+* ``channel_order='image_yx'``: the CNN's input is ``cat([image, cord])`` with ``cord`` a ``meshgrid(...,
+  indexing='ij')`` stack, i.e. channels (R, G, B, y, x) (art_pe.py, ``__init__``'s ``cord`` buffer and
+  ``forward``'s ``torch.cat``). ``'xy_image'`` is vispe's earlier (x, y, R, G, B), kept so checkpoints
+  trained with it still load.
+* ``orientation='released'``: the curve's major axis is always the width (hilbert.py: ``generate(0, 0,
+  width, 0, 0, height)`` without a branch on the shape). ``'adaptive'`` is vispe's curve for rectangles,
+  which picks the axis so that every step is a unit step (:mod:`vispe.encodings.gilbert`).
+* ``fixed_prefix='sinusoid'`` (``offset=False`` only): hilbert.py's ``get_hilbert_pos_embed`` prepends
+  position 0 for the cls token and the whole table is frozen. ``'learned'`` gives prefix tokens learned
+  zero-init vectors as in the offset model (vispe before issue 27).
+
+:func:`vispe.models.checkpoint.load_released_loope` loads a released ``ArtPE`` state dict.
 
 Context CNN (supplement Table 1 / released code): input = image + two coordinate maps
 (``linspace(-1, 1)`` over pixels, code), Conv ``P x P`` stride ``P`` to 32 channels (one cell per
@@ -19,8 +39,8 @@ Size-agnostic design (beyond the paper). The paper's head is a ``Linear(N, N)`` 
 map, tied to the training grid, and the curve index range grows with ``N``. vispe's default
 ``head='local'`` replaces it by a 1x1 conv over ``[u, mean(u)]`` (each patch's CNN output plus the
 image-wide mean, 3 parameters), so the offset keeps a global context term but works at every grid;
-``order_scale='normalized'`` (default) rescales ``X_G`` by ``(N_train - 1) / (N - 1)`` so a new grid's
-positions span the training range (identical to the paper at the training grid; the sinusoid is
+``order_scale='normalized'`` (default) maps ``X_G`` affinely so a new grid's positions span the training
+range ``[s, s + N_train - 1]`` (``s = curve_start``) (identical to the paper at the training grid; the sinusoid is
 continuous, so fractional positions are fine) and ``X_C`` stays in training-step units.
 ``head='linear'`` (paper/code, no bias like the code; ``linear_bias=True`` for the paper) and
 ``order_scale='index'`` reproduce the paper exactly; with ``head='linear'`` a different grid raises
@@ -35,15 +55,19 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .._checks import Choice, Ints, Real
+from .._checks import Choice, Ints, Real, check_choice
 from .base import TokenEncoding, register_encoding
-from .gilbert import gilbert_order
+from .gilbert import GILBERT_ORIENTATIONS, gilbert_order
 from .grid import PositionGrid
 
 __all__ = ["LOOPE", "FiniteBatchNorm2d", "LoopeContext", "sinusoid_1d"]
 
 LOOPE_HEADS = ("local", "linear")
 LOOPE_ORDER_SCALES = ("normalized", "index")
+#: first conv's input channels: released (R, G, B, y, x) or vispe's earlier (x, y, R, G, B)
+LOOPE_CHANNEL_ORDERS = ("image_yx", "xy_image")
+#: what prefix tokens get in the fixed-order variant: released sinusoid of position 0, or learned vectors
+LOOPE_FIXED_PREFIXES = ("sinusoid", "learned")
 
 
 def sinusoid_1d(pos: torch.Tensor, dim: int, temperature: float = 10000.0) -> torch.Tensor:
@@ -92,8 +116,12 @@ class FiniteBatchNorm2d(nn.BatchNorm2d):
 class LoopeContext(nn.Module):
     """The context CNN: image + coordinate maps -> per-patch offset in (-1, 1), ``(B, h*w)``."""
 
-    def __init__(self, in_chans: int, patch_size: Sequence[int], head: str, num_patches: int, linear_bias: bool) -> None:
+    def __init__(
+        self, in_chans: int, patch_size: Sequence[int], head: str, num_patches: int, linear_bias: bool,
+        channel_order: str = "image_yx",
+    ) -> None:
         super().__init__()
+        self.channel_order = channel_order
         ph, pw = patch_size
         self.patch_size = (ph, pw)
         widths = (32, 16, 8, 4, 1)
@@ -122,8 +150,11 @@ class LoopeContext(nn.Module):
         ys = torch.linspace(-1, 1, height, device=image.device, dtype=image.dtype)
         xs = torch.linspace(-1, 1, width, device=image.device, dtype=image.dtype)
         cy, cx = torch.meshgrid(ys, xs, indexing="ij")
-        coord = torch.stack([cx, cy])[None].expand(bsz, -1, -1, -1)
-        u = self.norm(self.cnn(torch.cat([coord, image], dim=1)))  # (B, 1, h, w)
+        if self.channel_order == "image_yx":  # released art_pe.py: cat([x, cord]), cord = (y, x)
+            inp = torch.cat([image, torch.stack([cy, cx])[None].expand(bsz, -1, -1, -1)], dim=1)
+        else:
+            inp = torch.cat([torch.stack([cx, cy])[None].expand(bsz, -1, -1, -1), image], dim=1)
+        u = self.norm(self.cnn(inp))  # (B, 1, h, w)
         if self.head_kind == "linear":
             if h * w != self.num_patches:
                 raise ValueError(
@@ -146,10 +177,18 @@ class LOOPE(TokenEncoding):
         order_scale: ``'normalized'`` (default) or ``'index'`` (raw curve steps, paper).
         linear_bias: bias on the ``'linear'`` head (paper: yes; released code: no; default False).
         temperature: sinusoid base, default 10000.
+        curve_start: position of the curve's first patch, 1 (released code, default) or 0.
+        orientation: ``'released'`` (default) or ``'adaptive'`` curve on rectangles (module docstring).
+        channel_order: offset CNN input, ``'image_yx'`` (released, default) or ``'xy_image'``.
+        fixed_prefix: prefix tokens with ``offset=False``: ``'sinusoid'`` of position 0 (released, default)
+            or ``'learned'`` vectors.
     """
 
     grid_ndims = (2,)
-    prefix_policy = "prefix tokens get their own learned vectors (zeros init); no curve position"
+    prefix_policy = (
+        "prefix tokens get their own learned vectors (zeros init); with offset=False the sinusoid of position 0 "
+        "(fixed_prefix='sinusoid', released) or learned vectors"
+    )
 
     #: option rules, checked before __init__ (vispe._checks; see PositionalEncoding.option_checks)
     option_checks = {
@@ -157,6 +196,10 @@ class LOOPE(TokenEncoding):
         "head": Choice(LOOPE_HEADS),
         "order_scale": Choice(LOOPE_ORDER_SCALES),
         "temperature": Real(1),  # the sinusoid base; below 1 the ladder grows (and overflows near 0)
+        "curve_start": Choice((0, 1)),
+        "orientation": Choice(GILBERT_ORIENTATIONS),
+        "channel_order": Choice(LOOPE_CHANNEL_ORDERS),
+        "fixed_prefix": Choice(LOOPE_FIXED_PREFIXES),
     }
 
     def __init__(
@@ -171,8 +214,16 @@ class LOOPE(TokenEncoding):
         order_scale: str = "normalized",
         linear_bias: bool = False,
         temperature: float = 10000.0,
+        curve_start: int = 1,
+        orientation: str = "released",
+        channel_order: str = "image_yx",
+        fixed_prefix: str = "sinusoid",
     ) -> None:
         super().__init__()
+        check_choice("curve_start", curve_start, (0, 1))
+        check_choice("orientation", orientation, GILBERT_ORIENTATIONS)
+        check_choice("channel_order", channel_order, LOOPE_CHANNEL_ORDERS)
+        check_choice("fixed_prefix", fixed_prefix, LOOPE_FIXED_PREFIXES)
         if dim % 2:
             raise ValueError(f"loope's sinusoid needs an even embedding dim, got dim={dim}")
         if head not in LOOPE_HEADS:
@@ -183,21 +234,26 @@ class LOOPE(TokenEncoding):
         self.grid_size = tuple(int(g) for g in grid_size)
         self.order_scale = order_scale
         self.temperature = temperature
+        self.curve_start = int(curve_start)
+        self.orientation = orientation
         self.context = (
-            LoopeContext(in_chans, tuple(patch_size), head, math.prod(self.grid_size), linear_bias) if offset else None
+            LoopeContext(in_chans, tuple(patch_size), head, math.prod(self.grid_size), linear_bias, channel_order)
+            if offset else None
         )
-        self.prefix_embed = nn.Parameter(torch.zeros(1, num_prefix_tokens, dim)) if num_prefix_tokens else None
+        self.num_prefix_tokens = num_prefix_tokens
+        learned_prefix = num_prefix_tokens and (offset or fixed_prefix == "learned")
+        self.prefix_embed = nn.Parameter(torch.zeros(1, num_prefix_tokens, dim)) if learned_prefix else None
 
     def curve_positions(self, grid: PositionGrid, device: torch.device | None) -> torch.Tensor:
         """``X_G`` for the lattice tokens in row-major order, float32 ``(N,)`` (scaled per ``order_scale``)."""
         return self.cached(("curve", grid.shape, str(device)), lambda: self._curve_positions(grid, device))
 
     def _curve_positions(self, grid: PositionGrid, device: torch.device | None) -> torch.Tensor:
-        pos = gilbert_order(*grid.shape, device=device).float()
+        pos = gilbert_order(*grid.shape, device=device, orientation=self.orientation).float()
         n, n_train = grid.num_patches, math.prod(self.grid_size)
         if self.order_scale == "normalized" and n != n_train and n > 1:
             pos = pos * ((n_train - 1) / (n - 1))
-        return pos
+        return pos + self.curve_start
 
     def positions(self, grid: PositionGrid, image: torch.Tensor | None, device: torch.device | None) -> torch.Tensor:
         """``X = X_G + X_C``: ``(B, N)`` with an image, ``(1, N)`` for the fixed-order variant."""
@@ -213,7 +269,11 @@ class LOOPE(TokenEncoding):
         with torch.autocast(device_type=x.device.type, enabled=False):
             pos = self.positions(grid, image, x.device)
             pe = sinusoid_1d(pos, self.dim, self.temperature)  # (B or 1, N, D), float32
-        return self.add_to_tokens(x, pe, grid, self.prefix_embed)
+        prefix = self.prefix_embed
+        if prefix is None and self.num_prefix_tokens and grid.num_prefix_tokens:
+            # fixed-order baseline as released: prefix tokens at position 0 of the same sinusoid
+            prefix = sinusoid_1d(pe.new_zeros(1, grid.num_prefix_tokens), self.dim, self.temperature)
+        return self.add_to_tokens(x, pe, grid, prefix)
 
     def set_grid_size(self, grid_size: Sequence[int]) -> None:
         new = tuple(int(g) for g in grid_size)

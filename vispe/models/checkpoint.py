@@ -25,7 +25,10 @@ from typing import Any, Mapping
 import torch
 import torch.nn as nn
 
-__all__ = ["LoadReport", "adapt_timm_state_dict", "load_timm_checkpoint", "timm_checkpoint_filter"]
+__all__ = [
+    "LoadReport", "adapt_timm_state_dict", "load_timm_checkpoint", "timm_checkpoint_filter",
+    "adapt_released_loope_state_dict", "load_released_loope",
+]
 
 _logger = logging.getLogger("vispe")
 
@@ -40,12 +43,17 @@ class LoadReport:
     adapted: list[str] = field(default_factory=list)
     #: checkpoint keys renamed from another layout, ``"source -> target"`` (Eva -> VisionTransformer)
     renamed: list[str] = field(default_factory=list)
+    #: loaded after reordering an axis (e.g. input channels in another order), ``"source -> target (how)"``
+    permuted: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         def fmt(keys: list[str]) -> str:
             return ", ".join(keys) if len(keys) <= 12 else ", ".join(keys[:12]) + f", ... (+{len(keys) - 12})"
 
         lines = [f"checkpoint load: {len(self.kept)} kept, {len(self.resampled)} resampled, {len(self.new)} new, {len(self.dropped)} dropped"]
+        if self.permuted:
+            lines[0] += f", {len(self.permuted)} permuted"
+            lines.append(f"  permuted: {fmt(self.permuted)}")
         if self.adapted:
             lines.append(f"  model adapted: {fmt(self.adapted)}")
         if self.renamed:
@@ -235,5 +243,106 @@ def load_timm_checkpoint(model: nn.Module, checkpoint: str | os.PathLike | Mappi
     out, report = adapt_timm_state_dict(checkpoint, model)
     missing, unexpected = model.load_state_dict(out, strict=False)
     assert not unexpected, unexpected  # adapt_timm_state_dict only returns model keys
+    _log(report)
+    return report
+
+
+# ---------------------------------------------------------------------------------------------
+# LOOPE's released code (AbtahiMajeed144/LOOPE, models/positional_encodings/art_pe.py: ArtPE)
+# ---------------------------------------------------------------------------------------------
+
+#: ArtPE's ``art_conv`` Sequential index -> vispe LoopeContext parameter prefix (convs share indices)
+_ARTPE_MODULES = {**{str(i): f"context.cnn.{i}" for i in (0, 2, 4, 6, 8)}, "10": "context.norm", "12": "context.head"}
+#: ArtPE buffers vispe recomputes from the grid (checked against the encoding, then dropped)
+_ARTPE_RECOMPUTED = ("cord", "wrap_pos_hilbert", "div_term")
+
+
+def adapt_released_loope_state_dict(
+    state_dict: Mapping[str, Any], encoding: nn.Module
+) -> tuple[dict[str, torch.Tensor], LoadReport]:
+    """Map a released LOOPE ``ArtPE`` state dict onto a vispe ``loope`` encoding (keys relative to it).
+
+    Accepts the ``ArtPE`` module's own keys (``art_conv.*``, ``cls_token``, buffers) or a whole released
+    ``ViT_Art`` state dict (its ``pos_embedding.*`` keys are used, the rest is reported as dropped).
+    The first convolution's input channels are permuted when the encoding uses ``channel_order='xy_image'``
+    (released: R, G, B, y, x). The recomputed buffers (``cord``, ``wrap_pos_hilbert``, ``div_term``) are
+    dropped; when the checkpoint's curve positions differ from the encoding's (other ``curve_start`` or
+    ``orientation``), the report says so in ``adapted``.
+    """
+    from ..encodings.loope import LOOPE
+
+    if not isinstance(encoding, LOOPE):
+        raise TypeError(f"adapt_released_loope_state_dict needs a vispe 'loope' encoding, got {type(encoding).__name__}")
+    report = LoadReport()
+    sd = _unwrap(state_dict)
+    if any(k.startswith("pos_embedding.") for k in sd):
+        outer = {k: v for k, v in sd.items() if not k.startswith("pos_embedding.")}
+        report.dropped += [f"{k} (not part of the positional encoding)" for k in outer]
+        sd = {k[len("pos_embedding."):]: v for k, v in sd.items() if k.startswith("pos_embedding.")}
+    target = encoding.state_dict()
+    out: dict[str, torch.Tensor] = {}
+
+    def put(src: str, dst: str, value: torch.Tensor, bucket: list[str], how: str = "") -> None:
+        if dst not in target:
+            report.dropped.append(f"{src} (the encoding has no {dst}: offset={encoding.context is not None}, head options)")
+        elif tuple(target[dst].shape) != tuple(value.shape):
+            report.dropped.append(f"{src} (checkpoint {tuple(value.shape)} vs encoding {dst} {tuple(target[dst].shape)})")
+        else:
+            out[dst] = value
+            bucket.append(f"{src} -> {dst}" + (f" ({how})" if how else ""))
+
+    for key, value in sd.items():
+        if key in _ARTPE_RECOMPUTED:
+            continue
+        if key == "cls_token":
+            put(key, "prefix_embed", value.reshape(1, -1, value.shape[-1]), report.kept)
+            continue
+        parts = key.split(".")
+        if len(parts) == 3 and parts[0] == "art_conv" and parts[1] in _ARTPE_MODULES:
+            dst = f"{_ARTPE_MODULES[parts[1]]}.{parts[2]}"
+            if key == "art_conv.0.weight" and encoding.context is not None and encoding.context.channel_order == "xy_image":
+                # released input channels (R, G, B, y, x) -> vispe's (x, y, R, G, B)
+                put(key, dst, value[:, [4, 3, 0, 1, 2]], report.permuted, "channels (R,G,B,y,x) -> (x,y,R,G,B)")
+            else:
+                put(key, dst, value, report.kept)
+            continue
+        report.dropped.append(key)
+    # the recomputed buffers: dropped, but say when they disagree with this encoding
+    from ..encodings.grid import PositionGrid
+
+    grid = PositionGrid(tuple(encoding.grid_size), 0)
+    curve = sd.get("wrap_pos_hilbert")
+    if curve is not None:
+        mine = encoding.curve_positions(grid, None)
+        if curve.numel() != mine.numel() or not torch.equal(curve.reshape(-1).float(), mine.cpu()):
+            report.adapted.append(
+                "checkpoint curve positions (wrap_pos_hilbert) differ from this encoding's; the encoding's are used "
+                "(released convention: curve_start=1, orientation='released')"
+            )
+    div = sd.get("div_term")
+    if div is not None:
+        mine = encoding.temperature ** (-torch.arange(0, encoding.dim, 2, dtype=torch.float64) / encoding.dim)
+        if div.numel() != mine.numel() or not torch.allclose(div.reshape(-1).double(), mine, rtol=1e-4, atol=1e-7):
+            report.adapted.append("checkpoint div_term differs from this encoding's frequencies (dim / temperature)")
+    report.dropped += [f"{k} (recomputed from the grid)" for k in _ARTPE_RECOMPUTED if k in sd]
+    report.new = [k for k in target if k not in out]
+    return out, report
+
+
+def load_released_loope(target: nn.Module, checkpoint: str | os.PathLike | Mapping[str, Any]) -> LoadReport:
+    """Load a released LOOPE ``ArtPE`` (or ``ViT_Art``) state dict into a ``loope`` encoding.
+
+    ``target`` is the encoding or a vispe model whose ``pos_encoding`` is one; ``checkpoint`` a state dict
+    or a ``.pth`` file. Returns the :class:`LoadReport` (kept / permuted / new / dropped), also logged.
+    """
+    encoding = getattr(target, "pos_encoding", target)
+    if not isinstance(checkpoint, Mapping):
+        path = os.fspath(checkpoint)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"checkpoint file not found: {path}")
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    out, report = adapt_released_loope_state_dict(checkpoint, encoding)
+    encoding.load_state_dict(out, strict=False)
+    encoding.clear_cache()
     _log(report)
     return report

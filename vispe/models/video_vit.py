@@ -385,6 +385,10 @@ class VispeVideoViT(nn.Module):
         names |= {f"pos_encoding.{n}" for n in self.pos_encoding.no_weight_decay()}
         return names
 
+    def auxiliary_loss(self) -> torch.Tensor | None:
+        """The positional encoding's training regulariser (``None`` if it has none); tasks add it to their loss."""
+        return self.pos_encoding.auxiliary_loss()
+
 
 def _list_3d() -> list[str]:
     from ..encodings import list_encodings

@@ -250,6 +250,10 @@ class VispeVisionTransformer(VisionTransformer):
         names |= {f"pos_encoding.{n}" for n in self.pos_encoding.no_weight_decay()}
         return names
 
+    def auxiliary_loss(self) -> Optional[torch.Tensor]:
+        """The positional encoding's training regulariser (``None`` if it has none); tasks add it to their loss."""
+        return self.pos_encoding.auxiliary_loss()
+
 
 # ----------------------------------------------------------------------------------------
 # timm registration

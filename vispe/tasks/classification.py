@@ -72,6 +72,26 @@ def param_groups_no_decay(module: nn.Module, weight_decay: float) -> list[dict[s
     ]
 
 
+def add_auxiliary_loss(task: pl.LightningModule, model: nn.Module, loss: torch.Tensor, weight: float,
+                       batch_size: int | None = None) -> torch.Tensor:
+    """``loss + weight * model.auxiliary_loss()`` (the positional encoding's own regulariser, e.g. SeqPE's), logged
+    as ``train/aux_loss``; ``loss`` unchanged when the weight is 0 or the model/encoding has none."""
+    get = getattr(model, "auxiliary_loss", None)
+    if weight == 0 or not callable(get):
+        return loss
+    aux = get()
+    if aux is None:
+        return loss
+    task.log("train/aux_loss", aux.detach(), on_step=True, on_epoch=True, batch_size=batch_size)
+    return loss + weight * aux
+
+
+def check_aux_loss_weight(weight: float) -> float:
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight >= 0:
+        raise ValueError(f"aux_loss_weight must be a number >= 0 (0 turns the encoding's auxiliary loss off), got {weight!r}")
+    return float(weight)
+
+
 def warmup_cosine(step: int, total: int, warmup: int, min_ratio: float) -> float:
     """LR multiplier: linear warm-up from ~0 over ``warmup`` steps, then cosine to ``min_ratio``."""
     if warmup > 0 and step < warmup:
@@ -92,6 +112,8 @@ class ImageClassification(pl.LightningModule):
         warmup_epochs: linear warm-up length (fraction of an epoch allowed); then cosine to ``min_lr``.
         label_smoothing: cross-entropy smoothing (hard labels only; mixed labels are already soft).
         mixup_alpha, cutmix_alpha, mix_prob: batch mixing (0 disables); ``mix_backend`` 'timm' or 'torchvision'.
+        aux_loss_weight: weight of the positional encoding's auxiliary loss (``auxiliary_loss()``, e.g. SeqPE's
+            regularisers; logged as ``train/aux_loss``), 0 to turn it off.
         deterministic_resume: reseed python/numpy/torch RNGs from ``(global seed, epoch, batch, rank)``
             before every training batch, so a run resumed from a checkpoint draws exactly the mixing
             and dropout randomness of an uninterrupted one (the RNG state is not in checkpoints).
@@ -116,9 +138,11 @@ class ImageClassification(pl.LightningModule):
         mix_prob: float = 1.0,
         mix_backend: str = "timm",
         deterministic_resume: bool = True,
+        aux_loss_weight: float = 1.0,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        check_aux_loss_weight(aux_loss_weight)
         if mix_backend not in MIX_BACKENDS:
             raise ValueError(f"mix_backend={mix_backend!r} is not valid; choose one of {list(MIX_BACKENDS)}")
         if not 0.0 <= label_smoothing < 1.0:
@@ -207,6 +231,7 @@ class ImageClassification(pl.LightningModule):
         else:
             logits = self(x)
             loss = F.cross_entropy(logits, y, label_smoothing=self.hparams.label_smoothing)
+        loss = add_auxiliary_loss(self, self.model, loss, self.hparams.aux_loss_weight, x.shape[0])
         self.train_metrics.update(logits.detach(), y)
         self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=x.shape[0], sync_dist=True)
         self.log_dict(self.train_metrics, on_step=False, on_epoch=True, batch_size=x.shape[0])

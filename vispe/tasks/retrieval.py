@@ -24,6 +24,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from vispe.tasks.classification import add_auxiliary_loss, check_aux_loss_weight
+
 __all__ = [
     "VideoTextRetrieval",
     "retrieval_metrics",
@@ -180,6 +182,7 @@ class VideoTextRetrieval(pl.LightningModule):
         lock_text: freeze the text tower (useful with a pretrained checkpoint).
         lr, weight_decay, warmup_steps, min_lr_ratio: AdamW + linear warm-up + cosine (per step).
         init_logit_scale: initial ``log(1/temperature)`` (CLIP: ``log(1/0.07)``).
+        aux_loss_weight: weight of the video model's positional-encoding auxiliary loss (``train/aux_loss``; 0 = off).
     """
 
     def __init__(
@@ -197,8 +200,10 @@ class VideoTextRetrieval(pl.LightningModule):
         warmup_steps: int = 50,
         min_lr_ratio: float = 0.01,
         init_logit_scale: float = math.log(1 / 0.07),
+        aux_loss_weight: float = 1.0,
     ) -> None:
         super().__init__()
+        check_aux_loss_weight(aux_loss_weight)
         import open_clip
 
         self.save_hyperparameters()
@@ -265,6 +270,7 @@ class VideoTextRetrieval(pl.LightningModule):
         captions = [first[b] for b in range(video.shape[0])]
         v, t, scale = self(video, self.tokenize(captions))
         loss = self.loss_fn(v, t, scale)
+        loss = add_auxiliary_loss(self, self.visual, loss, self.hparams.aux_loss_weight, video.shape[0])
         with torch.no_grad():
             self.logit_scale.clamp_(0, math.log(100))  # CLIP's clamp
         self.log("train/loss", loss, prog_bar=True, batch_size=video.shape[0])

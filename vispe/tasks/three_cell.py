@@ -26,7 +26,7 @@ from torchmetrics import MetricCollection
 from torchmetrics.classification import BinaryAccuracy, MultilabelAccuracy
 
 from vispe.data.three_cell import LABEL_GROUPS, LABEL_NAMES
-from vispe.tasks.classification import param_groups_no_decay
+from vispe.tasks.classification import add_auxiliary_loss, check_aux_loss_weight, param_groups_no_decay
 
 __all__ = ["ThreeCellTask", "GROUPS"]
 
@@ -59,6 +59,7 @@ class ThreeCellTask(LightningModule):
             ``no_weight_decay()`` names).
         warmup_steps: linear warm-up steps, or a fraction of all steps when < 1.
         betas: AdamW betas.
+        aux_loss_weight: weight of the positional encoding's auxiliary loss (``train/aux_loss``; 0 = off).
     """
 
     def __init__(
@@ -72,8 +73,10 @@ class ThreeCellTask(LightningModule):
         weight_decay: float = 0.05,
         warmup_steps: float = 0.05,
         betas: tuple[float, float] = (0.9, 0.999),
+        aux_loss_weight: float = 1.0,
     ) -> None:
         super().__init__()
+        check_aux_loss_weight(aux_loss_weight)
         if not isinstance(model, str) or not timm.is_model(model):
             raise ValueError(
                 f"model={model!r} is not a timm model; see timm.list_models() (vispe's: timm.list_models('vispe_*'))"
@@ -101,6 +104,7 @@ class ThreeCellTask(LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         images, target = batch
         loss = F.binary_cross_entropy_with_logits(self(images), target)
+        loss = add_auxiliary_loss(self, self.model, loss, self.hparams.aux_loss_weight, len(images))
         self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False)
         return loss
 
