@@ -216,18 +216,21 @@ class VispeRotaryEmbedding(nn.Module):
     :class:`~vispe.encodings.multimodal_rope.MultimodalRotary` table over the rotated channels of a head.
 
     ``stacked=True`` returns ``(3, B, L, d)`` (transformers versions whose attention recombines the
-    sections itself; every row is the same table, in rotate-half order), else ``(B, L, d)`` in the
-    model's ``pair_layout`` (``'half'``: pair ``i`` = channels ``(i, i + d/2)``; ``'interleaved'``:
-    ``(2i, 2i+1)``). A per-head encoding (MHRoPE) returns the identity and keeps its table in
-    ``last_table`` for the q/k hooks.
+    sections itself; every row is the same table), else ``(B, L, d)``. ``output_layout`` is the order
+    the model's own rotary returns (``'half'``: ``cos`` of pair ``i`` at channels ``i`` and ``i + d/2``;
+    ``'interleaved'``: at ``2i`` and ``2i+1``), which its attention expects; ``pair_layout`` is which
+    channels the attention rotates together (used by MHRoPE's hooks). A per-head encoding (MHRoPE)
+    returns the identity and keeps its table in ``last_table`` for the q/k hooks.
     """
 
-    def __init__(self, encoding: MultimodalRotary, scheme: str, original: nn.Module, stacked: bool, pair_layout: str = "half") -> None:
+    def __init__(self, encoding: MultimodalRotary, scheme: str, original: nn.Module, stacked: bool, pair_layout: str = "half",
+                 output_layout: str = "half") -> None:
         super().__init__()
         self.encoding = encoding
         self.scheme = scheme
         self.stacked = stacked
         self.pair_layout = pair_layout
+        self.output_layout = output_layout
         self.per_head = encoding.axis_map().ndim == 2
         self.attention_scaling = float(getattr(original, "attention_scaling", 1.0) or 1.0)
         self.register_buffer("inv_freq", original.inv_freq.detach().clone(), persistent=False)
@@ -236,7 +239,7 @@ class VispeRotaryEmbedding(nn.Module):
         self.last_table: torch.Tensor | None = None
 
     def _expand(self, part: torch.Tensor) -> torch.Tensor:
-        if self.pair_layout == "interleaved" and not self.stacked:
+        if self.output_layout == "interleaved":
             return part.repeat_interleave(2, dim=-1)
         return torch.cat([part, part], dim=-1)
 
@@ -259,7 +262,8 @@ class VispeRotaryEmbedding(nn.Module):
         return cos.to(x.dtype), sin.to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"scheme={self.scheme!r}, per_head={self.per_head}, stacked={self.stacked}, pair_layout={self.pair_layout!r}"
+        return (f"scheme={self.scheme!r}, per_head={self.per_head}, stacked={self.stacked}, pair_layout={self.pair_layout!r}, "
+                f"output_layout={self.output_layout!r}")
 
 
 def _per_head_rotation(rotary: VispeRotaryEmbedding, head_dim: int, module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
@@ -299,6 +303,7 @@ class _Patch:
     tokens_per_second: float | None  # Qwen2.5-VL absolute time (mrope only)
     pad_value: int
     padded_deltas: bool  # rope_deltas relative to the padded length (older versions) or to the real tokens
+    clamped_deltas: bool = False  # the native scheme's rope_deltas floored at 0, as transformers 5.2's Qwen2-VL does
     hooks: list = field(default_factory=list)
 
     def builder_options(self, training: bool) -> dict[str, Any]:
@@ -386,6 +391,8 @@ def _vispe_get_rope_index(model: nn.Module, patch: _Patch, *args: Any, **kwargs:
         rows[:, b, mask[b]] = _to_rows(pos).to(device, dtype)
         # vispe: delta = next_free - real length; older versions count from the padded length
         deltas[b, 0] = float(delta) + (pos.shape[1] - L if patch.padded_deltas else 0)
+    if patch.clamped_deltas:  # the installed model's own (lossy) floor, kept for its own scheme only
+        deltas.clamp_(min=0)
     return rows, deltas.to(device=device, dtype=dtype)
 
 
@@ -421,16 +428,21 @@ def _call_original(original: Any, signature: inspect.Signature, patch_like: _Pat
     return original(input_ids=ids, **kw)
 
 
-def _probe_conventions(original: Any, signature: inspect.Signature, config: Any, m: int, patch_like: _Patch) -> tuple[int, bool, str]:
-    """Ask the installed get_rope_index for its pad value, rope_deltas base and (M-RoPE) next-text rule."""
+def _probe_conventions(original: Any, signature: inspect.Signature, config: Any, m: int, patch_like: _Patch) -> tuple[int, bool, bool, str]:
+    """Ask the installed get_rope_index for its pad value, rope_deltas base (padded or real length, floored at
+    0 or not) and (M-RoPE) next-text rule."""
     vs, img = _vision_start(config), patch_like.image_token_id
     ve = int(getattr(config, "vision_end_token_id", None) or getattr(config, "image_end_token_id", None) or vs)
+    # a 2x2-token image: positions 0, 1..2, 3 for 6 tokens, so the true delta is 4 - 6 = -2
+    _, neg = _call_original(original, signature, patch_like, torch.tensor([[vs] + [img] * 4 + [ve]]), image_grid_thw=torch.tensor([[1, 2 * m, 2 * m]]))
+    clamped = int(torch.as_tensor(neg).reshape(-1)[0]) == 0
     ids = torch.tensor([[0, vs, img, ve, 0]])
     pos, delta = _call_original(original, signature, patch_like, ids, image_grid_thw=torch.tensor([[1, m, m]]),
                                 attention_mask=torch.tensor([[0, 1, 1, 1, 1]]))
     d = int(torch.as_tensor(delta).reshape(-1)[0])
     if d not in (0, -1):  # real tokens sit at 0..3: next free 4, real length 4, padded length 5
         raise RuntimeError(f"unrecognised rope_deltas convention in this transformers version (probe gave {d}); supported: {TRANSFORMERS_REQUIREMENT}")
+    padded = d == -1 or clamped  # a floored delta hides the base: the code that floors (5.2) counts from the padded length
     after_visual = "max"
     if not patch_like.family.frames_as_blocks:
         # a 4-patch video on a 1x1 grid: text after it at max + 1 = 5 (paper) or at start + max(H, W) = 2 (5.x)
@@ -441,7 +453,7 @@ def _probe_conventions(original: Any, signature: inspect.Signature, config: Any,
             kw["second_per_grid_ts"] = torch.tensor([1.0])  # t extent 3 * tokens_per_second >= 3
         vpos, _ = _call_original(original, signature, patch_like, ids, **kw)
         after_visual = "spatial" if int(vpos[0, 0, -1]) == 2 else "max"
-    return int(pos[0, 0, 0]), d == -1, after_visual
+    return int(pos[0, 0, 0]), padded, clamped, after_visual
 
 
 def _mrope_section(config: Any) -> list[int] | None:
@@ -538,10 +550,12 @@ def apply_position_scheme(model: nn.Module, scheme: str, **options: Any) -> nn.M
     markers = None
     if family.video_between_markers:
         markers = (int(config.video_start_token_id), int(config.video_end_token_id))
-    with torch.no_grad():
-        probe_cos, _ = original_rotary(torch.zeros(1, 1), torch.zeros(3, 1, 1, dtype=torch.long))
+    with torch.no_grad():  # position 1: pair 0 (frequency 1) and pair 1 differ, so the cos order shows
+        probe_cos, _ = original_rotary(torch.zeros(1, 1), torch.ones(3, 1, 1, dtype=torch.long))
     stacked = probe_cos.ndim == 4
-    rotary = VispeRotaryEmbedding(encoding, scheme, original_rotary, stacked=stacked, pair_layout=family.pair_layout)
+    c = probe_cos.reshape(-1, probe_cos.shape[-1])[0]
+    output_layout = "interleaved" if c.shape[0] >= 4 and torch.equal(c[0], c[1]) and not torch.equal(c[0], c[c.shape[0] // 2]) else "half"
+    rotary = VispeRotaryEmbedding(encoding, scheme, original_rotary, stacked=stacked, pair_layout=family.pair_layout, output_layout=output_layout)
     rotary = rotary.to(ladder.device)
     patch = _Patch(
         scheme=scheme,
@@ -559,7 +573,9 @@ def apply_position_scheme(model: nn.Module, scheme: str, **options: Any) -> nn.M
         pad_value=0,
         padded_deltas=False,
     )
-    patch.pad_value, patch.padded_deltas, after_visual = _probe_conventions(original_index, signature, config, m, patch)
+    native = scheme == family.native_scheme
+    patch.pad_value, patch.padded_deltas, clamped, after_visual = _probe_conventions(original_index, signature, config, m, patch)
+    patch.clamped_deltas = clamped and native
     if scheme == "mrope":
         options.setdefault("after_visual", after_visual)  # default: what the installed model does
     # bad position options fail here, not at the first forward
