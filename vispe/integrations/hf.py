@@ -246,17 +246,17 @@ class VispeRotaryEmbedding(nn.Module):
     @torch.no_grad()
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         coords = position_coordinates(position_ids.to(x.device), self.scheme)
-        table = self.encoding.table_from_positions(coords)  # (B, 1 | H_kv, L, P) complex64
-        B, L = table.shape[0], table.shape[2]
-        d = 2 * table.shape[-1]
         if self.per_head:
+            table = self.encoding.table_from_positions(coords)  # (B, H_kv, L, P) complex64
             self.last_table = table
+            B, L, d = table.shape[0], table.shape[2], 2 * table.shape[-1]
             cos = torch.ones(B, L, d, device=x.device)
             sin = torch.zeros(B, L, d, device=x.device)
         else:
-            t = table[:, 0]
-            cos = self._expand(t.real) * self.attention_scaling
-            sin = self._expand(t.imag) * self.attention_scaling
+            # cos / sin of the float32 angles, as HF computes them (bit-identical for the model's own scheme)
+            ang = self.encoding.angles_from_positions(coords)[:, 0]  # (B, L, P)
+            cos = self._expand(ang.cos()) * self.attention_scaling
+            sin = self._expand(ang.sin()) * self.attention_scaling
         if self.stacked:
             cos, sin = cos[None].expand(3, -1, -1, -1), sin[None].expand(3, -1, -1, -1)
         return cos.to(x.dtype), sin.to(x.dtype)
