@@ -72,8 +72,8 @@ def _qwen3_5(prefix, moe):
 def _glm4v(prefix, moe):
     # half of each 32-channel head rotates, in GLM's interleaved pairs
     text = dict(TEXT, **_rope(10000.0, [2, 3, 3], partial=0.5),
-                **(dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, n_shared_experts=1, first_k_dense_replace=1, head_dim=32)
-                   if moe else {}))
+                **({"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "n_shared_experts": 1,
+                    "first_k_dense_replace": 1, "head_dim": 32} if moe else {}))
     return _classes(prefix), dict(text_config=text, vision_config=dict(GLM_VISION), **GLM_TOKENS)
 
 
