@@ -359,3 +359,20 @@ def test_family_version_bounds_are_explicit(monkeypatch):
     with pytest.raises(ImportError, match=r"qwen3_5 needs transformers>=5\.2"):
         vhf.check_transformers_version(fam["qwen3_5"])
     assert vhf.check_transformers_version(fam["qwen3_vl"]) == "5.1.0"
+
+
+def test_mrope_after_visual_rules():
+    """build_positions('mrope', after_visual=...): the paper's next text at the block's max + 1, transformers 5.x's
+    at start + max(H, W); decoding continues above every position used under both."""
+    from vispe.positions import build_positions
+
+    segs = [Text(2), Visual(5, 2, 3), Text(2)]  # t extent 5 > max(H, W) = 3
+    paper, d_paper = build_positions("mrope", segs)
+    spatial, d_spatial = build_positions("mrope", segs, after_visual="spatial")
+    assert torch.equal(paper[:, :-2], spatial[:, :-2])  # the video itself is placed alike
+    assert paper[:, -2].tolist() == [int(paper[:, :-2].max()) + 1] * 3 == [2 + 4 + 1] * 3
+    assert spatial[:, -2].tolist() == [2 + 3] * 3
+    L = paper.shape[1]
+    assert int(d_paper) + L == int(paper.max()) + 1 and int(d_spatial) + L == int(spatial.max()) + 1
+    with pytest.raises(ValueError, match=r"after_visual='paper' is not valid; choose one of \['max', 'spatial'\]"):
+        build_positions("mrope", segs, after_visual="paper")
