@@ -27,6 +27,7 @@ from vispe.integrations.hf import apply_position_scheme
 from vispe.positions import qwen3vl_timestamps, timestamp_text
 
 PATCH, TPATCH, MERGE = 4, 2, 2
+NEEDLE = 4  # the needle's square (pixels), independent of the ViT patch
 
 
 def video_pixels(frames: np.ndarray) -> tuple[torch.Tensor, list[int]]:
@@ -35,7 +36,7 @@ def video_pixels(frames: np.ndarray) -> tuple[torch.Tensor, list[int]]:
     if x.shape[0] % TPATCH:  # the processor repeats the last frame
         x = torch.cat([x, x[-1:].expand(TPATCH - x.shape[0] % TPATCH, -1, -1, -1)])
     T, C, H, W = x.shape
-    gt, gh, gw = T // TPATCH, H // PATCH, W // PATCH
+    gt, gh, gw = T // TPATCH, H // PATCH, W // PATCH  # PATCH: set by --patch
     x = x.reshape(gt, TPATCH, C, gh // MERGE, MERGE, PATCH, gw // MERGE, MERGE, PATCH)
     x = x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)  # merge windows contiguous, as the merger expects
     return x.reshape(gt * gh * gw, C * TPATCH * PATCH * PATCH), [gt, gh, gw]
@@ -121,8 +122,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--eval-frames", default="8,32")
     ap.add_argument("--eval-episodes", type=int, default=64)
     ap.add_argument("--frame-size", type=int, default=8)
+    ap.add_argument("--patch", type=int, default=4, help="ViT patch size (frames must be a multiple of 2 x patch)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    global PATCH
+    # the ViT patch: with 8x8 frames, 4 gives one LLM token per temporal patch (a 1x1 block, where every
+    # scheme's coordinates coincide); 2 gives 2x2 tokens, where the layouts differ
+    PATCH = args.patch
     torch.set_num_threads(1)
     vocab = NIAHVocab()
     base = len(vocab)
@@ -135,7 +141,7 @@ def main(argv=None) -> dict:
     model = build_model(size, ids, args.seed, args.model)
     options = {"hope": {"gamma": 0.75}, "v2pe": {"delta": 0.25}}.get(args.scheme, {})
     apply_position_scheme(model, args.scheme, **options)
-    train = NIAHDataset(args.steps * args.batch_size, args.train_frames, frame_size=args.frame_size, patch=PATCH, seed=args.seed)
+    train = NIAHDataset(args.steps * args.batch_size, args.train_frames, frame_size=args.frame_size, patch=NEEDLE, seed=args.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.05)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=args.lr, total_steps=args.steps, pct_start=0.1)
     model.train()
@@ -153,10 +159,10 @@ def main(argv=None) -> dict:
             log.append({"step": step, "loss": round(loss.item(), 4), "train_acc": round(acc, 3)})
             print(log[-1], flush=True)
     model.eval()
-    result = {"model": args.model, "scheme": args.scheme, "steps": args.steps, "train_frames": args.train_frames, "train_seconds": round(time.time() - t0, 1), "log": log, "eval": {}}
+    result = {"model": args.model, "scheme": args.scheme, "patch": args.patch, "frame_size": args.frame_size, "steps": args.steps, "train_frames": args.train_frames, "train_seconds": round(time.time() - t0, 1), "log": log, "eval": {}}
     with torch.no_grad():
         for n in (int(x) for x in args.eval_frames.split(",")):
-            ds = NIAHDataset(args.eval_episodes, n, depths=[0, 0.25, 0.5, 0.75, 1], frame_size=args.frame_size, patch=PATCH, seed=args.seed + 1000)
+            ds = NIAHDataset(args.eval_episodes, n, depths=[0, 0.25, 0.5, 0.75, 1], frame_size=args.frame_size, patch=NEEDLE, seed=args.seed + 1000)
             ok = 0
             for s in range(0, args.eval_episodes, args.batch_size):
                 idx = list(range(s, min(s + args.batch_size, args.eval_episodes)))
