@@ -187,8 +187,6 @@ def test_hope_training_draws_only_valid_gammas():
     assert torch.isfinite(pos).all()
 
 
-@pytest.mark.xfail(strict=True, reason="vispe/integrations/hf.py (HF integration work, not this change) casts the position rows "
-                   "to float32; vispe.positions gives float64 there, and the fix is to keep the builders' dtype in hf.py")
 def test_positions_hf_v2pe_fine_steps_after_a_long_text_stay_distinct():
     pytest.importorskip("transformers")
     from test_hf_integration import IMG, VE, VS, _qwen2_vl, _rope_index

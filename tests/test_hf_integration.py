@@ -6,8 +6,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from packaging.version import Version
+
 from vispe.integrations import hf as vhf
-from vispe.positions import POSITION_SCHEMES, Text, Visual, build_positions_batch
+from vispe.positions import POSITION_SCHEMES, Text, Visual, build_positions, build_positions_batch
 
 IMG, VID, VS, VE = 120, 121, 122, 123
 SPECIAL = [IMG, VID, VS, VE, 2]  # no multimodal tokens, no EOS in the generated text
@@ -88,11 +90,12 @@ def _rope_index(model, kw, types):
     """Call the model's get_rope_index with the arguments its version takes."""
     import inspect
 
-    params = inspect.signature(model.model.get_rope_index).parameters
+    inner = vhf._inner_model(model)
+    params = inspect.signature(inner.get_rope_index).parameters
     args = {k: kw[k] for k in ("image_grid_thw", "video_grid_thw", "attention_mask", "second_per_grid_ts") if k in kw and (k in params or "kwargs" in params)}
     if "mm_token_type_ids" in params:
         args["mm_token_type_ids"] = types
-    return model.model.get_rope_index(kw["input_ids"], **args)
+    return inner.get_rope_index(kw["input_ids"], **args)
 
 
 def _forward_kwargs(model, kw, types):
@@ -117,7 +120,7 @@ def test_mrope_equals_the_models_own_rope_index_and_logits(name):
     assert torch.equal(delta.reshape(-1), ref_delta.reshape(-1).to(delta.dtype))
     with torch.no_grad():
         logits = model(**_forward_kwargs(model, kw, types)).logits
-    assert (logits - ref_logits).abs().max().item() <= 1e-6
+    assert torch.equal(logits, ref_logits)  # bit-identical: same ids, same float32 cos / sin
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -182,27 +185,39 @@ def test_manual_cached_decode_uses_rope_deltas(name, scheme):
     if "second_per_grid_ts" in one:
         one["second_per_grid_ts"] = one["second_per_grid_ts"][:1]
     one_types = types[:1, row]
-    vhf.apply_position_scheme(model, scheme, **SCHEME_OPTIONS.get(scheme, {}))
     fkw = _forward_kwargs(model, one, one_types)
     takes_cache_position = "cache_position" in inspect.signature(model.forward).parameters
-    ids = one["input_ids"]
-    with torch.no_grad():
-        out = model(**fkw, use_cache=True)
-        cache, steps = out.past_key_values, []
-        nxt = out.logits[:, -1:].argmax(-1)
-        for _ in range(3):
-            extra = {"cache_position": torch.tensor([ids.shape[1]])} if takes_cache_position else {}
-            out = model(input_ids=nxt, past_key_values=cache, use_cache=True, **extra)
-            cache = out.past_key_values
-            steps.append(out.logits[:, -1])
-            ids = torch.cat([ids, nxt], 1)
+
+    def decode():
+        ids = one["input_ids"]
+        with torch.no_grad():
+            out = model(**fkw, use_cache=True)
+            cache, steps = out.past_key_values, []
             nxt = out.logits[:, -1:].argmax(-1)
-        full = dict(fkw, input_ids=ids)
-        if "mm_token_type_ids" in fkw:
-            full["mm_token_type_ids"] = torch.cat([one_types, torch.zeros(1, 3, dtype=one_types.dtype)], 1)
+            for _ in range(3):
+                extra = {"cache_position": torch.tensor([ids.shape[1]])} if takes_cache_position else {}
+                out = model(input_ids=nxt, past_key_values=cache, use_cache=True, **extra)
+                cache = out.past_key_values
+                steps.append(out.logits[:, -1])
+                ids = torch.cat([ids, nxt], 1)
+                nxt = out.logits[:, -1:].argmax(-1)
         model.model.rope_deltas = None
+        return torch.stack(steps, 1), ids
+
+    unpatched, _ = decode()
+    vhf.apply_position_scheme(model, scheme, **SCHEME_OPTIONS.get(scheme, {}))
+    steps, ids = decode()
+    if model._vispe_position_patch.clamped_deltas:
+        # transformers 5.2's Qwen2-VL floors rope_deltas at 0, which misplaces its own decoded tokens;
+        # the native scheme reproduces the installed model, floor included (other schemes keep the true deltas)
+        assert (steps - unpatched).abs().max().item() <= 1e-6
+        return
+    full = dict(fkw, input_ids=ids)
+    if "mm_token_type_ids" in fkw:
+        full["mm_token_type_ids"] = torch.cat([one_types, torch.zeros(1, 3, dtype=one_types.dtype)], 1)
+    with torch.no_grad():
         ref = model(**full).logits[:, -3:]  # the three fed tokens
-    assert (torch.stack(steps, 1) - ref).abs().max().item() <= 1e-4
+    assert (steps - ref).abs().max().item() <= 1e-4
 
 
 def _text_batch():
@@ -274,3 +289,59 @@ def test_unsupported_transformers_version_names_the_range(monkeypatch):
     monkeypatch.setattr("transformers.__version__", "6.0.0.dev0")
     with pytest.raises(ImportError, match="supported range"):
         vhf.check_transformers_version()
+
+
+def _long_video_batch(name):
+    """[text, video, text] with a video whose temporal extent (8 patches; Qwen2.5-VL: 0, 2, .., 14 at 1 s per
+    patch) exceeds its 2x2 LLM grid: transformers 5.x and the paper place the following text differently."""
+    vid = (8, 4, 4)
+    n = _visual_tokens(vid)
+    ids = torch.tensor([[5, 6, VS] + [VID] * n + [VE, 7, 8]])
+    g = torch.Generator().manual_seed(2)
+    kw = {"input_ids": ids, "video_grid_thw": torch.tensor([vid]),
+          "pixel_values_videos": torch.randn(8 * 16, 3 * TPATCH * PATCH * PATCH, generator=g)}
+    if name == "qwen2_5_vl":
+        kw["second_per_grid_ts"] = torch.tensor([1.0])
+    return kw, 2 * (ids == VID).long(), [Text(3), Visual(*vid, 1.0 if name == "qwen2_5_vl" else None), Text(3)]
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_mrope_long_video_equals_the_installed_model_and_the_paper_rule_is_an_option(name):
+    model = _model(name)
+    kw, types, segs = _long_video_batch(name)
+    ref_pos, ref_delta = _rope_index(model, kw, types)
+    with torch.no_grad():
+        ref = model(**_forward_kwargs(model, kw, types)).logits
+    vhf.apply_position_scheme(model, "mrope")
+    detected = model._vispe_position_patch.position_options["after_visual"]  # the installed model's rule
+    pos, delta = _rope_index(model, kw, types)
+    assert torch.equal(pos, ref_pos.to(pos.dtype)) and torch.equal(delta.reshape(-1), ref_delta.reshape(-1).to(delta.dtype))
+    with torch.no_grad():
+        assert torch.equal(model(**_forward_kwargs(model, kw, types)).logits, ref)
+    # the paper's rule (text after a block at its largest coordinate + 1) on request
+    vhf.apply_position_scheme(model, "mrope", after_visual="max")
+    pos, _ = _rope_index(model, kw, types)
+    tps = {"tokens_per_second": 2} if name == "qwen2_5_vl" else {}
+    paper, _ = build_positions("mrope", segs, spatial_merge_size=MERGE, after_visual="max", **tps)
+    assert torch.equal(pos[:, 0], paper.to(pos.dtype))
+    hf_rule = int(ref_pos[0, 0, -3])  # the first text token after the video in the unpatched model
+    paper_rule = int(paper[:, :-3].max()) + 1
+    assert paper_rule > 3 + 2  # the case where the rules differ: start 3 + max(H, W) = 5 on transformers 5.x
+    assert hf_rule == (3 + 2 if detected == "spatial" else paper_rule)
+    if Version(transformers.__version__) >= Version("5.23"):
+        assert detected == "spatial"
+
+
+def test_bare_model_and_registry_defaults():
+    """The bare Qwen2VLModel is accepted; HoPE / V2PE through the integration default to the registry's 0.75 / 0.25."""
+    torch.manual_seed(0)
+    cfg = _qwen2_vl().config
+    bare = transformers.Qwen2VLModel(cfg).eval()
+    kw, types, segs = _batch("qwen2_vl")
+    for scheme, opts in (("hope", {"gamma": 0.75}), ("v2pe", {"delta": 0.25})):
+        vhf.apply_position_scheme(bare, scheme)
+        assert bare.config.vispe_position_scheme == {"scheme": scheme, "options": opts}
+        rows, _ = _rope_index(bare, kw, types)
+        ref = build_positions_batch(scheme, segs, padding_side="left", spatial_merge_size=MERGE, **opts)
+        coords = vhf.position_coordinates(rows, scheme)
+        assert torch.equal(coords[:, ref.attention_mask], ref.pos.to(coords.dtype)[:, ref.attention_mask])

@@ -81,6 +81,7 @@ from ._checks import Bool, Choice, Int, Positive, Seq, check_choice, check_optio
 
 __all__ = [
     "HOPE_TRAIN_GAMMAS",
+    "MROPE_AFTER_VISUAL",
     "NUM_COORDS",
     "VIDEOROPE_CONVENTIONS",
     "POSITION_SCHEMES",
@@ -137,6 +138,9 @@ Segment = Union[Text, Visual]
 HOPE_TRAIN_GAMMAS = (0.5, 0.75, 1.0, 1.25, 1.5)
 #: V2PE's training deltas ``S / 256`` for ``S`` in 1, 2, 4, ..., 256 (one draw per visual block).
 V2PE_TRAIN_DELTAS = tuple(2**i / 256 for i in range(9))
+#: M-RoPE's text position after a visual block: the paper's largest coordinate + 1 (default), or the block's start +
+#: max(H, W) (transformers 5.x's Qwen2-VL / Qwen2.5-VL code, which differs once a video's temporal extent is larger).
+MROPE_AFTER_VISUAL = ("max", "spatial")
 #: VideoRoPE's two definitions: the released code's (default) and the paper's Eq. 7.
 VIDEOROPE_CONVENTIONS = ("code", "paper")
 
@@ -252,7 +256,9 @@ def _exact(value: float | int | Fraction) -> Fraction:
     ``29.97`` -> ``2997/100``), so products such as ``3 * (2/3) * 25`` are exactly 50 before the floor."""
     if isinstance(value, (int, Fraction)):
         return Fraction(value)
-    return Fraction(value).limit_denominator(_EXACT_MAX_DENOMINATOR)
+    exact = Fraction(value)
+    nearest = exact.limit_denominator(_EXACT_MAX_DENOMINATOR)
+    return nearest if nearest else exact  # below 1e-9 the nearest such fraction is 0: keep the float's own value
 
 
 def absolute_time_ids(num_grids: int, seconds_per_grid: float | Fraction, tokens_per_second: float | Fraction,
@@ -274,7 +280,9 @@ def _mrope(
     tokens_per_second: float = 2.0,
     temporal_patch_size: int = 2,
     time_floor: bool = True,
+    after_visual: str = "max",
 ) -> tuple[list[torch.Tensor], float]:
+    check_choice("after_visual", after_visual, MROPE_AFTER_VISUAL)
     default_spg = None
     if fps is not None and seconds_per_grid is not None:
         raise ValueError("give either fps or seconds_per_grid for absolute-time M-RoPE, not both")
@@ -283,12 +291,13 @@ def _mrope(
         default_spg = Fraction(temporal_patch_size) / _exact(fps)
     elif seconds_per_grid is not None:
         default_spg = _check_positive("seconds_per_grid", seconds_per_grid)
-    _check_positive("tokens_per_second", tokens_per_second)
-    cols, nxt = [], 0.0
+    _check_positive("tokens_per_second", tokens_per_second)  # the value itself stays exact (absolute_time_ids)
+    cols, nxt, top = [], 0.0, -1.0
     for seg in segments:
         if isinstance(seg, Text):
             cols.append(_text(nxt, seg.n, 3))
             nxt += seg.n
+            top = max(top, nxt - 1)
             continue
         spg = seg.seconds_per_grid if seg.seconds_per_grid is not None else default_spg
         t = None
@@ -298,8 +307,11 @@ def _mrope(
         tt, hh, ww = _mesh(seg.T, seg.H, seg.W, t)
         blk = torch.stack([tt, hh, ww]) + nxt
         cols.append(blk)
-        nxt = float(blk.max()) + 1.0  # max over all three rows, not t_last + 1
-    return cols, nxt
+        top = max(top, float(blk.max()))
+        # 'max': the paper's rule, max over all three rows + 1 (not t_last + 1); 'spatial': transformers 5.x's
+        # Qwen2-VL code advances by max(H, W) only, so a long video's t row can pass the following text
+        nxt = top + 1.0 if after_visual == "max" else nxt + max(seg.H, seg.W)
+    return cols, max(nxt, top + 1.0)  # decoding continues above every position used (what both rules' deltas give)
 
 
 def _reset(segments: Sequence[Segment], temporal_stride: float = 1.0, spatial_reset: bool = True) -> tuple[list[torch.Tensor], float]:
@@ -647,6 +659,7 @@ SCHEME_OPTION_CHECKS = {
     "spatial_reset": Bool(),
     "delta": Positive(),
     "convention": Choice(VIDEOROPE_CONVENTIONS),
+    "after_visual": Choice(MROPE_AFTER_VISUAL),
     "gamma": Positive(),
     "training": Bool(),
     "gamma_choices": Seq(Positive(), min_length=1),
@@ -686,7 +699,8 @@ def build_positions(
             (``H, W`` must be divisible by ``m``); 1 means they already are LLM-grid sizes.
         **scheme_kwargs: the scheme's options (papers' names):
             ``mrope``: ``fps`` or ``seconds_per_grid``, ``tokens_per_second=2``, ``temporal_patch_size=2``,
-            ``time_floor=True``; ``mrope_interleave``/``mhrope``: ``temporal_stride=1``, ``spatial_reset=True``;
+            ``time_floor=True``, ``after_visual='max'`` (or ``'spatial'``: transformers 5.x's rule, see
+            :data:`MROPE_AFTER_VISUAL`); ``mrope_interleave``/``mhrope``: ``temporal_stride=1``, ``spatial_reset=True``;
             ``videorope``: ``delta=2.0``, ``convention='code'`` (or ``'paper'``);
             ``hope``: ``gamma=1.0`` (inference), ``training=False``, ``gamma_choices``, ``rng``;
             ``v2pe``: ``delta=1.0`` (inference), ``training=False``, ``delta_choices``, ``rng``;

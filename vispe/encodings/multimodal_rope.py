@@ -276,7 +276,8 @@ class MHRope(MultimodalRotary):
     """Multi-Head RoPE (Huang et al. 2025): whole heads read one axis over the full ladder.
 
     ``mrope_section = [H_t, H_h, H_w]`` counts heads (default 2:3:3 of ``num_heads``, e.g. ``[2, 3, 3]``
-    for 8 heads); heads beyond the sum are NoPE.
+    for 8 heads, at least one head per axis; with 1 or 2 heads ``[1, 0, 0]`` / ``[1, 1, 0]``, as every axis
+    cannot have a head); heads beyond the sum are NoPE.
     """
 
 
@@ -285,11 +286,12 @@ class MHRope(MultimodalRotary):
     ) -> None:
         super().__init__(head_dim, theta, layout)
         if mrope_section is None:
-            if num_heads < 3:
-                raise ValueError(f"mhrope assigns whole heads to t/h/w and needs num_heads >= 3 (got {num_heads}) or an explicit mrope_section")
-            mrope_section = _default_sections(num_heads, (2, 3, 3))
-            if min(mrope_section) == 0:
-                mrope_section = [num_heads - 2 * (num_heads // 3), num_heads // 3, num_heads // 3]
+            if num_heads < 3:  # too few heads for every axis: t first, then h (text order lives on any axis)
+                mrope_section = [1, num_heads - 1, 0]
+            else:
+                mrope_section = _default_sections(num_heads, (2, 3, 3))
+                if min(mrope_section) == 0:
+                    mrope_section = [num_heads - 2 * (num_heads // 3), num_heads // 3, num_heads // 3]
         sec = list(mrope_section)
         if len(sec) != 3 or any(not isinstance(s, int) or s < 0 for s in sec) or sum(sec) > num_heads:
             raise ValueError(f"mhrope: mrope_section must be three non-negative head counts summing to <= num_heads={num_heads}, got {sec}")

@@ -1,22 +1,29 @@
-"""Any vispe multimodal position scheme in Hugging Face ``transformers`` Qwen2-VL / Qwen2.5-VL.
+"""Any vispe multimodal position scheme in Hugging Face ``transformers`` vision-language models.
 
     from vispe.integrations.hf import apply_position_scheme
-    model = apply_position_scheme(model, "hope", gamma=0.75)   # model: Qwen2(_5)VLForConditionalGeneration
+    model = apply_position_scheme(model, "hope", gamma=0.75)
+
+Supported (:data:`MODEL_FAMILIES`; the ``…ForConditionalGeneration`` and the bare ``…Model`` class of each):
+Qwen2-VL, Qwen2.5-VL, Qwen3-VL (dense, MoE), Qwen3.5 (dense, MoE) and GLM-4V (dense, MoE).
 
 The patch is per model instance (nothing in ``transformers`` is modified) and leaves the
 ``state_dict`` unchanged. It replaces two things:
 
-* ``model.model.get_rope_index`` -> :func:`vispe.positions.build_positions` on the segments read
-  from ``input_ids`` (or ``mm_token_type_ids``) and ``image_grid_thw`` / ``video_grid_thw``
+* ``get_rope_index`` of the inner model -> :func:`vispe.positions.build_positions` on the segments
+  read from ``input_ids`` (or ``mm_token_type_ids``) and ``image_grid_thw`` / ``video_grid_thw``
   (Qwen2.5-VL + ``mrope``: absolute time from ``second_per_grid_ts`` and the vision config's
-  ``tokens_per_second``). ``rope_deltas`` follows the installed version's convention, so the
-  model's own cached-decoding path (``generate``) continues every scheme correctly.
+  ``tokens_per_second``). Qwen3-VL, Qwen3.5 and GLM-4V write each temporal patch of a video as its own
+  ``(1, H, W)`` block between timestamp text, so there a video reaches the scheme as those blocks.
+  ``rope_deltas`` follows the installed version's convention, so the model's own cached-decoding path
+  (``generate``) continues every scheme correctly.
 * the text model's ``rotary_emb`` -> the scheme's rotary table from
-  :mod:`vispe.encodings.multimodal_rope` (pair->axis map and frequencies: MRoPE-Interleave's
-  round robin, HoPE's zero-frequency temporal pairs, ...) on the model's own inverse-frequency
-  ladder, handed to the attention as HF's ``cos`` / ``sin``. MHRoPE's table differs per KV head,
-  which HF's shared ``cos`` / ``sin`` cannot carry: there HF's rotation is made the identity and
-  forward hooks on every attention's ``q_proj`` / ``k_proj`` apply vispe's per-head rotation.
+  :mod:`vispe.encodings.multimodal_rope` (pair->axis map and frequencies) on the model's own
+  inverse-frequency ladder, over the rotated part of each head only (``partial_rotary_factor``:
+  Qwen3.5, GLM-4V), in the model's pair layout (rotate-half for Qwen, interleaved pairs for GLM),
+  handed to the attention as HF's ``cos`` / ``sin``. MHRoPE's table differs per KV head, which HF's
+  shared ``cos`` / ``sin`` cannot carry: there HF's rotation is made the identity and forward hooks on
+  every attention's ``q_proj`` / ``k_proj`` (``q_norm`` / ``k_norm`` where the model normalises heads
+  before rotating) apply vispe's per-head rotation.
 
 Positions travel through HF in its usual three rows: one-coordinate schemes (``rope_1d``, ``v2pe``)
 repeat their coordinate; VRoPE's four diagonals satisfy ``c0 + c3 = c1 + c2``, so rows
@@ -24,12 +31,18 @@ repeat their coordinate; VRoPE's four diagonals satisfy ``c0 + c3 = c1 + c2``, s
 its ``rope_deltas`` decode and its text-only default positions therefore work unchanged; a text
 token has equal rows, so text-only input gets 1D RoPE for every scheme (HoPE: 1D RoPE on its
 non-temporal pairs, identity on the zero-frequency ones).
+
+The scheme and its options are recorded in ``model.config`` (``vispe_position_scheme``), so
+``save_pretrained`` keeps them; :func:`from_pretrained` (or :func:`restore_position_scheme`) re-applies
+them. A model loaded with plain ``transformers`` runs the model's own scheme:
+``scheme_of(model) != recorded_scheme(model)`` detects it.
 """
 from __future__ import annotations
 
 import functools
 import inspect
 import itertools
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,20 +56,74 @@ from ..encodings.rotary import apply_rotary
 from ..positions import NUM_COORDS, POSITION_SCHEMES, Segment, Text, Visual, build_positions, get_scheme
 
 __all__ = [
+    "CONFIG_KEY",
+    "MODEL_FAMILIES",
     "SUPPORTED_MODELS",
     "TRANSFORMERS_REQUIREMENT",
+    "ModelFamily",
     "VispeRotaryEmbedding",
     "apply_position_scheme",
     "check_transformers_version",
+    "from_pretrained",
+    "model_family",
     "position_coordinates",
+    "recorded_scheme",
     "remove_position_scheme",
+    "restore_position_scheme",
+    "scheme_of",
 ]
 
-#: The tested range (keep in sync with the ``hf`` extra in pyproject.toml).
+#: The tested range (keep in sync with the ``hf`` extra in pyproject.toml); families may need more (``min_version``).
 TRANSFORMERS_REQUIREMENT = "transformers>=4.57,<6"
 _MIN_VERSION, _MAX_VERSION = (4, 57), (6, 0)
-SUPPORTED_MODELS = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
-#: Options that configure the rotary table (the rest go to the position builder).
+#: Where ``apply_position_scheme`` records the scheme in ``model.config`` (and so in ``config.json``).
+CONFIG_KEY = "vispe_position_scheme"
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """What the integration needs to know about one HF model family.
+
+    Attributes:
+        name: transformers' model type.
+        classes: the ``…ForConditionalGeneration`` and bare ``…Model`` class names.
+        native_scheme: the vispe scheme the model ships with (applying it reproduces the unpatched model).
+        min_version: the first transformers release with the family (the tested lower end).
+        frames_as_blocks: every temporal patch of a video is its own ``(1, H, W)`` block between timestamp
+            text (``video_grid_thw`` rows are split into ``T`` one-patch grids, as the model's own code does).
+        video_between_markers: video frames use the image token between ``video_start`` / ``video_end``
+            tokens (GLM-4V), read when ``mm_token_type_ids`` is not given.
+        absolute_time: ``mrope`` places video patches by ``second_per_grid_ts`` x ``tokens_per_second``.
+        pair_layout: which channels of a head form a rotation pair in the attention: ``'half'`` ``(i, i + d/2)``
+            or ``'interleaved'`` ``(2i, 2i+1)`` (GLM-4V's ``rotate_half_llm``; GLM-4V-MoE rotates halves).
+    """
+
+    name: str
+    classes: tuple[str, str]
+    native_scheme: str
+    min_version: tuple[int, int]
+    frames_as_blocks: bool = False
+    video_between_markers: bool = False
+    absolute_time: bool = False
+    pair_layout: str = "half"
+
+
+#: Supported families, in the order the docs list them.
+MODEL_FAMILIES: tuple[ModelFamily, ...] = (
+    ModelFamily("qwen2_vl", ("Qwen2VLForConditionalGeneration", "Qwen2VLModel"), "mrope", (4, 57)),
+    ModelFamily("qwen2_5_vl", ("Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLModel"), "mrope", (4, 57), absolute_time=True),
+    ModelFamily("qwen3_vl", ("Qwen3VLForConditionalGeneration", "Qwen3VLModel"), "qwen3vl", (4, 57), frames_as_blocks=True),
+    ModelFamily("qwen3_vl_moe", ("Qwen3VLMoeForConditionalGeneration", "Qwen3VLMoeModel"), "qwen3vl", (4, 57), frames_as_blocks=True),
+    ModelFamily("qwen3_5", ("Qwen3_5ForConditionalGeneration", "Qwen3_5Model"), "qwen3vl", (5, 2), frames_as_blocks=True),
+    ModelFamily("qwen3_5_moe", ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeModel"), "qwen3vl", (5, 2), frames_as_blocks=True),
+    ModelFamily("glm4v", ("Glm4vForConditionalGeneration", "Glm4vModel"), "mrope", (4, 57), frames_as_blocks=True, video_between_markers=True,
+                pair_layout="interleaved"),
+    ModelFamily("glm4v_moe", ("Glm4vMoeForConditionalGeneration", "Glm4vMoeModel"), "mrope", (4, 57), frames_as_blocks=True,
+                video_between_markers=True),
+)
+SUPPORTED_MODELS = tuple(c for f in MODEL_FAMILIES for c in f.classes)
+
+
 def rotary_options(scheme: str) -> tuple[str, ...]:
     """Options of the scheme's rotary encoding that apply in an HF model (its frequency layout: sections,
     HoPE's temporal pairs); the rotary base and pair layout are the model's own."""
@@ -66,8 +133,12 @@ def rotary_options(scheme: str) -> tuple[str, ...]:
     return tuple(p for p in list(sig.parameters)[1:] if p not in ("head_dim", "num_heads", "depth", "theta", "layout"))
 
 
-def check_transformers_version() -> str:
-    """The installed ``transformers`` version; ``ImportError`` naming the supported range otherwise."""
+def _version_text(v: tuple[int, int]) -> str:
+    return f"{v[0]}.{v[1]}"
+
+
+def check_transformers_version(family: ModelFamily | None = None) -> str:
+    """The installed ``transformers`` version; ``ImportError`` naming the supported range (of ``family``) otherwise."""
     try:
         import transformers
     except ImportError as e:  # pragma: no cover - exercised only without the extra
@@ -81,7 +152,21 @@ def check_transformers_version() -> str:
             f"transformers {version} is not supported by vispe.integrations.hf; supported range: {TRANSFORMERS_REQUIREMENT} "
             "(install it with pip install 'vispe[hf]')"
         )
+    if family is not None and release < family.min_version:
+        raise ImportError(
+            f"{family.name} needs transformers>={_version_text(family.min_version)},<6 (the first release with the model); "
+            f"installed: {version}"
+        )
     return version
+
+
+def model_family(model: nn.Module) -> ModelFamily:
+    """The :class:`ModelFamily` of a model (its class or a subclass); ``TypeError`` listing the supported classes otherwise."""
+    for cls in type(model).__mro__:
+        for fam in MODEL_FAMILIES:
+            if cls.__name__ in fam.classes:
+                return fam
+    raise TypeError(f"apply_position_scheme supports {list(SUPPORTED_MODELS)} (and subclasses), got {type(model).__name__}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,19 +212,25 @@ def _model_ladder(ladder: torch.Tensor, device: torch.device | str | None = None
 
 
 class VispeRotaryEmbedding(nn.Module):
-    """Stands in for a Qwen2-VL text model's ``rotary_emb``: ``forward(x, position_ids) -> (cos, sin)``
-    from a vispe :class:`~vispe.encodings.multimodal_rope.MultimodalRotary` table.
+    """Stands in for the text model's ``rotary_emb``: ``forward(x, position_ids) -> (cos, sin)`` from a vispe
+    :class:`~vispe.encodings.multimodal_rope.MultimodalRotary` table over the rotated channels of a head.
 
     ``stacked=True`` returns ``(3, B, L, d)`` (transformers versions whose attention recombines the
-    sections itself; every row is the same table), else ``(B, L, d)``. A per-head encoding
-    (MHRoPE) returns the identity and keeps its table in ``last_table`` for the q/k hooks.
+    sections itself; every row is the same table), else ``(B, L, d)``. ``output_layout`` is the order
+    the model's own rotary returns (``'half'``: ``cos`` of pair ``i`` at channels ``i`` and ``i + d/2``;
+    ``'interleaved'``: at ``2i`` and ``2i+1``), which its attention expects; ``pair_layout`` is which
+    channels the attention rotates together (used by MHRoPE's hooks). A per-head encoding (MHRoPE)
+    returns the identity and keeps its table in ``last_table`` for the q/k hooks.
     """
 
-    def __init__(self, encoding: MultimodalRotary, scheme: str, original: nn.Module, stacked: bool) -> None:
+    def __init__(self, encoding: MultimodalRotary, scheme: str, original: nn.Module, stacked: bool, pair_layout: str = "half",
+                 output_layout: str = "half") -> None:
         super().__init__()
         self.encoding = encoding
         self.scheme = scheme
         self.stacked = stacked
+        self.pair_layout = pair_layout
+        self.output_layout = output_layout
         self.per_head = encoding.axis_map().ndim == 2
         self.attention_scaling = float(getattr(original, "attention_scaling", 1.0) or 1.0)
         self.register_buffer("inv_freq", original.inv_freq.detach().clone(), persistent=False)
@@ -147,38 +238,48 @@ class VispeRotaryEmbedding(nn.Module):
         self.config = getattr(original, "config", None)
         self.last_table: torch.Tensor | None = None
 
+    def _expand(self, part: torch.Tensor) -> torch.Tensor:
+        if self.output_layout == "interleaved":
+            return part.repeat_interleave(2, dim=-1)
+        return torch.cat([part, part], dim=-1)
+
     @torch.no_grad()
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         coords = position_coordinates(position_ids.to(x.device), self.scheme)
-        table = self.encoding.table_from_positions(coords)  # (B, 1 | H_kv, L, P) complex64
-        B, L = table.shape[0], table.shape[2]
-        d = 2 * table.shape[-1]
         if self.per_head:
+            table = self.encoding.table_from_positions(coords)  # (B, H_kv, L, P) complex64
             self.last_table = table
+            B, L, d = table.shape[0], table.shape[2], 2 * table.shape[-1]
             cos = torch.ones(B, L, d, device=x.device)
             sin = torch.zeros(B, L, d, device=x.device)
         else:
-            t = table[:, 0]
-            cos = torch.cat([t.real, t.real], dim=-1) * self.attention_scaling
-            sin = torch.cat([t.imag, t.imag], dim=-1) * self.attention_scaling
+            # cos / sin of the float32 angles, as HF computes them (bit-identical for the model's own scheme)
+            ang = self.encoding.angles_from_positions(coords)[:, 0]  # (B, L, P)
+            cos = self._expand(ang.cos()) * self.attention_scaling
+            sin = self._expand(ang.sin()) * self.attention_scaling
         if self.stacked:
             cos, sin = cos[None].expand(3, -1, -1, -1), sin[None].expand(3, -1, -1, -1)
         return cos.to(x.dtype), sin.to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"scheme={self.scheme!r}, per_head={self.per_head}, stacked={self.stacked}"
+        return (f"scheme={self.scheme!r}, per_head={self.per_head}, stacked={self.stacked}, pair_layout={self.pair_layout!r}, "
+                f"output_layout={self.output_layout!r}")
 
 
-def _per_head_rotation(rotary: VispeRotaryEmbedding, repeats: int, module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
-    """Forward hook on ``q_proj`` / ``k_proj``: rotate each head by its own table (``(B, L, H*d)`` in and out)."""
+def _per_head_rotation(rotary: VispeRotaryEmbedding, head_dim: int, module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+    """Forward hook on ``q_proj`` / ``k_proj`` (``(B, L, H*d)``) or ``q_norm`` / ``k_norm`` (``(B, L, H, d)``):
+    rotate the rotary channels of each head by its own table; the output keeps its shape."""
     table = rotary.last_table
-    B, L, _ = output.shape
+    B, L = output.shape[:2]
     if table is None or table.shape[-2] != L:
         raise RuntimeError("MHRoPE hook: no rotary table for this forward (the attention ran outside the patched text model)")
-    if repeats > 1:  # query head i uses key head i // repeats (HF's repeat_kv)
-        table = table.repeat_interleave(repeats, dim=1)
-    x = output.view(B, L, table.shape[1], -1).transpose(1, 2)
-    return apply_rotary(x, table, "half").transpose(1, 2).reshape(B, L, -1)
+    x = output.reshape(B, L, -1, head_dim).transpose(1, 2)  # (B, H, L, d)
+    if x.shape[1] != table.shape[1]:  # query head i uses key head i // repeats (HF's repeat_kv)
+        table = table.repeat_interleave(x.shape[1] // table.shape[1], dim=1)
+    rot = 2 * table.shape[-1]  # partial rotary: the first `rot` channels of each head turn
+    turned = apply_rotary(x[..., :rot], table, rotary.pair_layout)
+    x = torch.cat([turned, x[..., rot:]], dim=-1) if rot < head_dim else turned
+    return x.transpose(1, 2).reshape(output.shape)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -189,22 +290,26 @@ def _per_head_rotation(rotary: VispeRotaryEmbedding, repeats: int, module: nn.Mo
 @dataclass
 class _Patch:
     scheme: str
+    family: ModelFamily
     position_options: dict[str, Any]
+    recorded: dict[str, Any]
     rotary: VispeRotaryEmbedding
     original_rotary: nn.Module
     signature: inspect.Signature
     spatial_merge_size: int
     image_token_id: int
     video_token_id: int
+    video_markers: tuple[int, int] | None  # GLM-4V: (video_start, video_end) around video frames
     tokens_per_second: float | None  # Qwen2.5-VL absolute time (mrope only)
     pad_value: int
     padded_deltas: bool  # rope_deltas relative to the padded length (older versions) or to the real tokens
+    clamped_deltas: bool = False  # the native scheme's rope_deltas floored at 0, as transformers 5.2's Qwen2-VL does
     hooks: list = field(default_factory=list)
 
     def builder_options(self, training: bool) -> dict[str, Any]:
         rec = get_scheme(self.scheme)
         kw = rec.builder_options(self.position_options, training)
-        if rec.qwen2vl_native and self.tokens_per_second is not None:
+        if self.scheme == "mrope" and self.tokens_per_second is not None:
             kw.setdefault("tokens_per_second", self.tokens_per_second)
         return kw
 
@@ -234,6 +339,25 @@ def _row_segments(types: list[int], grids: dict[int, Iterator], times: Iterator,
     return segs
 
 
+def _token_types(input_ids: torch.Tensor, patch: _Patch) -> torch.Tensor:
+    """0 text / 1 image / 2 video per token, read from the ids (what ``mm_token_type_ids`` carries on 5.x)."""
+    if patch.video_markers is not None:  # GLM-4V: frames are image tokens between video_start and video_end
+        start, end = patch.video_markers
+        inside = (torch.cumsum((input_ids == start).long(), -1) - torch.cumsum((input_ids == end).long(), -1)) > 0
+        return (input_ids == patch.image_token_id).long() * (1 + inside.long())
+    return (input_ids == patch.image_token_id).long() + 2 * (input_ids == patch.video_token_id).long()
+
+
+def _split_frames(grid: torch.Tensor | None) -> torch.Tensor | None:
+    """``(T, H, W)`` rows -> ``T`` rows ``(1, H, W)`` (one per temporal patch, each its own block)."""
+    if grid is None:
+        return None
+    grid = torch.as_tensor(grid)
+    out = torch.repeat_interleave(grid, grid[:, 0], dim=0).clone()
+    out[:, 0] = 1
+    return out
+
+
 def _vispe_get_rope_index(model: nn.Module, patch: _Patch, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
     a = patch.signature.bind_partial(*args, **kwargs).arguments
     extra = a.pop("kwargs", {}) if "kwargs" in a else {}
@@ -247,23 +371,30 @@ def _vispe_get_rope_index(model: nn.Module, patch: _Patch, *args: Any, **kwargs:
     mask = torch.ones(B, L, dtype=torch.bool, device=device) if mask is None else mask.to(device).bool()
     types = a.get("mm_token_type_ids")
     if types is None:
-        types = (input_ids == patch.image_token_id).long() + 2 * (input_ids == patch.video_token_id).long()
-    grids = {k: iter(g.tolist()) if g is not None else iter(()) for k, g in ((1, a.get("image_grid_thw")), (2, a.get("video_grid_thw")))}
+        types = _token_types(input_ids, patch)
+    video_grid = a.get("video_grid_thw")
+    if patch.family.frames_as_blocks:
+        video_grid = _split_frames(video_grid)
+    grids = {k: iter(g.tolist()) if g is not None else iter(()) for k, g in ((1, a.get("image_grid_thw")), (2, video_grid))}
     spg = a.get("second_per_grid_ts")
-    timed = get_scheme(patch.scheme).qwen2vl_native and patch.tokens_per_second is not None
+    timed = patch.scheme == "mrope" and patch.tokens_per_second is not None
     times = iter(spg.tolist()) if spg is not None else itertools.repeat(1.0)  # HF's default: 1 s per temporal patch
     options = patch.builder_options(model.training)
     built = []
     for b in range(B):
         segs = _row_segments(types[b][mask[b]].tolist(), grids, times, timed, patch.spatial_merge_size)
         built.append(build_positions(patch.scheme, segs, spatial_merge_size=patch.spatial_merge_size, **options))
-    dtype = torch.float32 if any(p.dtype.is_floating_point for p, _ in built) else torch.int64
+    # float64 where the builders needed it (V2PE past 2^24, or fine steps far out: float32 would merge positions)
+    dtypes = {p.dtype for p, _ in built}
+    dtype = torch.float64 if torch.float64 in dtypes else torch.float32 if any(d.is_floating_point for d in dtypes) else torch.int64
     rows = torch.full((3, B, L), patch.pad_value, dtype=dtype, device=device)
     deltas = torch.empty(B, 1, dtype=torch.float64)
     for b, (pos, delta) in enumerate(built):
         rows[:, b, mask[b]] = _to_rows(pos).to(device, dtype)
         # vispe: delta = next_free - real length; older versions count from the padded length
         deltas[b, 0] = float(delta) + (pos.shape[1] - L if patch.padded_deltas else 0)
+    if patch.clamped_deltas:  # the installed model's own (lossy) floor, kept for its own scheme only
+        deltas.clamp_(min=0)
     return rows, deltas.to(device=device, dtype=dtype)
 
 
@@ -272,28 +403,59 @@ def _vispe_get_rope_index(model: nn.Module, patch: _Patch, *args: Any, **kwargs:
 # ---------------------------------------------------------------------------------------------
 
 
-def _check_model(model: nn.Module) -> None:
-    names = [c.__name__ for c in type(model).__mro__]
-    if not any(n in SUPPORTED_MODELS for n in names):
-        raise TypeError(f"apply_position_scheme supports {list(SUPPORTED_MODELS)} (and subclasses), got {type(model).__name__}")
+def _inner_model(model: nn.Module) -> nn.Module:
+    """The module holding ``get_rope_index`` and ``language_model``: ``model.model``, or the bare model itself."""
     inner = getattr(model, "model", None)
-    if inner is None or not hasattr(inner, "get_rope_index") or not hasattr(getattr(inner, "language_model", None), "rotary_emb"):
-        raise TypeError(f"{type(model).__name__} does not have the model.get_rope_index / model.language_model.rotary_emb layout of {TRANSFORMERS_REQUIREMENT}")
+    if inner is not None and hasattr(inner, "get_rope_index"):
+        return inner
+    return model
 
 
-def _probe_conventions(original: Any, signature: inspect.Signature, config: Any, m: int) -> tuple[int, bool]:
-    """Ask the installed get_rope_index for its pad value and rope_deltas base on a left-padded one-image sample."""
-    vs, img = config.vision_start_token_id, config.image_token_id
-    ve = getattr(config, "vision_end_token_id", vs)
-    ids = torch.tensor([[0, vs, img, ve, 0]])
-    kw: dict[str, Any] = {"input_ids": ids, "image_grid_thw": torch.tensor([[1, m, m]]), "attention_mask": torch.tensor([[0, 1, 1, 1, 1]])}
+def _check_layout(model: nn.Module, inner: nn.Module) -> None:
+    if not hasattr(inner, "get_rope_index") or not hasattr(getattr(inner, "language_model", None), "rotary_emb"):
+        raise TypeError(f"{type(model).__name__} does not have the get_rope_index / language_model.rotary_emb layout of {TRANSFORMERS_REQUIREMENT}")
+
+
+def _vision_start(config: Any) -> int:
+    for name in ("vision_start_token_id", "image_start_token_id"):
+        v = getattr(config, name, None)
+        if v is not None:
+            return int(v)
+    raise TypeError("the model config has no vision_start_token_id / image_start_token_id")
+
+
+def _call_original(original: Any, signature: inspect.Signature, patch_like: _Patch, ids: torch.Tensor, **kw: Any) -> tuple[torch.Tensor, Any]:
     if "mm_token_type_ids" in signature.parameters:
-        kw["mm_token_type_ids"] = (ids == img).long()
-    pos, delta = original(**kw)
+        kw["mm_token_type_ids"] = _token_types(ids, patch_like)
+    return original(input_ids=ids, **kw)
+
+
+def _probe_conventions(original: Any, signature: inspect.Signature, config: Any, m: int, patch_like: _Patch) -> tuple[int, bool, bool, str]:
+    """Ask the installed get_rope_index for its pad value, rope_deltas base (padded or real length, floored at
+    0 or not) and (M-RoPE) next-text rule."""
+    vs, img = _vision_start(config), patch_like.image_token_id
+    ve = int(getattr(config, "vision_end_token_id", None) or getattr(config, "image_end_token_id", None) or vs)
+    # a 2x2-token image: positions 0, 1..2, 3 for 6 tokens, so the true delta is 4 - 6 = -2
+    _, neg = _call_original(original, signature, patch_like, torch.tensor([[vs] + [img] * 4 + [ve]]), image_grid_thw=torch.tensor([[1, 2 * m, 2 * m]]))
+    clamped = int(torch.as_tensor(neg).reshape(-1)[0]) == 0
+    ids = torch.tensor([[0, vs, img, ve, 0]])
+    pos, delta = _call_original(original, signature, patch_like, ids, image_grid_thw=torch.tensor([[1, m, m]]),
+                                attention_mask=torch.tensor([[0, 1, 1, 1, 1]]))
     d = int(torch.as_tensor(delta).reshape(-1)[0])
     if d not in (0, -1):  # real tokens sit at 0..3: next free 4, real length 4, padded length 5
         raise RuntimeError(f"unrecognised rope_deltas convention in this transformers version (probe gave {d}); supported: {TRANSFORMERS_REQUIREMENT}")
-    return int(pos[0, 0, 0]), d == -1
+    padded = d == -1 or clamped  # a floored delta hides the base: the code that floors (5.2) counts from the padded length
+    after_visual = "max"
+    if not patch_like.family.frames_as_blocks:
+        # a 4-patch video on a 1x1 grid: text after it at max + 1 = 5 (paper) or at start + max(H, W) = 2 (5.x)
+        vid = patch_like.video_token_id
+        ids = torch.tensor([[vs] + [vid] * 4 + [ve]])
+        kw: dict[str, Any] = {"video_grid_thw": torch.tensor([[4, m, m]])}
+        if "second_per_grid_ts" in signature.parameters:
+            kw["second_per_grid_ts"] = torch.tensor([1.0])  # t extent 3 * tokens_per_second >= 3
+        vpos, _ = _call_original(original, signature, patch_like, ids, **kw)
+        after_visual = "spatial" if int(vpos[0, 0, -1]) == 2 else "max"
+    return int(pos[0, 0, 0]), padded, clamped, after_visual
 
 
 def _mrope_section(config: Any) -> list[int] | None:
@@ -304,29 +466,59 @@ def _mrope_section(config: Any) -> list[int] | None:
     return None
 
 
+def _is_meta(t: torch.Tensor) -> bool:
+    return t.device.type == "meta"
+
+
+def _json_options(options: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The options ``config.json`` can hold, and the names of those it cannot (callables, generators)."""
+    kept, dropped = {}, []
+    for k, v in options.items():
+        try:
+            json.dumps(v)
+        except (TypeError, ValueError):
+            dropped.append(k)
+        else:
+            kept[k] = list(v) if isinstance(v, tuple) else v
+    return kept, dropped
+
+
 def apply_position_scheme(model: nn.Module, scheme: str, **options: Any) -> nn.Module:
-    """Switch a Qwen2-VL / Qwen2.5-VL model to a vispe position scheme (in place; returns the model).
+    """Switch a supported HF vision-language model to a vispe position scheme (in place; returns the model).
 
     Args:
-        model: ``Qwen2VLForConditionalGeneration`` or ``Qwen2_5_VLForConditionalGeneration``.
-        scheme: one of ``rope_1d, mrope, mrope_interleave, mhrope, vrope, hope, v2pe, videorope, qwen3vl``.
-        **options: rotary options (``mrope_section`` for ``mrope`` / ``mrope_interleave`` /
-            ``mhrope`` -- pairs, or KV heads for ``mhrope``; ``mrope`` defaults to the model's own;
-            ``temporal_pairs`` for ``hope``) and position options of
+        model: a ``…ForConditionalGeneration`` or bare ``…Model`` of :data:`MODEL_FAMILIES` (Qwen2-VL,
+            Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE, GLM-4V, GLM-4V-MoE), with its weights
+            materialised (not on the meta device).
+        scheme: one of ``rope_1d, mrope, mrope_interleave, mhrope, vrope, videorope, hope, v2pe, qwen3vl``.
+        **options: rotary options (``mrope_section`` for ``mrope`` / ``mrope_interleave`` / ``qwen3vl`` /
+            ``mhrope`` -- pairs of the rotated part, or KV heads for ``mhrope``; the model's own section for
+            its native scheme; ``temporal_pairs`` for ``videorope`` / ``hope``) and position options of
             :func:`vispe.positions.build_positions` (``gamma``, ``delta``, ``spatial_reset``,
-            ``temporal_stride``, ``time_floor``, ...). HoPE's ``gamma`` / V2PE's ``delta`` are drawn
-            per visual block while ``model.training`` and fixed (the option, default 1) in eval mode.
+            ``temporal_stride``, ``after_visual``, ...). Defaults are the registry's: HoPE ``gamma=0.75``,
+            V2PE ``delta=0.25`` (:data:`vispe.positions.SCHEMES` ``eval_options``), drawn per visual block
+            while ``model.training``; ``mrope``'s ``after_visual`` defaults to the installed transformers'
+            own rule (``'spatial'`` on 5.x, ``'max'`` -- the paper's -- on 4.57).
 
-    Calling it again switches scheme; :func:`remove_position_scheme` restores the model's own code.
+    The scheme and its options are recorded in ``model.config`` (saved by ``save_pretrained``; see
+    :func:`from_pretrained`). Calling it again switches scheme; :func:`remove_position_scheme` restores the
+    model's own code.
     """
-    check_transformers_version()
-    if scheme not in NUM_COORDS:
-        raise ValueError(f"unknown position scheme {scheme!r}; choose one of {list(POSITION_SCHEMES)}")
-    _check_model(model)
-    remove_position_scheme(model)
-    inner = model.model
+    family = model_family(model)
+    check_transformers_version(family)
+    rec = get_scheme(scheme)
+    inner = _inner_model(model)
+    _check_layout(model, inner)
     text_model = inner.language_model
-    original_rotary = text_model.rotary_emb
+    current = getattr(model, "_vispe_position_patch", None)
+    original_rotary = current.original_rotary if current is not None else text_model.rotary_emb
+    if _is_meta(original_rotary.inv_freq):
+        raise RuntimeError(
+            f"{type(model).__name__} is on the meta device (its rotary inv_freq has no values): call apply_position_scheme once the "
+            "model is materialised -- after from_pretrained(..., device_map=...) / load_checkpoint_and_dispatch, or after "
+            "to_empty() + load_state_dict() with the rotary inv_freq buffers refilled; models built under accelerate's init_empty_weights() keep "
+            "their buffers and can be patched before the weights are loaded"
+        )
     config = model.config
     tcfg = getattr(config, "text_config", config)
     vcfg = config.vision_config
@@ -337,65 +529,143 @@ def apply_position_scheme(model: nn.Module, scheme: str, **options: Any) -> nn.M
     num_kv = int(getattr(tcfg, "num_key_value_heads", None) or num_heads)
     head_dim = int(getattr(tcfg, "head_dim", None) or tcfg.hidden_size // num_heads)
     m = int(vcfg.spatial_merge_size)
-
-    options = dict(options)
-    rotary_kw = {k: options.pop(k) for k in rotary_options(scheme) if k in options}
-    if get_scheme(scheme).qwen2vl_native and "mrope_section" not in rotary_kw and _mrope_section(tcfg) is not None:
-        rotary_kw["mrope_section"] = _mrope_section(tcfg)
-    context = EncodingContext(dim=head_dim * num_kv, num_heads=num_kv, depth=int(tcfg.num_hidden_layers), grid_size=(1, 1, 1), num_prefix_tokens=0)
-    encoding = create_encoding(scheme, context, **rotary_kw)
     ladder = original_rotary.inv_freq.detach().float().clone()
-    if ladder.shape != (head_dim // 2,):
-        raise ValueError(f"the model's rotary inv_freq has shape {tuple(ladder.shape)}, expected ({head_dim // 2},) for head_dim={head_dim}")
-    # the model's own ladder (its theta, bit-identical to HF's) instead of vispe's recomputation
+    rot_dim = 2 * ladder.shape[0]  # partial_rotary_factor < 1: only the first rot_dim channels of a head turn
+    if ladder.ndim != 1 or rot_dim > head_dim:
+        raise ValueError(f"the model's rotary inv_freq has shape {tuple(ladder.shape)}, expected (<= {head_dim // 2},) for head_dim={head_dim}")
+
+    user_options = dict(options)
+    options = dict(options)
+    for k, v in rec.eval_options.items():  # one default per scheme name: the registry's
+        options.setdefault(k, v)
+    rotary_kw = {k: options.pop(k) for k in rotary_options(scheme) if k in options}
+    if scheme == family.native_scheme and "mrope_section" not in rotary_kw and _mrope_section(tcfg) is not None:
+        rotary_kw["mrope_section"] = _mrope_section(tcfg)
+    context = EncodingContext(dim=rot_dim * num_kv, num_heads=num_kv, depth=int(tcfg.num_hidden_layers), grid_size=(1, 1, 1), num_prefix_tokens=0)
+    encoding = create_encoding(scheme, context, **rotary_kw)
+    # the model's own ladder (its theta and partial rotary, bit-identical to HF's) instead of vispe's recomputation
     encoding.inv_freq = functools.partial(_model_ladder, ladder)  # type: ignore[method-assign]
 
     tokens_per_second = getattr(vcfg, "tokens_per_second", None)
-    is_qwen25 = any(c.__name__ == "Qwen2_5_VLForConditionalGeneration" for c in type(model).__mro__)
-    original_index = inner.get_rope_index
+    original_index = type(inner).get_rope_index.__get__(inner)
     signature = inspect.signature(original_index)
-    pad_value, padded_deltas = _probe_conventions(original_index, signature, config, m)
-    with torch.no_grad():
-        probe_cos, _ = original_rotary(torch.zeros(1, 1), torch.zeros(3, 1, 1, dtype=torch.long))
-    rotary = VispeRotaryEmbedding(encoding, scheme, original_rotary, stacked=probe_cos.ndim == 4).to(ladder.device)
+    markers = None
+    if family.video_between_markers:
+        markers = (int(config.video_start_token_id), int(config.video_end_token_id))
+    with torch.no_grad():  # position 1: pair 0 (frequency 1) and pair 1 differ, so the cos order shows
+        probe_cos, _ = original_rotary(torch.zeros(1, 1), torch.ones(3, 1, 1, dtype=torch.long))
+    stacked = probe_cos.ndim == 4
+    c = probe_cos.reshape(-1, probe_cos.shape[-1])[0]
+    output_layout = "interleaved" if c.shape[0] >= 4 and torch.equal(c[0], c[1]) and not torch.equal(c[0], c[c.shape[0] // 2]) else "half"
+    rotary = VispeRotaryEmbedding(encoding, scheme, original_rotary, stacked=stacked, pair_layout=family.pair_layout, output_layout=output_layout)
+    rotary = rotary.to(ladder.device)
     patch = _Patch(
         scheme=scheme,
+        family=family,
         position_options=options,
+        recorded={},
         rotary=rotary,
         original_rotary=original_rotary,
         signature=signature,
         spatial_merge_size=m,
         image_token_id=int(config.image_token_id),
-        video_token_id=int(config.video_token_id),
-        tokens_per_second=float(tokens_per_second) if (is_qwen25 and tokens_per_second is not None) else None,
-        pad_value=pad_value,
-        padded_deltas=padded_deltas,
+        video_token_id=int(getattr(config, "video_token_id", None) or config.image_token_id),
+        video_markers=markers,
+        tokens_per_second=float(tokens_per_second) if (family.absolute_time and tokens_per_second is not None) else None,
+        pad_value=0,
+        padded_deltas=False,
     )
+    native = scheme == family.native_scheme
+    patch.pad_value, patch.padded_deltas, clamped, after_visual = _probe_conventions(original_index, signature, config, m, patch)
+    patch.clamped_deltas = clamped and native
+    if scheme == "mrope":
+        options.setdefault("after_visual", after_visual)  # default: what the installed model does
     # bad position options fail here, not at the first forward
     build_positions(scheme, [Text(1), Visual(2, m, m, 1.0 if patch.tokens_per_second else None), Text(1)],
                     spatial_merge_size=m, **patch.builder_options(False))
+    remove_position_scheme(model)
     text_model.rotary_emb = rotary
     if rotary.per_head:
         for layer in text_model.layers:
-            attn = layer.self_attn
-            patch.hooks.append(attn.q_proj.register_forward_hook(functools.partial(_per_head_rotation, rotary, num_heads // num_kv)))
-            patch.hooks.append(attn.k_proj.register_forward_hook(functools.partial(_per_head_rotation, rotary, 1)))
+            attn = getattr(layer, "self_attn", None)
+            if attn is None:  # Qwen3.5's linear-attention layers have no rotary
+                continue
+            names = ("q_norm", "k_norm") if hasattr(attn, "q_norm") else ("q_proj", "k_proj")
+            for name in names:
+                patch.hooks.append(getattr(attn, name).register_forward_hook(functools.partial(_per_head_rotation, rotary, head_dim)))
     inner.get_rope_index = functools.partial(_vispe_get_rope_index, inner, patch)
     inner.rope_deltas = None
+    recorded = {k: v for k, v in user_options.items()}
+    for k, v in rec.eval_options.items():
+        recorded.setdefault(k, v)
+    kept, dropped = _json_options(recorded)
+    patch.recorded = {"scheme": scheme, "options": kept, **({"unrecorded_options": dropped} if dropped else {})}
+    setattr(config, CONFIG_KEY, dict(patch.recorded))
     model._vispe_position_patch = patch
     return model
 
 
 def remove_position_scheme(model: nn.Module) -> nn.Module:
-    """Undo :func:`apply_position_scheme` (no-op on an unpatched model)."""
+    """Undo :func:`apply_position_scheme` (no-op on an unpatched model); the config's record goes too."""
     patch: _Patch | None = getattr(model, "_vispe_position_patch", None)
     if patch is None:
         return model
+    inner = _inner_model(model)
     for h in patch.hooks:
         h.remove()
-    model.model.language_model.rotary_emb = patch.original_rotary
-    if "get_rope_index" in vars(model.model):
-        del model.model.get_rope_index
-    model.model.rope_deltas = None
+    inner.language_model.rotary_emb = patch.original_rotary
+    if "get_rope_index" in vars(inner):
+        del inner.get_rope_index
+    inner.rope_deltas = None
+    if hasattr(model.config, CONFIG_KEY):
+        delattr(model.config, CONFIG_KEY)
     del model._vispe_position_patch
     return model
+
+
+# ---------------------------------------------------------------------------------------------
+# save / load
+# ---------------------------------------------------------------------------------------------
+
+
+def scheme_of(model: nn.Module) -> str | None:
+    """The vispe scheme active in ``model`` (``None``: the model runs its own position code)."""
+    patch = getattr(model, "_vispe_position_patch", None)
+    return None if patch is None else patch.scheme
+
+
+def recorded_scheme(model: nn.Module) -> str | None:
+    """The scheme recorded in ``model.config`` (by :func:`apply_position_scheme`, kept by ``save_pretrained``).
+
+    A model loaded with plain ``from_pretrained`` has a recorded scheme but none active:
+    ``recorded_scheme(model) != scheme_of(model)`` -- call :func:`restore_position_scheme`.
+    """
+    rec = getattr(model.config, CONFIG_KEY, None)
+    return rec.get("scheme") if isinstance(rec, dict) else None
+
+
+def restore_position_scheme(model: nn.Module, **options: Any) -> nn.Module:
+    """Re-apply the scheme recorded in ``model.config`` (a no-op when nothing is recorded).
+
+    ``options`` are added to the recorded ones: options ``config.json`` could not hold (callables such as
+    ``timestamp_tokens``, an ``rng``) must be passed again, else this raises naming them.
+    """
+    rec = getattr(model.config, CONFIG_KEY, None)
+    if rec is None:
+        return model
+    if not isinstance(rec, dict) or rec.get("scheme") not in POSITION_SCHEMES:
+        raise ValueError(f"config.{CONFIG_KEY}={rec!r} is not a vispe record; expected {{'scheme': one of {list(POSITION_SCHEMES)}, 'options': {{...}}}}")
+    missing = [k for k in rec.get("unrecorded_options", []) if k not in options]
+    if missing:
+        raise ValueError(f"the saved {rec['scheme']!r} scheme used options config.json cannot hold: {missing}; pass them to restore_position_scheme / from_pretrained")
+    return apply_position_scheme(model, rec["scheme"], **{**rec.get("options", {}), **options})
+
+
+def from_pretrained(cls: type, pretrained_model_name_or_path: Any, *model_args: Any, scheme_options: dict[str, Any] | None = None,
+                    **kwargs: Any) -> nn.Module:
+    """``cls.from_pretrained(...)`` followed by :func:`restore_position_scheme` (the scheme saved with the model).
+
+    ``scheme_options`` go to :func:`restore_position_scheme` (options ``config.json`` could not hold).
+    """
+    model = cls.from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
+    return restore_position_scheme(model, **(scheme_options or {}))
