@@ -153,7 +153,7 @@ def sdpa_with_bias(
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *bias_inputs))
-    if not training or dropout_p > 0.0 or q.shape[:-2] != k.shape[:-2]:
+    if not training or dropout_p > 0.0 or q.shape[:-2] != k.shape[:-2] or torch.compiler.is_compiling():
         return sdpa(q, k, v, merge_attn_mask(attn_mask, bias_fn(*bias_inputs), q.dtype), dropout_p, is_causal, scale)
     if is_causal:
         attn_mask = fold_causal_mask(q, k, attn_mask)

@@ -124,6 +124,10 @@ class PositionalEncoding(nn.Module):
         autograd: plain tensors that a later training step can use. Moving the module (``.to``) and
         :meth:`clear_cache` drop every entry.
         """
+        if torch.compiler.is_compiling():
+            # a compiled graph rebuilds the (cheap, fused) tables itself; a Python dict keyed by tensor versions
+            # would break the graph or guard on every entry
+            return build()
         if uses_parameters:
             if not self.cacheable():
                 return build()
