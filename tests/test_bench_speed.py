@@ -239,3 +239,15 @@ def test_growth_verdicts_judge_the_issue_targets():
     lines = growth_verdicts(rows)
     assert "fire train at 1025 tokens: time 1.10x (<= 1.15x), peak memory 1.08x (<= 1.05x): MISSED" in lines[0]
     assert lines[1].endswith("met")
+
+
+def test_frames_axis_for_the_video_size(tmp_path):
+    rc = main(["speed", "--models", "video_s16", "--depth", "1", "--batch-size", "1", "--iters", "1", "--warmup", "0",
+               "--encodings", "learned_3d,alibi_3d", "--img-sizes", "32", "--frames", "4,8", "--bench", "train",
+               "--out-dir", str(tmp_path), "--tag", "f"])
+    assert rc == 0
+    rows = {(r["model"], r["frames"]): r for r in json.loads((tmp_path / "f.json").read_text())["results"]}
+    assert set(rows) == {(m, f) for m in ("vispe:learned_3d", "vispe:alibi_3d") for f in (4, 8)}
+    # tubelet 2 x 16 x 16 at 32 px: (frames / 2) x 2 x 2 lattice tokens + cls
+    assert rows[("vispe:alibi_3d", 4)]["tokens"] == 9 and rows[("vispe:alibi_3d", 8)]["tokens"] == 17
+    assert all(r["error"] is None and r["train_ratio"] > 0 for r in rows.values())
