@@ -239,8 +239,9 @@ def save_as_recomputed(tensors: Sequence[torch.Tensor], rebuild: Callable[[], Se
 #: ``'flex'`` is PyTorch's FlexAttention with the term as its ``score_mod`` (CUDA; CPU inference only).
 ATTENTION_BACKENDS = ("auto", "dense", "blocked", "flex")
 #: Elements of one block's ``(B, H, rows, L)`` term for ``'blocked'`` (and the size under which ``'auto'`` stays
-#: dense): 2^21 floats = 8 MiB, a few percent of a ViT-S training step's activations at 1,024 tokens.
-BLOCK_ELEMENTS = 1 << 21
+#: dense): 2^19 floats = 2 MiB, so the few block-sized temporaries of the backward stay within a few percent of a
+#: ViT-S training step's activations at 1,024 tokens (and near the CPU's cache).
+BLOCK_ELEMENTS = 1 << 19
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .alibi import LatticePairCodes, _lattice_offset_rows
+from .alibi import LatticePairCodes, _lattice_offset_rows, take_columns
 from .base import AttentionBiasEncoding, IndexedBias, fold_causal_mask, merge_attn_mask, register_encoding, sdpa
 from .grid import PositionGrid
 
@@ -147,7 +147,7 @@ def _irpe_term(b, h, i, j, *tensors, parts: tuple[tuple[str, str], ...], center:
             if not block:
                 term = x[h, bucket] if mode == "bias" else x[_batch_index(b, x), h, row, bucket]
             elif mode == "bias":
-                term = x[:, bucket[:, 0]].transpose(0, 1)  # (B|1, H, rows, L): one index on the table's columns
+                term = take_columns(x, bucket)  # (B|1, H, rows, L): one index_select on the table's columns
             else:
                 # the rows' projections, then one gather along the bucket axis (backward: one scatter-add)
                 if side == "k":
