@@ -237,7 +237,7 @@ def test_growth_verdicts_judge_the_issue_targets():
          "img_size": 224, "frames": 0, "train_ratio": 1.02},
     ]
     lines = growth_verdicts(rows)
-    assert "fire train at 1025 tokens: time 1.10x (<= 1.15x), peak memory 1.08x (<= 1.05x): MISSED" in lines[0]
+    assert "fire train at 1025 tokens: time 1.100x (<= 1.15x), peak memory 1.080x (<= 1.05x): MISSED" in lines[0]
     assert lines[1].endswith("met")
 
 

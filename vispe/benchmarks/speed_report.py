@@ -106,7 +106,7 @@ def growth_verdicts(rows: list[dict[str, Any]]) -> list[str]:
     ok = [r for r in rows if not r.get("error") and r.get("family") == "vispe"]
 
     def fmt(v: Any) -> str:
-        return "-" if v is None else f"{v:.2f}x"
+        return "-" if v is None else f"{v:.3f}x"
 
     tok, t_max, m_max = GROWTH_TARGETS["bias_train"]
     for r in ok:
