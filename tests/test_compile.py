@@ -16,7 +16,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import vispe
 from vispe.encodings import get_encoding_class
 from vispe.models.video_llm import VideoLLM
-from vispe.positions import SCHEMES, Text, Visual
+from vispe.positions import SCHEMES
 
 ALL = vispe.list_encodings()
 IMAGE = [n for n in ALL if 2 in get_encoding_class(n).grid_ndims]

@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .alibi import LatticePairCodes, _lattice_offset_rows, take_columns
-from .base import AttentionBiasEncoding, IndexedBias, fold_causal_mask, merge_attn_mask, register_encoding, sdpa
+from .base import AttentionBiasEncoding, IndexedBias, fold_causal_mask, merge_attn_mask, register_encoding
 from .grid import PositionGrid
 
 __all__ = ["IRPE", "IRPEState", "piecewise_index", "irpe_bucket_ids", "offset_buckets", "IRPE_METHODS", "IRPE_MODES", "IRPE_SIDES"]
