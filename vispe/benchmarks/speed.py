@@ -24,6 +24,9 @@ Usage::
     vispe bench speed                         # every registered 2D encoding + timm refs, eager
     vispe bench speed --models vit_s16 --encodings learned,rope_axial --iters 10
     vispe bench speed --modes eager,compile   # also torch.compile (slow to warm up on CPU)
+    vispe bench speed --models vit_s16 --img-sizes 224,384,512 --plot docs/figures/speed-growth.png
+                                              # cost growth with tokens: ratios to timm's APE at each size
+    vispe bench speed --models video_s16 --frames 8,16   # the video frame-count axis
 """
 from __future__ import annotations
 
@@ -156,6 +159,33 @@ from .speed_report import _machine, format_markdown, format_table  # noqa: F401 
 # ----------------------------------------------------------------------------------------------
 # Building
 # ----------------------------------------------------------------------------------------------
+
+
+def sized_config(cfg: BenchConfig, img_size: int | None = None, frames: int | None = None) -> BenchConfig:
+    """``cfg`` at another input size (``img_size`` px, ``frames`` frames for a video size): every model of the run --
+    timm's references included -- is built for that size (timm resizes its APE table at construction)."""
+    from dataclasses import replace
+
+    img = cfg.img_size if img_size is None else int(img_size)
+    nf = cfg.frames if frames is None or not cfg.frames else int(frames)
+    kw = dict(cfg.model_kwargs)
+    if img != cfg.img_size or "img_size" in kw:
+        kw["img_size"] = img
+    if cfg.frames:
+        kw["num_frames"] = nf
+    refs = {k: (n, {**a, "img_size": img}) if img != cfg.img_size else (n, a) for k, (n, a) in cfg.timm_refs.items()}
+    return replace(cfg, img_size=img, frames=nf, model_kwargs=kw, timm_refs=refs)
+
+
+def token_count(model: nn.Module) -> int | None:
+    """Tokens one attention layer sees (prefix tokens included), from the model's own patch grid."""
+    grid = getattr(model, "grid_size", None) or getattr(getattr(model, "patch_embed", None), "grid_size", None)
+    if grid is None:
+        return None
+    n = 1
+    for g in grid:
+        n *= int(g)
+    return n + int(getattr(model, "num_prefix_tokens", 0))
 
 
 def build_entries(
@@ -323,6 +353,7 @@ def summarise(
             "batch_size": batch,
             "img_size": img_size,
             "frames": frames,
+            "tokens": token_count(e.model) if not e.error else None,
             "ratio_reference": ref_label,
             "param_count_m": round(e.param_count / 1e6, 3),
             "clock": clock,
@@ -357,7 +388,10 @@ def summarise(
             row["infer_ratio_of_medians"] = inf / ri if inf and ri else None
             row["train_mem_ratio"] = e.train_peak / ref.train_peak if e.train_peak and ref.train_peak else None
             row["infer_mem_ratio"] = e.infer_peak / ref.infer_peak if e.infer_peak and ref.infer_peak else None
-            tgt = TARGETS.get(e.encoding) if e.family == "vispe" else None
+            # issue 8's limits are CPU eager at the configuration's own size
+            home = BENCH_CONFIGS.get(e.config)
+            at_home = home is None or (img_size == home.img_size and frames == home.frames)
+            tgt = TARGETS.get(e.encoding) if e.family == "vispe" and e.mode == "eager" and at_home else None
             if tgt is not None:
                 time_ok = all(row[k] is None or row[k] <= tgt[0] for k in ("train_ratio", "infer_ratio"))
                 mem_ok = all(row[k] is None or row[k] <= tgt[1] for k in ("train_mem_ratio", "infer_mem_ratio"))
@@ -385,6 +419,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "every registered encoding for the size's grids; '' = none; names that do not take a size's grids are skipped there")
     p.add_argument("--timm-refs", default="ape,rope_axial,rope_mixed",
                    help="timm reference models: ape (vit_small_patch16_224, the ratio denominator), rope_axial, rope_mixed")
+    p.add_argument("--img-sizes", default=None,
+                   help="input sizes in px, comma-separated (e.g. 224,384,512): every model is built and measured at each, "
+                   "ratios to the reference of the same size (default: the model size's own)")
+    p.add_argument("--frames", default=None,
+                   help="video sizes only: frame counts, comma-separated (e.g. 8,16), the temporal token axis (default: 8)")
+    p.add_argument("--plot", default=None,
+                   help="write a PNG of train time / peak memory x (vs the reference) against tokens per encoding and mode")
     p.add_argument("--modes", default="eager", help="'eager', 'compile' or 'eager,compile' (torch.compile warm-up is slow on CPU)")
     p.add_argument("--bench", default="train,infer,memory", help="what to measure: any of train, infer, memory")
     p.add_argument("--iters", type=int, default=3, help="timed rounds (each model measured once per round)")
@@ -436,6 +477,10 @@ def _checked_choices(args: argparse.Namespace):
         raise ValueError(f"--iters must be >= 1, got {args.iters}")
     if args.threads < 0:
         raise ValueError(f"--threads must be >= 0, got {args.threads}")
+    for opt, text in (("--img-sizes", args.img_sizes), ("--frames", args.frames)):
+        for v in _split(text or ""):
+            if not v.isdigit() or int(v) < 1:
+                raise ValueError(f"{opt}: {v!r} is not a positive integer; give sizes like 224,384,512")
 
     def specs_for(cfg: BenchConfig) -> list[tuple[str, str, dict[str, Any]]]:
         if user_specs is None:
@@ -497,8 +542,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return meta
 
     rows: list[dict[str, Any]] = []
-    for c in configs:
-        cfg = BENCH_CONFIGS[c]
+    sizes = [int(v) for v in _split(args.img_sizes or "")] or [None]
+    frame_counts = [int(v) for v in _split(args.frames or "")] or [None]
+    plan = [(c, BENCH_CONFIGS[c], s, f) for c in configs for s in sizes for f in (frame_counts if BENCH_CONFIGS[c].frames else [None])]
+    for c, base_cfg, size, nf in plan:
+        cfg = sized_config(base_cfg, size, nf)
         batch = args.batch_size or (cfg.gpu_batch if device.type == "cuda" else cfg.cpu_batch)
         specs, cfg_refs = specs_for(cfg), [r for r in refs if r in cfg.timm_refs]
         skipped = [sp[0] for sp in user_specs or () if sp not in specs]
@@ -519,6 +567,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         write(rows, done=False)  # partial results survive an interrupted run
 
     meta = write(rows, done=True)
+    if args.plot:
+        from .speed_report import plot_growth
+
+        plot_growth(rows, args.plot, meta)
+        log(f"wrote {args.plot}")
     print(format_table(rows))
     print(
         f"\nwall time {meta['wall_s']:.0f} s (process CPU {meta['process_cpu_s']:.0f} s) on {meta['machine']}, "

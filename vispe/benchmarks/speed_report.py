@@ -20,6 +20,8 @@ _COLUMNS = [
     ("config", "config", None),
     ("mode", "mode", None),
     ("model", "model", None),
+    ("px", "img_size", None),
+    ("tokens", "tokens", None),
     ("train ms", "train_step_ms", ".1f"),
     ("train x", "train_ratio", ".3f"),
     ("train x range", "train_ratio_range", None),
@@ -47,6 +49,8 @@ def _cells(row: dict[str, Any]) -> list[str]:
             out.append("-" if v is None else f"{v[0]:.2f}-{v[1]:.2f}")
         elif key == "model" and row.get("error"):
             out.append(f"{v} [error]")
+        elif v is None:
+            out.append("-")
         elif fmt is None:
             out.append(str(v))
         else:
@@ -81,9 +85,85 @@ def format_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "memory `x` = peak / the reference's peak; target = issue 8's time/memory limits (CPU eager). "
         f"Peak memory: {meta['memory_method']}.\n"
     )
+    verdicts = growth_verdicts(rows)
+    if verdicts:
+        text += "\nIssue 30 targets (ratios to timm's APE ViT of the same size, this run):\n" + "\n".join(verdicts) + "\n"
     if errors:
         text += "\nErrors:\n" + "\n".join(errors) + "\n"
     return text
+
+
+#: Issue 30's targets: at 1,024 (+1) tokens the attention biases train within 1.15x time / 1.05x peak memory of
+#: timm's APE; at 3,136 (+1) tokens they infer within 1.10x memory; compiled, every 2D encoding trains within 1.10x of
+#: timm's compiled APE at 224 px.
+GROWTH_TARGETS = {"bias_train": (1025, 1.15, 1.05), "bias_infer_mem": (3137, 1.10), "compile_224": (224, 1.10)}
+GROWTH_BIASES = ("alibi_2d", "fire", "irpe")
+
+
+def growth_verdicts(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per issue-30 target that this run's rows can judge (met / MISSED with the measured ratio)."""
+    out = []
+    ok = [r for r in rows if not r.get("error") and r.get("family") == "vispe"]
+
+    def fmt(v: Any) -> str:
+        return "-" if v is None else f"{v:.3f}x"
+
+    tok, t_max, m_max = GROWTH_TARGETS["bias_train"]
+    for r in ok:
+        if r["mode"] == "eager" and r.get("tokens") == tok and r["encoding"] in GROWTH_BIASES:
+            t, m = r.get("train_ratio"), r.get("train_mem_ratio")
+            met = t is not None and m is not None and t <= t_max and m <= m_max
+            out.append(f"- {r['encoding']} train at {tok} tokens: time {fmt(t)} (<= {t_max}x), peak memory {fmt(m)} (<= {m_max}x): "
+                       f"{'met' if met else 'MISSED'}")
+    tok, m_max = GROWTH_TARGETS["bias_infer_mem"]
+    for r in ok:
+        if r["mode"] == "eager" and r.get("tokens") == tok and r["encoding"] in GROWTH_BIASES:
+            m = r.get("infer_mem_ratio")
+            out.append(f"- {r['encoding']} inference at {tok} tokens: peak memory {fmt(m)} (<= {m_max}x): "
+                       f"{'met' if m is not None and m <= m_max else 'MISSED'}")
+    px, t_max = GROWTH_TARGETS["compile_224"]
+    for r in ok:
+        if r["mode"] == "compile" and r.get("img_size") == px and not r.get("frames"):
+            t = r.get("train_ratio")
+            out.append(f"- {r['model']} compiled train at {px} px: time {fmt(t)} (<= {t_max}x): "
+                       f"{'met' if t is not None and t <= t_max else 'MISSED'}")
+    return out
+
+
+def plot_growth(rows: list[dict[str, Any]], path: str, meta: dict[str, Any]) -> None:
+    """Train time x and peak train memory x (vs the reference of the same size) against tokens: one line per
+    encoding and mode (eager solid, compiled dashed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    series: dict[tuple[str, str], list[tuple[int, float | None, float | None]]] = {}
+    for r in rows:
+        if r.get("error") or r.get("tokens") is None or r["model"] == r.get("ratio_reference"):
+            continue
+        series.setdefault((r["model"], r["mode"]), []).append((r["tokens"], r.get("train_ratio"), r.get("train_mem_ratio")))
+    labels = sorted({m for m, _ in series})
+    colours = {m: plt.cm.tab20(i % 20) for i, m in enumerate(labels)}
+    for (model, mode), pts in sorted(series.items()):
+        pts.sort()
+        for ax, k in zip(axes, (1, 2)):
+            xs = [p[0] for p in pts if p[k] is not None]
+            ys = [p[k] for p in pts if p[k] is not None]
+            if xs:
+                ax.plot(xs, ys, marker="o", ls="-" if mode == "eager" else "--", color=colours[model],
+                        label=f"{model.split(':', 1)[-1]} ({mode})")
+    for ax, title in zip(axes, ("train step time x", "peak train memory x")):
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xscale("log")
+        ax.set_xlabel("tokens per image (log)")
+        ax.set_title(f"{title} vs the reference of the same size")
+    axes[1].legend(fontsize=7, ncol=2)
+    fig.suptitle(f"{meta['machine']}, torch {meta['torch']}, {meta['threads']} thread(s), {meta['clock']} clock", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _machine(device: torch.device) -> str:

@@ -19,13 +19,15 @@ Prefix tokens (cls, registers) get zero bias to and from every token: they sit a
 
 How the term is built (shared with FIRE): a lattice of sizes ``s_a`` has only ``U = prod(2 s_a - 1)`` distinct
 query-minus-key offsets. An encoding computes one value per head per offset (a ``(H, U)`` table, plus one zero
-column for pairs with a prefix token); a cached ``(L, L)`` map of offset ids gathers it into the
-``(1, H, L, L)`` float ``attn_mask`` of each layer, and patch dropout narrows the map to the kept tokens. In
-training, attention goes through :func:`~vispe.encodings.attention.sdpa_with_bias`, which rebuilds the term
-in backward instead of keeping it per layer. Design notes: ``docs/design/attention-bias-2d.md``.
+column for pairs with a prefix token). A pair's offset id is the difference of two per-token codes
+(:class:`LatticePairCodes`), so the term is a function of (query index, key index, head) plus that table and
+one code per token (:class:`~vispe.encodings.attention.IndexedBias`): attention builds it per block of queries
+or inside FlexAttention, never as an ``(L, L)`` map; patch dropout narrows the codes to the kept tokens.
+Design notes: ``docs/design/attention-bias-2d.md`` and ``docs/speed.md``.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import ClassVar, Sequence
@@ -34,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from .._checks import Choice, check_choice
-from .base import AttentionBiasEncoding, register_encoding, sdpa, sdpa_with_bias
+from .base import AttentionBiasEncoding, IndexedBias, register_encoding
 from .grid import PositionGrid
 from .spec import EXTRAPOLATION_MODES
 
@@ -43,6 +45,7 @@ __all__ = [
     "Alibi2d",
     "Alibi3d",
     "LatticeOffsets",
+    "LatticePairCodes",
     "LatticePairBias",
     "PairBiasState",
     "alibi_slopes",
@@ -76,6 +79,12 @@ class LatticeOffsets:
         return self.offsets.shape[0]
 
 
+def _lattice_offset_rows(grid: PositionGrid, device: torch.device | str | None = None) -> torch.Tensor:
+    """:attr:`LatticeOffsets.offsets` alone (no ``(L, L)`` pair map): every offset once, row-major."""
+    axes = [torch.arange(1 - s, s, device=device, dtype=torch.float32) for s in grid.shape]
+    return torch.stack([m.reshape(-1) for m in torch.meshgrid(*axes, indexing="ij")], dim=-1)
+
+
 def lattice_offsets(grid: PositionGrid, device: torch.device | str | None = None) -> LatticeOffsets:
     """:class:`LatticeOffsets` of ``grid`` (prefix tokens first, then the lattice in row-major order)."""
     shape = grid.shape
@@ -96,6 +105,61 @@ def lattice_offsets(grid: PositionGrid, device: torch.device | str | None = None
         full[s:, s:] = ids
         ids = full
     return LatticeOffsets(offsets, ids)
+
+
+@dataclass(frozen=True)
+class LatticePairCodes:
+    """One int64 code per token such that a pair's offset id (the row of :attr:`LatticeOffsets.offsets`) is
+    ``code[i] - code[j] + center``: the row-major mixed-radix number of the token's lattice index in the offset
+    spans ``2 s_a - 1``. Prefix tokens have code ``-1`` and their pairs id ``U`` (the zero column).
+
+    Attributes:
+        codes: ``(1, L)`` over the whole sequence, or ``(B, n)`` per sample after patch dropout.
+        center: the id of offset zero.
+        num_offsets: ``U``.
+    """
+
+    codes: torch.Tensor
+    center: int
+    num_offsets: int
+
+    def pair_ids(self, b: torch.Tensor, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+        """Offset ids of the pairs ``(i, j)`` of sample ``b`` (index tensors that broadcast)."""
+        if self.codes.shape[0] == 1:  # shared by the batch: one index instead of two
+            ci, cj = self.codes[0][i], self.codes[0][j]
+        else:
+            ci, cj = self.codes[b, i], self.codes[b, j]
+        return torch.where((ci < 0) | (cj < 0), self.num_offsets, ci - cj + self.center)
+
+    def select(self, index: torch.Tensor) -> "LatticePairCodes":
+        """The codes of each sample's present tokens ``index`` ``(B, n)`` (rows of the full sequence)."""
+        return LatticePairCodes(self.codes[0][index], self.center, self.num_offsets)
+
+    @property
+    def per_sample(self) -> bool:
+        """Codes differ per sample (after patch dropout): the term depends on the batch index."""
+        return self.codes.shape[0] > 1
+
+    @staticmethod
+    def of(grid: PositionGrid, device: torch.device | str | None = None) -> "LatticePairCodes":
+        shape = grid.shape
+        idx = grid.indices(device).long()
+        codes = torch.zeros(idx.shape[0], dtype=torch.int64, device=idx.device)
+        center, stride = 0, 1
+        for a in reversed(range(grid.ndim)):  # row-major: the last axis varies fastest
+            codes += idx[:, a] * stride
+            center += (shape[a] - 1) * stride
+            stride *= 2 * shape[a] - 1
+        codes = torch.cat([torch.full((grid.num_prefix_tokens,), -1, dtype=torch.int64, device=codes.device), codes])
+        return LatticePairCodes(codes[None], center, stride)
+
+    def dense_ids(self) -> torch.Tensor:
+        """Every pair's id: ``(L, L)``, or ``(B, n, n)`` per sample (for the dense path and tests)."""
+        n = self.codes.shape[1]
+        b = torch.arange(self.codes.shape[0], device=self.codes.device)[:, None, None]
+        i = torch.arange(n, device=self.codes.device)
+        ids = self.pair_ids(b, i[None, :, None], i[None, None, :])
+        return ids[0] if not self.per_sample else ids
 
 
 def pair_distance(offsets: torch.Tensor, distance: str) -> torch.Tensor:
@@ -119,18 +183,44 @@ def gather_pair_bias(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class PairBiasState:
-    """One forward's pair-bias state: the pair map and the tables it reads.
+    """One forward's pair-bias state: the tokens' pair codes and the tables they read.
 
-    ``ids`` is ``(L, L)``, or ``(B, n, n)`` after patch dropout; ``values`` is ``(M, H, U + 1)``: ``M`` tables
-    (one per layer, or one shared by all), the last column zero (pairs with a prefix token).
+    ``pairs`` codes every token (``(1, L)``, or ``(B, n)`` after patch dropout); ``values`` is ``(M, H, U + 1)``:
+    ``M`` tables (one per layer, or one shared by all), the last column zero (pairs with a prefix token).
     """
 
-    ids: torch.Tensor
+    pairs: LatticePairCodes
     values: torch.Tensor
 
+    @property
+    def ids(self) -> torch.Tensor:
+        """Every pair's offset id, ``(L, L)`` or ``(B, n, n)`` (built on demand: the attention paths never need it)."""
+        return self.pairs.dense_ids()
+
+    @property
+    def num_tokens(self) -> int:
+        return self.pairs.codes.shape[-1]
+
     def select(self, index: torch.Tensor) -> "PairBiasState":
-        """The map among each sample's present tokens ``index`` ``(B, n)`` (rows of the full sequence)."""
-        return PairBiasState(self.ids[index[:, :, None], index[:, None, :]], self.values)
+        """The codes of each sample's present tokens ``index`` ``(B, n)`` (rows of the full sequence)."""
+        return PairBiasState(self.pairs.select(index), self.values)
+
+
+def _pair_term(b: torch.Tensor, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor, table: torch.Tensor,
+               codes: torch.Tensor, center: int, num_offsets: int) -> torch.Tensor:
+    """``table[h, id(i, j)]`` for a ``(H, U + 1)`` table (the :class:`IndexedBias` form of the lattice pair bias)."""
+    ids = LatticePairCodes(codes, center, num_offsets).pair_ids(b, i, j)
+    if h.dim() == 0:  # FlexAttention's score_mod: one pair at a time
+        return table[h, ids]
+    return take_columns(table, ids)
+
+
+def take_columns(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``table[:, ids[:, 0]]`` as ``(B|1, H, rows, L)`` for a ``(H, C)`` table and ids ``(B|1, 1, rows, L)``: every head at
+    once through ``index_select`` on the columns, whose backward is one ``index_add`` (advanced indexing's backward,
+    an accumulating ``index_put``, is ~20x slower on CPU for a block of a 1,024-token term)."""
+    flat = table.index_select(1, ids.reshape(-1))  # (H, B|1 * rows * L)
+    return flat.view(table.shape[0], ids.shape[0], *ids.shape[2:]).transpose(0, 1)
 
 
 class LatticePairBias(AttentionBiasEncoding):
@@ -167,19 +257,19 @@ class LatticePairBias(AttentionBiasEncoding):
     # -- the lifecycle hooks ----------------------------------------------------------------------
     def prepare(self, grid: PositionGrid, device: torch.device | None = None) -> PairBiasState:
         self.check_grid(grid)
-        lattice = self.cached(("pairs", grid.shape, grid.num_prefix_tokens, str(device)), lambda: lattice_offsets(grid, device))
+        pairs = self.cached(("codes", grid.shape, grid.num_prefix_tokens, str(device)), lambda: LatticePairCodes.of(grid, device))
         values = self.cached(
-            ("tables", grid.shape, str(device)), lambda: self.tables(grid, lattice.offsets), uses_parameters=True
+            ("tables", grid.shape, str(device)), lambda: self.tables(grid, _lattice_offset_rows(grid, device)), uses_parameters=True
         )
-        return PairBiasState(lattice.ids, values)
+        return PairBiasState(pairs, values)
 
     def keep_tokens(self, state: PairBiasState, grid: PositionGrid) -> PairBiasState:
         return state.select(grid.sequence_index())
 
     def _layer_values(self, layer: int, state: PairBiasState, length: int) -> torch.Tensor:
-        if state.ids.shape[-1] != length:
+        if state.num_tokens != length:
             raise ValueError(
-                f"{self.registry_name}: the pair map covers {state.ids.shape[-1]} tokens but attention got {length} "
+                f"{self.registry_name}: the pair map covers {state.num_tokens} tokens but attention got {length} "
                 f"(patch dropout must narrow it through keep_tokens)"
             )
         t = self.table_index(layer)
@@ -193,17 +283,14 @@ class LatticePairBias(AttentionBiasEncoding):
         """The additive logit term of block ``layer``: ``(1, H, L, L)`` (``(B, H, n, n)`` after patch dropout)."""
         return gather_pair_bias(self._layer_values(layer, state, k.shape[-2]), state.ids)
 
-    def attend(self, q, k, v, *, layer=0, state=None, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
-        if state is None:
-            return sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale)
+    def indexed_bias(self, q, k, *, layer: int, state: PairBiasState, scale: float) -> IndexedBias:
+        """The term by index: ``values[h, code[i] - code[j] + center]`` (prefix pairs read the zero column)."""
         values = self._layer_values(layer, state, k.shape[-2])
-        ids = state.ids
-
-        def term(table: torch.Tensor) -> torch.Tensor:
-            # the (H, L, L) term is a gather of a small table: rebuilt in backward instead of kept per layer
-            return gather_pair_bias(table, ids)
-
-        return sdpa_with_bias(q, k, v, term, [values], attn_mask, dropout_p, is_causal, scale)
+        pairs = state.pairs
+        return IndexedBias(
+            functools.partial(_pair_term, center=pairs.center, num_offsets=pairs.num_offsets),
+            (values, pairs.codes), per_sample=pairs.per_sample,
+        )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,19 +1,37 @@
 """Attention kernels shared by the encodings: SDPA with additive biases and causal masks, an attention whose
 additive logit term is rebuilt in backward instead of kept, and recompute-instead-of-save for rotated q/k.
 
+Attention biases are described by index (:class:`IndexedBias`: ``bias[b, h, i, j]`` from index tensors and small
+tables) and run on one of :data:`ATTENTION_BACKENDS` by :func:`attend_indexed_bias`: the dense ``attn_mask`` (the
+oracle), query blocks with the term rebuilt per block in forward and backward (memory O(L * block)), or
+FlexAttention with the term as ``score_mod`` (CUDA; CPU inference only). Under ``torch.compile`` every path is plain
+traceable ops (the blocked one as activation-checkpointed blocks).
+
 Nothing here knows about positions; the contracts in :mod:`vispe.encodings.base` call these.
 """
 from __future__ import annotations
 
 import functools
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-__all__ = ["sdpa", "merge_attn_mask", "fold_causal_mask", "autocast_off_in_backward", "sdpa_with_bias", "save_as_recomputed"]
+__all__ = [
+    "sdpa",
+    "merge_attn_mask",
+    "fold_causal_mask",
+    "autocast_off_in_backward",
+    "sdpa_with_bias",
+    "save_as_recomputed",
+    "ATTENTION_BACKENDS",
+    "IndexedBias",
+    "attend_indexed_bias",
+    "resolve_attention_backend",
+]
 
 
 def sdpa(
@@ -153,7 +171,7 @@ def sdpa_with_bias(
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *bias_inputs))
-    if not training or dropout_p > 0.0 or q.shape[:-2] != k.shape[:-2]:
+    if not training or dropout_p > 0.0 or q.shape[:-2] != k.shape[:-2] or torch.compiler.is_compiling():
         return sdpa(q, k, v, merge_attn_mask(attn_mask, bias_fn(*bias_inputs), q.dtype), dropout_p, is_causal, scale)
     if is_causal:
         attn_mask = fold_causal_mask(q, k, attn_mask)
@@ -210,3 +228,280 @@ def save_as_recomputed(tensors: Sequence[torch.Tensor], rebuild: Callable[[], Se
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         yield
+
+
+# ---------------------------------------------------------------------------------------------
+# Additive terms given by index: attention without a (B, H, L, L) tensor
+# ---------------------------------------------------------------------------------------------
+#: How :func:`attend_indexed_bias` evaluates an :class:`IndexedBias`: ``'auto'`` picks per call (below);
+#: ``'dense'`` materialises the term and hands it to SDPA as ``attn_mask`` (the oracle); ``'blocked'`` runs
+#: queries in blocks, builds the term per block and rebuilds it in backward (memory O(L * block));
+#: ``'flex'`` is PyTorch's FlexAttention with the term as its ``score_mod`` (CUDA; CPU inference only).
+ATTENTION_BACKENDS = ("auto", "dense", "blocked", "flex")
+#: Elements of one block's ``(B, H, rows, L)`` term for ``'blocked'`` (and the size under which ``'auto'`` stays
+#: dense): 2^19 floats = 2 MiB, so the few block-sized temporaries of the backward stay within a few percent of a
+#: ViT-S training step's activations at 1,024 tokens (and near the CPU's cache).
+BLOCK_ELEMENTS = 1 << 19
+
+
+@dataclass(frozen=True)
+class IndexedBias:
+    """An additive logit term described by index, never as a ``(B, H, Lq, Lk)`` tensor:
+    ``bias[b, h, i, j] = fn(b, h, i, j, *prepare(*inputs))``.
+
+    ``fn`` takes int64 index tensors that broadcast against each other -- ``(B|1, 1, 1, 1)``, ``(1, H, 1, 1)``,
+    ``(1, 1, rows, 1)``, ``(1, 1, 1, Lk)`` for a block of query rows, or 0-d tensors inside FlexAttention's
+    ``score_mod`` -- so one definition serves every path. ``inputs`` are what the term is made of (small tables,
+    per-token position codes, or q itself for a content-dependent term); ``prepare`` turns them into the tensors
+    ``fn`` reads (e.g. a ``(B, H, L, buckets)`` projection of q); the blocked path keeps only ``inputs`` and
+    re-runs ``prepare`` in backward. ``per_sample``: ``fn`` reads ``b`` (per-sample tables, e.g. after patch
+    dropout); otherwise it is called with ``b = 0`` and the term broadcasts over the batch.
+    """
+
+    fn: Callable[..., torch.Tensor]
+    inputs: tuple[torch.Tensor, ...]
+    prepare: Callable[..., Sequence[torch.Tensor]] | None = None
+    per_sample: bool = False
+
+    def tensors(self, inputs: Sequence[torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
+        inputs = self.inputs if inputs is None else inputs
+        return tuple(inputs) if self.prepare is None else tuple(self.prepare(*inputs))
+
+    def rows(self, tensors: Sequence[torch.Tensor], batch: int, heads: int, start: int, stop: int, length: int,
+             device: torch.device) -> torch.Tensor:
+        """The term of query rows ``start:stop`` against all ``length`` keys, ``(B|1, H|1, stop - start, length)``."""
+        b = torch.arange(batch if self.per_sample else 1, device=device).view(-1, 1, 1, 1)
+        h = torch.arange(heads, device=device).view(1, -1, 1, 1)
+        i = torch.arange(start, stop, device=device).view(1, 1, -1, 1)
+        j = torch.arange(length, device=device).view(1, 1, 1, -1)
+        return self.fn(b, h, i, j, *tensors)
+
+    def dense(self, batch: int, heads: int, lq: int, lk: int, device: torch.device) -> torch.Tensor:
+        """The whole term (the oracle path): ``(B|1, H|1, Lq, Lk)``."""
+        return self.rows(self.tensors(), batch, heads, 0, lq, lk, device)
+
+
+def _mask_rows(attn_mask: torch.Tensor | None, is_causal: bool, lq: int, lk: int, start: int, stop: int,
+               device: torch.device) -> torch.Tensor | None:
+    """The caller's mask (bool: True = attend, or additive float, broadcastable to ``(B, H, Lq, Lk)``) for query rows
+    ``start:stop``, with the causal mask (bottom-right aligned, as :func:`fold_causal_mask`) folded in."""
+    if attn_mask is not None and attn_mask.dim() >= 2 and attn_mask.shape[-2] == lq and lq > 1:
+        attn_mask = attn_mask[..., start:stop, :]
+    if not is_causal:
+        return attn_mask
+    i = torch.arange(start, stop, device=device)[:, None]
+    causal = torch.arange(lk, device=device)[None, :] <= i + (lk - lq)
+    if attn_mask is None:
+        return causal
+    if attn_mask.dtype == torch.bool:
+        return attn_mask & causal
+    return attn_mask.masked_fill(~causal, float("-inf"))
+
+
+def _row_blocks(q: torch.Tensor, k: torch.Tensor, per_sample: bool, block_rows: int | None) -> int:
+    if block_rows is not None:
+        return max(1, int(block_rows))
+    per_row = (q.shape[0] if per_sample else 1) * q.shape[1] * k.shape[-2]
+    return max(16, BLOCK_ELEMENTS // max(per_row, 1))
+
+
+class _BlockedBiasAttention(torch.autograd.Function):
+    """``softmax(q k^T s + bias + mask) v`` one block of query rows at a time, the block's term built from the
+    :class:`IndexedBias` in forward (SDPA's fused kernel, no grad) and again in backward: nothing of size
+    ``Lq x Lk`` is kept, the largest temporary is one block's ``(B, H, rows, Lk)``. The backward is the
+    flash-attention one (probabilities recomputed, ``dS = P * (dP - rowsum(dO * O))``); the term's gradient goes
+    back to its inputs through ``fn`` and ``prepare``."""
+
+    @staticmethod
+    def forward(ctx, spec, scale, rows, attn_mask, is_causal, q, k, v, *inputs):  # type: ignore[override]
+        bsz, heads, lq, _ = q.shape
+        lk = k.shape[-2]
+        outs = []
+        with torch.no_grad():
+            tensors = spec.tensors(inputs)
+            for start in range(0, lq, rows):
+                stop = min(lq, start + rows)
+                mask = merge_attn_mask(_mask_rows(attn_mask, is_causal, lq, lk, start, stop, q.device),
+                                       spec.rows(tensors, bsz, heads, start, stop, lk, q.device), q.dtype)
+                outs.append(F.scaled_dot_product_attention(q[:, :, start:stop], k, v, attn_mask=mask, scale=scale))
+            out = torch.cat(outs, dim=-2) if len(outs) > 1 else outs[0]
+        ctx.spec, ctx.scale, ctx.rows, ctx.is_causal = spec, scale, rows, is_causal
+        ctx.save_for_backward(q, k, v, out, attn_mask, *inputs)
+        return out
+
+    @staticmethod
+    @autocast_off_in_backward
+    @once_differentiable
+    def backward(ctx, dout):  # type: ignore[override]
+        q, k, v, out, attn_mask, *inputs = ctx.saved_tensors
+        spec, s, rows = ctx.spec, ctx.scale, ctx.rows
+        bsz, heads, lq, _ = q.shape
+        lk = k.shape[-2]
+        want = ctx.needs_input_grad[8:]
+        dt = torch.promote_types(q.dtype, torch.float32)  # bf16/fp16 inputs: recompute in float32
+        qf, kf, vf, dof, of = q.to(dt), k.to(dt), v.to(dt), dout.to(dt), out.to(dt)
+        delta = (dof * of).sum(-1, keepdim=True)  # rowsum(dO * O)
+        dq = torch.empty_like(qf)
+        dk = torch.zeros_like(kf)
+        dv = torch.zeros_like(vf)
+        leaves = [t.detach().requires_grad_(w and t.is_floating_point()) for t, w in zip(inputs, want)]
+        any_grad = any(t.requires_grad for t in leaves)
+        with torch.enable_grad():
+            derived = spec.tensors(leaves)
+        # the term's own leaves: gradients per block land here, then go back through prepare once
+        d_leaves = [t.detach().requires_grad_(t.requires_grad) for t in derived]
+        d_grads: list[torch.Tensor | None] = [None] * len(derived)
+        for start in range(0, lq, rows):
+            stop = min(lq, start + rows)
+            mask = _mask_rows(attn_mask, ctx.is_causal, lq, lk, start, stop, q.device)
+            with torch.enable_grad():
+                bias = spec.rows(d_leaves, bsz, heads, start, stop, lk, q.device)
+            p = torch.matmul(qf[:, :, start:stop], kf.transpose(-1, -2)).mul_(s)
+            p.add_(bias.detach())
+            if mask is not None:
+                if mask.dtype == torch.bool:
+                    p.masked_fill_(~mask, float("-inf"))
+                else:
+                    p.add_(mask)
+            p.sub_(p.amax(-1, keepdim=True)).exp_()
+            p.div_(p.sum(-1, keepdim=True))
+            if mask is not None:
+                p.nan_to_num_(0.0)  # fully masked rows: SDPA returns zeros there
+            do_b = dof[:, :, start:stop]
+            dv += torch.matmul(p.transpose(-1, -2), do_b).sum_to_size(dv.shape)
+            dp = torch.matmul(do_b, vf.transpose(-1, -2))
+            ds = p.mul_(dp.sub_(delta[:, :, start:stop]))
+            del dp
+            dq[:, :, start:stop] = torch.matmul(ds, kf).mul_(s)
+            dk += torch.matmul(ds.transpose(-1, -2), qf[:, :, start:stop]).mul_(s).sum_to_size(dk.shape)
+            if any_grad and bias.requires_grad:
+                need = [t for t in d_leaves if t.requires_grad]
+                got = torch.autograd.grad(bias, need, ds.sum_to_size(bias.shape).to(bias.dtype), allow_unused=True)
+                it = iter(got)
+                for n, t in enumerate(d_leaves):
+                    if t.requires_grad:
+                        g = next(it)
+                        if g is not None:
+                            d_grads[n] = g if d_grads[n] is None else d_grads[n] + g
+        grads: list[torch.Tensor | None] = [None] * len(inputs)
+        need = [n for n, t in enumerate(leaves) if t.requires_grad]
+        if need:
+            outs = [d for d, g in zip(derived, d_grads) if g is not None and d.requires_grad]
+            gs = [g for d, g in zip(derived, d_grads) if g is not None and d.requires_grad]
+            if outs:
+                got = torch.autograd.grad(outs, [leaves[n] for n in need], gs, allow_unused=True)
+                for n, g in zip(need, got):
+                    grads[n] = g
+        return (None, None, None, None, None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *grads)
+
+
+def _blocked_traceable(q, k, v, spec: IndexedBias, attn_mask, dropout_p, is_causal, scale, rows) -> torch.Tensor:
+    """The blocked path in plain ops for ``torch.compile`` and for dropout: each block under activation checkpointing
+    (its term and probabilities rebuilt in backward), so the same O(L * block) memory without a hand-written backward."""
+    from torch.utils.checkpoint import checkpoint
+
+    bsz, heads, lq, _ = q.shape
+    lk = k.shape[-2]
+    tensors = spec.tensors()
+
+    def block(qb, k_, v_, start, stop, *ts):
+        mask = merge_attn_mask(_mask_rows(attn_mask, is_causal, lq, lk, start, stop, q.device),
+                               spec.rows(ts, bsz, heads, start, stop, lk, q.device), q.dtype)
+        return sdpa(qb, k_, v_, mask, dropout_p, False, scale)
+
+    grad = torch.is_grad_enabled()
+    outs = []
+    for start in range(0, lq, rows):
+        stop = min(lq, start + rows)
+        args = (q[:, :, start:stop], k, v, start, stop, *tensors)
+        outs.append(checkpoint(block, *args, use_reentrant=False) if grad else block(*args))
+    return torch.cat(outs, dim=-2) if len(outs) > 1 else outs[0]
+
+
+_COMPILED_FLEX: Any = None
+
+
+def _flex_attention(q, k, v, spec: IndexedBias, attn_mask, is_causal, scale) -> torch.Tensor:
+    """FlexAttention with the term as ``score_mod`` (compiled; inside a compiled model the model's compile covers it)."""
+    global _COMPILED_FLEX
+    from torch.nn.attention.flex_attention import flex_attention
+
+    tensors = spec.tensors()
+    lq, lk = q.shape[-2], k.shape[-2]
+    mask = attn_mask
+    if mask is not None:
+        mask = mask.expand(*q.shape[:2], lq, lk) if mask.dim() == 4 else mask.expand(lq, lk)[None, None].expand(*q.shape[:2], lq, lk)
+    per_sample = spec.per_sample
+
+    def score_mod(score, b, h, i, j):
+        out = score + spec.fn(b if per_sample else torch.zeros_like(b), h, i, j, *tensors).to(score.dtype)
+        if mask is not None:
+            m = mask[b, h, i, j]
+            out = torch.where(m, out, float("-inf")) if m.dtype == torch.bool else out + m.to(out.dtype)
+        if is_causal:
+            out = torch.where(j <= i + (lk - lq), out, float("-inf"))
+        return out
+
+    if torch.compiler.is_compiling():
+        return flex_attention(q, k, v, score_mod=score_mod, scale=scale)
+    if _COMPILED_FLEX is None:
+        _COMPILED_FLEX = torch.compile(flex_attention)
+    return _COMPILED_FLEX(q, k, v, score_mod=score_mod, scale=scale)
+
+
+def resolve_attention_backend(backend: str, q: torch.Tensor, k: torch.Tensor, spec: IndexedBias, dropout_p: float,
+                              training: bool, block_rows: int | None = None) -> str:
+    """The path :func:`attend_indexed_bias` takes. ``'auto'``: FlexAttention on CUDA (no dropout); an eager training
+    step is blocked (the term is rebuilt in backward, never kept: one block at short lengths); otherwise (inference,
+    compiled graphs, dropout) the dense mask while one ``(B, H, Lq, Lk)`` term is no larger than a block, else
+    blocked. A forced ``'flex'`` that PyTorch cannot run here raises."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend={backend!r} is not valid; choose one of {list(ATTENTION_BACKENDS)}")
+    if backend == "flex":
+        if q.device.type != "cuda" and training:
+            raise ValueError(
+                "attention_backend='flex' trains only on CUDA (PyTorch's FlexAttention has no CPU backward); "
+                "use 'blocked' or 'auto' for CPU training"
+            )
+        if dropout_p > 0:
+            raise ValueError("attention_backend='flex' has no attention dropout; use 'blocked' or 'auto' with attn_drop > 0")
+        return "flex"
+    if backend != "auto":
+        return backend
+    if q.device.type == "cuda" and dropout_p == 0.0:
+        return "flex"
+    if training and dropout_p == 0.0 and not torch.compiler.is_compiling():
+        return "blocked"
+    rows = _row_blocks(q, k, spec.per_sample, block_rows)
+    return "dense" if q.shape[-2] <= rows else "blocked"
+
+
+def attend_indexed_bias(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    spec: IndexedBias,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    backend: str = "auto",
+    block_rows: int | None = None,
+) -> torch.Tensor:
+    """Attention with the additive term ``spec`` (an :class:`IndexedBias`) on the path ``backend``
+    (:data:`ATTENTION_BACKENDS`); every path gives the same outputs and gradients as ``'dense'``."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *spec.inputs))
+    path = resolve_attention_backend(backend, q, k, spec, dropout_p, training, block_rows)
+    bsz, heads, lq, _ = q.shape
+    lk = k.shape[-2]
+    if path == "dense":
+        return sdpa(q, k, v, merge_attn_mask(attn_mask, spec.dense(bsz, heads, lq, lk, q.device), q.dtype), dropout_p, is_causal, scale)
+    if path == "flex":
+        return _flex_attention(q, k, v, spec, attn_mask, is_causal, scale)
+    if q.shape[:-2] != k.shape[:-2]:  # grouped keys: the dense path broadcasts them
+        return sdpa(q, k, v, merge_attn_mask(attn_mask, spec.dense(bsz, heads, lq, lk, q.device), q.dtype), dropout_p, is_causal, scale)
+    rows = _row_blocks(q, k, spec.per_sample, block_rows)
+    if training and dropout_p == 0.0 and not torch.compiler.is_compiling():
+        return _BlockedBiasAttention.apply(spec, scale, rows, attn_mask, is_causal, q, k, v, *spec.inputs)
+    return _blocked_traceable(q, k, v, spec, attn_mask, dropout_p, is_causal, scale, rows)

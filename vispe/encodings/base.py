@@ -31,7 +31,17 @@ import torch.nn as nn
 
 from .._checks import Bool, Int, Ints, OptionCheck, Real, Str, check_options
 # the attention kernels live in .attention; re-exported here for the encodings that import them from .base
-from .attention import autocast_off_in_backward, fold_causal_mask, merge_attn_mask, save_as_recomputed, sdpa, sdpa_with_bias
+from .attention import (
+    ATTENTION_BACKENDS,
+    IndexedBias,
+    attend_indexed_bias,
+    autocast_off_in_backward,
+    fold_causal_mask,
+    merge_attn_mask,
+    save_as_recomputed,
+    sdpa,
+    sdpa_with_bias,
+)
 from .grid import PositionGrid
 
 _T = TypeVar("_T")
@@ -53,6 +63,8 @@ __all__ = [
     "save_as_recomputed",
     "autocast_off_in_backward",
     "fold_causal_mask",
+    "ATTENTION_BACKENDS",
+    "IndexedBias",
 ]
 
 
@@ -232,6 +244,10 @@ class PositionalEncoding(nn.Module):
         autograd: plain tensors that a later training step can use. Moving the module (``.to``) and
         :meth:`clear_cache` drop every entry.
         """
+        if torch.compiler.is_compiling():
+            # a compiled graph rebuilds the (cheap, fused) tables itself; a Python dict keyed by tensor versions
+            # would break the graph or guard on every entry
+            return build()
         if uses_parameters:
             if not self.cacheable():
                 return build()
@@ -357,19 +373,56 @@ class TokenEncoding(PositionalEncoding):
 
 
 class AttentionBiasEncoding(PositionalEncoding):
-    """An additive logit term passed to SDPA as a float ``attn_mask``.
+    """An additive logit term in attention.
 
-    Subclasses implement :meth:`bias` returning a tensor broadcastable to ``(B, H, L, L)``.
+    Subclasses describe the term by index -- :meth:`indexed_bias` returns an
+    :class:`~vispe.encodings.attention.IndexedBias`, ``bias[b, h, i, j]`` as a function of the indices and small
+    tables -- so attention never needs it as a ``(B, H, L, L)`` tensor: :meth:`attend` runs it on the path
+    ``attention_backend`` names (:data:`~vispe.encodings.attention.ATTENTION_BACKENDS`: ``'auto'``, ``'dense'``
+    -- the float ``attn_mask`` of SDPA, the oracle --, ``'blocked'``, ``'flex'``). :meth:`bias` is the dense term
+    (by default the indexed one evaluated everywhere). A subclass with only :meth:`bias` gets the dense path.
+    ``attention_backend`` is an option of every bias encoding (``create_encoding('alibi_2d',
+    attention_backend='blocked')``, ``pos_encoding={'name': 'fire', 'attention_backend': 'dense'}``) and an
+    attribute that may be set later.
     """
 
     kind = "bias"
+    #: see :data:`~vispe.encodings.attention.ATTENTION_BACKENDS`; ``'auto'`` chooses per call
+    attention_backend: str = "auto"
+    #: query rows per block of the blocked path (``None``: sized so a block's term stays near 8 MiB)
+    attention_block_rows: int | None = None
+
+    def set_attention_backend(self, backend: str, block_rows: int | None = None) -> None:
+        if backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend={backend!r} is not valid; choose one of {list(ATTENTION_BACKENDS)}")
+        if block_rows is not None and (not isinstance(block_rows, int) or block_rows < 1):
+            raise ValueError(f"attention block_rows must be a positive int or None, got {block_rows!r}")
+        self.attention_backend = backend
+        self.attention_block_rows = block_rows
+
+    def indexed_bias(self, q: torch.Tensor, k: torch.Tensor, *, layer: int, state: Any, scale: float) -> IndexedBias | None:
+        """This layer's term by index (``None``: no term in this layer). Default: not described by index."""
+        return None
 
     def bias(self, q: torch.Tensor, k: torch.Tensor, *, layer: int, state: Any) -> torch.Tensor | None:
-        raise NotImplementedError
+        """The dense term, broadcastable to ``(B, H, L, L)`` (includes the softmax scale where the term depends on it)."""
+        spec = self.indexed_bias(q, k, layer=layer, state=state, scale=q.shape[-1] ** -0.5)
+        if spec is None:
+            return None
+        return spec.dense(q.shape[0], q.shape[1], q.shape[-2], k.shape[-2], q.device)
 
     def attend(self, q, k, v, *, layer=0, state=None, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
-        attn_mask = merge_attn_mask(attn_mask, self.bias(q, k, layer=layer, state=state), q.dtype)
-        return sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale)
+        if state is None:
+            return sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale)
+        s = q.shape[-1] ** -0.5 if scale is None else scale
+        spec = self.indexed_bias(q, k, layer=layer, state=state, scale=s)
+        if spec is None:
+            if type(self).indexed_bias is not AttentionBiasEncoding.indexed_bias:
+                return sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale)  # no term in this layer
+            attn_mask = merge_attn_mask(attn_mask, self.bias(q, k, layer=layer, state=state), q.dtype)
+            return sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale)
+        return attend_indexed_bias(q, k, v, spec, attn_mask, dropout_p, is_causal, s, self.attention_backend,
+                                   self.attention_block_rows)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -441,8 +494,9 @@ def create_encoding(spec: Any, context: EncodingContext | None = None, **kwargs:
     name, options = parse_pos_encoding(spec)
     kwargs = {**options, **kwargs}
     cls = get_encoding_class(name)
+    backend = kwargs.pop("attention_backend", None) if issubclass(cls, AttentionBiasEncoding) else None
     accepted, var_kw = _init_params(cls)
-    own = sorted(accepted - _CONTEXT_KEYS)
+    own = sorted((accepted - _CONTEXT_KEYS) | ({"attention_backend"} if issubclass(cls, AttentionBiasEncoding) else set()))
     unknown = [k for k in kwargs if k not in accepted and not var_kw]
     if unknown:
         raise TypeError(f"encoding {name!r} got unknown option(s) {unknown}; valid options: {own}")
@@ -453,5 +507,9 @@ def create_encoding(spec: Any, context: EncodingContext | None = None, **kwargs:
     if context is not None:
         args.update({k: v for k, v in context.as_kwargs().items() if k in accepted})
     args.update(kwargs)
+    if backend is not None and backend not in ATTENTION_BACKENDS:  # before any weight is built
+        raise ValueError(f"encoding {name!r}: attention_backend={backend!r} is not valid; choose one of {list(ATTENTION_BACKENDS)}")
     enc = cls(**args)
+    if backend is not None:
+        enc.set_attention_backend(backend)
     return enc

@@ -41,7 +41,7 @@ def _to_columns(q: torch.Tensor, k: torch.Tensor, b: int, dtype: torch.dtype, pe
     sub = [d - 1 for d in perm if d != 0]  # dims of one of q, k viewed as (B, H, L, m, b)
     out.select(at, 0).copy_(q.reshape(bsz, heads, length, dh // b, b).permute(sub))
     out.select(at, 1).copy_(k.reshape(bsz, heads, length, dh // b, b).permute(sub))
-    r = math.prod(sizes[d] for d in rows)
+    r = math.prod([sizes[d] for d in rows])  # a list: torch.compile cannot trace a generator here
     return out.view(r, b, -1)
 
 

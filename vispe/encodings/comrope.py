@@ -275,7 +275,16 @@ def rotate_pair_gathered(
     if m * b != q.shape[-1]:
         raise ValueError(f"rotation has {m} blocks of size {b} but the head dimension is {q.shape[-1]}")
     with torch.autocast(device_type=q.device.type, enabled=False):
-        q2, k2 = _GatheredBlockRotation.apply(flat_idx, q, k, *(t.float().contiguous() for t in tables))
+        tables = tuple(t.float().contiguous() for t in tables)
+        if torch.compiler.is_compiling():
+            # the same maths in plain differentiable ops: the compiler chooses what to keep for backward itself
+            # (the hand-written backward's autograd.grad call cannot be traced)
+            table, idx = _combined_table(tables, flat_idx, m)
+            cols = _pair_columns(q, k, m, b)
+            out = torch.bmm(_gather_rows(table, idx), cols.reshape(-1, b, cols.shape[-1])).reshape(cols.shape)
+            q2, k2 = _split_columns(out, q, True, torch.float32)
+        else:
+            q2, k2 = _GatheredBlockRotation.apply(flat_idx, q, k, *tables)
     return q2.to(q.dtype), k2.to(k.dtype)
 
 
@@ -768,7 +777,9 @@ class ComRopeBase(RotaryEncoding):
         outer ``Q_j`` cancels in ``q'^T k'``, so attention sees exactly ComRoPE's logits from one dense
         ``(dh x dh)`` product per head and RoPE's elementwise rotation, instead of per-token ``b x b`` products.
         """
-        if self.rotation != "auto" or self.block_size % 2:
+        if self.rotation != "auto" or self.block_size % 2 or torch.compiler.is_compiling():
+            # compiled: the eigenvalue-gap test below is a data-dependent branch a graph cannot take, so a compiled
+            # model always uses the line-table path (exact for any generators; the spectral one is a speed-up)
             return None
         dev = device if device is not None else self.base.device
         with torch.autocast(device_type=torch.device(dev).type, enabled=False):

@@ -7,6 +7,7 @@ The maths, the SDPA path and the paper-vs-code choices: ``docs/design/irpe.md``.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
@@ -16,10 +17,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .._checks import AnyOf, Choice, Ints, Real, Seq, Str
-from .base import AttentionBiasEncoding, fold_causal_mask, merge_attn_mask, register_encoding, sdpa, sdpa_with_bias
+from .alibi import LatticePairCodes, _lattice_offset_rows, take_columns
+from .base import AttentionBiasEncoding, IndexedBias, fold_causal_mask, merge_attn_mask, register_encoding
 from .grid import PositionGrid
 
-__all__ = ["IRPE", "IRPEState", "piecewise_index", "irpe_bucket_ids", "IRPE_METHODS", "IRPE_MODES", "IRPE_SIDES"]
+__all__ = ["IRPE", "IRPEState", "piecewise_index", "irpe_bucket_ids", "offset_buckets", "IRPE_METHODS", "IRPE_MODES", "IRPE_SIDES"]
 
 IRPE_METHODS = ("euclidean", "quant", "cross", "product")
 IRPE_MODES = ("bias", "contextual")
@@ -54,24 +56,9 @@ def irpe_bucket_ids(
     """
     if method not in IRPE_METHODS:
         raise ValueError(f"unknown iRPE method {method!r}; choose one of {list(IRPE_METHODS)}")
-    alpha, beta, gamma = ratio, 2 * ratio, 8 * ratio
-    beta_int = int(beta)
-    width = 2 * beta_int + 1
     idx = grid.indices(device)  # (N, 2) rows, cols
     d = idx[:, None, :] - idx[None, :, :]  # (N, N, 2) query minus key
-    dr, dc = d[..., 0], d[..., 1]
-    if method == "euclidean":
-        ids = (piecewise_index(torch.sqrt(dr * dr + dc * dc).round(), alpha, beta, gamma) + beta_int)[None]
-        n = width
-    elif method == "quant":
-        ids = (piecewise_index(dr * dr + dc * dc, alpha, beta, gamma) + beta_int)[None]
-        n = width
-    elif method == "cross":
-        ids = torch.stack([piecewise_index(dr, alpha, beta, gamma), piecewise_index(dc, alpha, beta, gamma)]) + beta_int
-        n = width
-    else:  # product
-        ids = ((piecewise_index(dr, alpha, beta, gamma) + beta_int) * width + piecewise_index(dc, alpha, beta, gamma) + beta_int)[None]
-        n = width * width
+    ids, n = offset_buckets(d[..., 0], d[..., 1], method, ratio)
     s = grid.num_prefix_tokens
     if s:
         if not prefix_bucket:
@@ -85,18 +72,94 @@ def irpe_bucket_ids(
     return ids, n + (1 if prefix_bucket else 0)
 
 
+def offset_buckets(dr: torch.Tensor, dc: torch.Tensor, method: str, ratio: float) -> tuple[torch.Tensor, int]:
+    """The bucket of each 2D offset (query minus key; ``dr``, ``dc`` float of any shape ``S``): ``(T, *S)`` int64,
+    ``T = 2`` for ``'cross'`` (row table, column table) else 1, and the buckets per table (no prefix bucket)."""
+    alpha, beta, gamma = ratio, 2 * ratio, 8 * ratio
+    beta_int = int(beta)
+    width = 2 * beta_int + 1
+    if method == "euclidean":
+        ids = (piecewise_index(torch.sqrt(dr * dr + dc * dc).round(), alpha, beta, gamma) + beta_int)[None]
+        n = width
+    elif method == "quant":
+        ids = (piecewise_index(dr * dr + dc * dc, alpha, beta, gamma) + beta_int)[None]
+        n = width
+    elif method == "cross":
+        ids = torch.stack([piecewise_index(dr, alpha, beta, gamma), piecewise_index(dc, alpha, beta, gamma)]) + beta_int
+        n = width
+    else:  # product
+        ids = ((piecewise_index(dr, alpha, beta, gamma) + beta_int) * width + piecewise_index(dc, alpha, beta, gamma) + beta_int)[None]
+        n = width * width
+    return ids, n
+
+
 @dataclass
 class IRPEState:
-    """Per-forward bucket maps ``(T, L, L)`` (int64) and the same with the table offset folded in."""
+    """Per-forward bucket description: each token's lattice code (:class:`~vispe.encodings.alibi.LatticePairCodes`)
+    and, per distinct offset, its bucket in each table (``lut`` ``(T, U + 1)``, table ``t`` offset by ``t * buckets``,
+    the last column the prefix bucket). A pair's bucket is ``lut[t, code[i] - code[j] + center]``, so no
+    ``(L, L)`` map is kept; :attr:`ids` builds one on demand for the dense paths."""
 
-    ids: torch.Tensor  # (T, L, L) ids into the concatenated table (table t offset by t * buckets); (T, B, n, n) after patch dropout
-    ids_t: torch.Tensor  # the transpose (key as row), for the query side
+    pairs: LatticePairCodes
+    lut: torch.Tensor
     num_buckets: int  # total columns of the concatenated tables
 
+    @property
+    def ids(self) -> torch.Tensor:
+        """Bucket maps ``(T, L, L)`` (query index first), ``(T, B, n, n)`` after patch dropout."""
+        return self.lut[:, self.pairs.dense_ids()]
+
+    @property
+    def ids_t(self) -> torch.Tensor:
+        """:attr:`ids` transposed (key as row), for the query side."""
+        return self.ids.transpose(-1, -2)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.pairs.codes.shape[-1]
+
+    def buckets(self, t: int, b: torch.Tensor, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+        """Table ``t``'s bucket (offset included) of the pairs ``(i, j)`` of sample ``b`` (broadcasting index tensors)."""
+        return self.lut[t][self.pairs.pair_ids(b, i, j)]
+
     def select(self, index: torch.Tensor) -> "IRPEState":
-        """The maps among each sample's present tokens ``index`` ``(B, n)``: ``(T, B, n, n)``."""
-        rows, cols = index[:, :, None], index[:, None, :]
-        return IRPEState(self.ids[:, rows, cols], self.ids_t[:, rows, cols], self.num_buckets)
+        """The codes of each sample's present tokens ``index`` ``(B, n)``."""
+        return IRPEState(self.pairs.select(index), self.lut, self.num_buckets)
+
+
+def _batch_index(b: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return b if t.shape[0] > 1 else torch.zeros_like(b)
+
+
+def _irpe_term(b, h, i, j, *tensors, parts: tuple[tuple[str, str], ...], center: int, num_offsets: int):
+    """The iRPE logit term by index (the :class:`IndexedBias` form). ``tensors``: ``codes (1|B, L)``, ``lut (T, U + 1)``,
+    then per part its tensor: bias mode a table ``(H, nb)``; contextual the projection ``z (B, H, L, nb)``.
+    Key side reads the pair ``(i, j)``, query side ``(j, i)``."""
+    codes, lut, *per_part = tensors
+    pairs = LatticePairCodes(codes, center, num_offsets)
+    bc = _batch_index(b, codes)
+    out = None
+    block = h.dim() > 0  # a block of rows (else FlexAttention's score_mod: one pair at a time)
+    for (mode, side), x in zip(parts, per_part):
+        row, col = (i, j) if side == "k" else (j, i)
+        ids = pairs.pair_ids(bc, row, col)
+        for t in range(lut.shape[0]):
+            bucket = lut[t][ids]
+            if not block:
+                term = x[h, bucket] if mode == "bias" else x[_batch_index(b, x), h, row, bucket]
+            elif mode == "bias":
+                term = take_columns(x, bucket)  # (B|1, H, rows, L): one index_select on the table's columns
+            else:
+                # the rows' projections, then one gather along the bucket axis (backward: one scatter-add)
+                if side == "k":
+                    zr = x.index_select(2, i.reshape(-1))  # (B, H, rows, nb)
+                    term = torch.gather(zr, -1, bucket.expand(zr.shape[0], zr.shape[1], -1, -1))
+                else:  # key rows: the (j, i) buckets of all keys, gathered, then transposed to (rows, keys)
+                    zr = x.index_select(2, j.reshape(-1))  # (B, H, L, nb)
+                    bt = bucket.transpose(-1, -2)  # (B|1, 1, L, rows)
+                    term = torch.gather(zr, -1, bt.expand(zr.shape[0], zr.shape[1], -1, -1)).transpose(-1, -2)
+            out = term if out is None else out + term
+    return out
 
 
 def _expand_ids(ids: torch.Tensor, bsz: int, heads: int, length: int) -> torch.Tensor:
@@ -204,9 +267,17 @@ class IRPE(AttentionBiasEncoding):
         return self.cached(("irpe", grid.shape, grid.num_prefix_tokens, str(device)), lambda: self._bucket_state(grid, device))
 
     def _bucket_state(self, grid: PositionGrid, device: torch.device | None) -> IRPEState:
-        ids, per_table = irpe_bucket_ids(grid, self.method, self.ratio, self.prefix_bucket, device)
-        ids = ids + torch.arange(ids.shape[0], device=ids.device)[:, None, None] * per_table
-        return IRPEState(ids.contiguous(), ids.transpose(-1, -2).contiguous(), per_table * ids.shape[0])
+        if grid.num_prefix_tokens and not self.prefix_bucket:
+            raise ValueError(
+                f"the sequence has {grid.num_prefix_tokens} prefix token(s) but this iRPE was built without a prefix bucket "
+                f"(built for num_prefix_tokens=0)"
+            )
+        offsets = _lattice_offset_rows(grid, device)  # (U, 2)
+        lut, n = offset_buckets(offsets[:, 0], offsets[:, 1], self.method, self.ratio)  # (T, U)
+        per_table = self.buckets_per_table
+        lut = F.pad(lut, (0, 1), value=n)  # the prefix bucket (unused without prefix tokens)
+        lut = lut + torch.arange(lut.shape[0], device=lut.device)[:, None] * per_table
+        return IRPEState(LatticePairCodes.of(grid, device), lut.contiguous(), per_table * lut.shape[0])
 
     def keep_tokens(self, state: IRPEState, grid: PositionGrid) -> IRPEState:
         return state.select(grid.sequence_index())
@@ -236,22 +307,23 @@ class IRPE(AttentionBiasEncoding):
         out = self._gather(z, ids)
         return out if side == "k" else out.transpose(-1, -2)
 
+    def _check_tokens(self, state: IRPEState, length: int) -> None:
+        if state.num_tokens != length:
+            raise ValueError(
+                f"iRPE bucket map covers {state.num_tokens} tokens but attention got {length} "
+                f"(patch dropout must narrow the maps through keep_tokens)"
+            )
+
     def logit_sources(
         self, q: torch.Tensor, k: torch.Tensor, layer: int, state: IRPEState, scale: float
     ) -> tuple[list[torch.Tensor], Any] | None:
-        """This layer's logit term as ``(inputs, fn)``: ``fn(*inputs)`` is the additive ``(B|1, H, L, L)`` term.
-
-        The inputs are the tables and q/k themselves, so attention can rebuild the term in backward
-        instead of keeping it (:func:`sdpa_with_bias`).
-        """
+        """This layer's logit term as ``(inputs, fn)``: ``fn(*inputs)`` is the additive ``(B|1, H, L, L)`` term,
+        built densely from the bucket maps (the oracle path; attention uses :meth:`indexed_bias`)."""
         slot = self._slot.get(layer)
         if slot is None:
             return None
-        if state.ids.shape[-1] != q.shape[-2]:
-            raise ValueError(
-                f"iRPE bucket map covers {state.ids.shape[-1]} tokens but attention got {q.shape[-2]} "
-                f"(patch dropout must narrow the maps through keep_tokens)"
-            )
+        self._check_tokens(state, q.shape[-2])
+        ids = state.ids
         inputs: list[torch.Tensor] = []
         parts: list[tuple[int, Any]] = []  # (number of inputs, fn of them)
         for side in ("k", "q"):
@@ -260,12 +332,10 @@ class IRPE(AttentionBiasEncoding):
             table = getattr(self, f"table_{side}")[slot]
             if self.mode == "bias":
                 inputs.append(table)
-                parts.append((1, lambda t, ids=(state.ids if side == "k" else state.ids_t): self._bias_term(t, ids)))
+                parts.append((1, lambda t, ids=(ids if side == "k" else ids.transpose(-1, -2)): self._bias_term(t, ids)))
             else:
-                # the (B, H, L, n_buckets) projection is rebuilt from q (or k) and the table when needed, so
-                # nothing of size B x H x L is kept for it
                 inputs += [q if side == "k" else k, table]
-                parts.append((2, lambda x, t, side=side: self._contextual_term(x, t, state.ids, scale, side)))
+                parts.append((2, lambda x, t, side=side: self._contextual_term(x, t, ids, scale, side)))
 
         def term(*xs: torch.Tensor) -> torch.Tensor:
             out, pos = None, 0
@@ -278,23 +348,58 @@ class IRPE(AttentionBiasEncoding):
         return inputs, term
 
     def logit_term(self, q: torch.Tensor, k: torch.Tensor, layer: int, state: IRPEState, scale: float) -> torch.Tensor | None:
-        """The additive logit term of this layer (already including the softmax scale ``s``)."""
+        """The additive logit term of this layer (already including the softmax scale ``s``), dense."""
         src = self.logit_sources(q, k, layer, state, scale)
         return None if src is None else src[1](*src[0])
 
     def bias(self, q: torch.Tensor, k: torch.Tensor, *, layer: int, state: IRPEState) -> torch.Tensor | None:
         return self.logit_term(q, k, layer, state, q.shape[-1] ** -0.5)
 
+    def indexed_bias(self, q, k, *, layer: int, state: IRPEState, scale: float) -> IndexedBias | None:
+        """The q/k-side term by index: bias mode reads ``table[h, bucket(i, j)]``; contextual mode reads
+        ``z[b, h, i, bucket(i, j)]`` with ``z = s q table`` ``(B, H, L, buckets)``, rebuilt from q (k for the
+        query side) and the table by the blocked path's backward, so nothing of size ``B x H x L`` is kept for it."""
+        slot = self._slot.get(layer)
+        if slot is None:
+            return None
+        self._check_tokens(state, q.shape[-2])
+        heads = q.shape[1]
+        parts, inputs, kinds = [], [state.pairs.codes, state.lut], []
+        for side in ("k", "q"):
+            if side not in self.sides:
+                continue
+            table = getattr(self, f"table_{side}")[slot]
+            parts.append((self.mode, side))
+            if self.mode == "bias":
+                inputs.append(table)
+            else:
+                inputs += [q if side == "k" else k, table]
+            kinds.append(self.mode)
+        if not parts:
+            return None
+
+        def prepare(codes, lut, *xs):
+            out, pos = [codes, lut], 0
+            for kind in kinds:
+                if kind == "bias":
+                    out.append(xs[pos].expand(heads, -1))  # a shared table reads as every head's
+                    pos += 1
+                else:
+                    x, t = xs[pos], xs[pos + 1]
+                    out.append(torch.matmul(x, t.to(x.dtype)) * scale)  # (B, H, L, nb)
+                    pos += 2
+            return out
+
+        fn = functools.partial(_irpe_term, parts=tuple(parts), center=state.pairs.center, num_offsets=state.pairs.num_offsets)
+        return IndexedBias(fn, tuple(inputs), prepare, per_sample=self.mode == "contextual" or state.pairs.per_sample)
+
     def attend(self, q, k, v, *, layer=0, state=None, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
-        if state is None:
-            return sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale)
+        if state is None or "v" not in self.sides or layer not in self._slot:
+            return super().attend(q, k, v, layer=layer, state=state, attn_mask=attn_mask, dropout_p=dropout_p,
+                                  is_causal=is_causal, scale=scale)
         s = scale if scale is not None else q.shape[-1] ** -0.5
         src = self.logit_sources(q, k, layer, state, s)
-        if src is None:
-            return sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale)
-        if "v" not in self.sides:
-            return sdpa_with_bias(q, k, v, src[1], src[0], attn_mask, dropout_p, is_causal, s)
-        mask = merge_attn_mask(attn_mask, src[1](*src[0]), q.dtype)
+        mask = attn_mask if src is None else merge_attn_mask(attn_mask, src[1](*src[0]), q.dtype)
         slot = self._slot[layer]
         # value side: explicit attention, the probabilities are needed
         logits = torch.matmul(q, k.transpose(-1, -2)) * s
@@ -308,9 +413,10 @@ class IRPE(AttentionBiasEncoding):
         out = torch.matmul(attn, v)
         table_v = self.table_v[slot].to(attn.dtype)  # (H', nb, dh)
         bsz, heads, length, _ = attn.shape
+        ids = state.ids
         weights = attn.new_zeros(bsz, heads, length, state.num_buckets)
-        for t in range(state.ids.shape[0]):
-            weights = weights.scatter_add(-1, _expand_ids(state.ids[t], bsz, heads, length), attn)
+        for t in range(ids.shape[0]):
+            weights = weights.scatter_add(-1, _expand_ids(ids[t], bsz, heads, length), attn)
         return out + torch.matmul(weights, table_v)
 
     # -- misc -------------------------------------------------------------------------------------

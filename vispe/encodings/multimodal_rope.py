@@ -187,14 +187,28 @@ class MultimodalRotary(RotaryEncoding):
 
     # -- lattice use (a grid is read as one visual block) ----------------------------------
     def angles(self, grid: PositionGrid, device: torch.device | None) -> torch.Tensor:
-        shape = grid.shape
-        seg = Text(shape[0]) if len(shape) == 1 else Visual(*(((1,) + shape) if len(shape) == 2 else shape))
-        pos, _ = build_positions(self.registry_name, [seg])
+        pos = _lattice_positions(self.registry_name, *grid.shape)
         ang = self.angles_from_positions(pos.to(device))[0]  # (1|H, N, P)
         return ang[0] if ang.shape[0] == 1 and self.axis_map().ndim == 1 else ang
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, theta={self.theta}, layout={self.layout!r}, K={self.num_coords}"
+
+
+def _section_axes(section: Sequence[int]) -> torch.Tensor:
+    """``[0] * section[0] + [1] * section[1] + [2] * section[2]`` as int64 (built from Python ints: a compiled graph
+    cannot size a ``repeat_interleave`` by a tensor)."""
+    return torch.tensor([axis for axis, n in enumerate(section) for _ in range(n)], dtype=torch.int64)
+
+
+@torch.compiler.assume_constant_result
+def _lattice_positions(scheme: str, *shape: int) -> torch.Tensor:
+    """A lattice read as one visual block (a 1D grid as text): the scheme's position ids ``(K, 1, L)``. A pure function
+    of the scheme and the grid's sizes, so a compiled model takes it as a constant instead of tracing the builders
+    (whose next-free-position bookkeeping reads tensor values)."""
+    seg = Text(shape[0]) if len(shape) == 1 else Visual(*(((1,) + shape) if len(shape) == 2 else shape))
+    pos, _ = build_positions(scheme, [seg])
+    return pos
 
 
 def _default_sections(P: int, ratio: Sequence[int]) -> list[int]:
@@ -236,7 +250,7 @@ class MRope(MultimodalRotary):
         self.mrope_section = _check_section("mrope", mrope_section, P, "pairs (head_dim / 2)")
 
     def axis_map(self) -> torch.Tensor:
-        return torch.repeat_interleave(torch.arange(3), torch.tensor(self.mrope_section))
+        return _section_axes(self.mrope_section)
 
 
 @register_encoding("mrope_interleave")
@@ -300,7 +314,7 @@ class MHRope(MultimodalRotary):
 
     def axis_map(self) -> torch.Tensor:
         heads = torch.full((self.num_heads,), -1, dtype=torch.int64)
-        heads[: sum(self.mrope_section)] = torch.repeat_interleave(torch.arange(3), torch.tensor(self.mrope_section))
+        heads[: sum(self.mrope_section)] = _section_axes(self.mrope_section)
         return heads[:, None].expand(self.num_heads, self.num_pairs).clone()
 
 

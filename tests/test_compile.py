@@ -1,0 +1,127 @@
+"""Whole-graph ``torch.compile`` for every registered encoding, in every host that takes it.
+
+For each name in ``vispe.list_encodings()`` (so encodings added later are covered without editing this file):
+the image ViT (2D encodings), the video ViT (3D encodings) and the video-LLM (multimodal schemes) compile with
+``fullgraph=True`` -- a graph break raises -- in train mode (``aot_eager``: forward and backward graphs, outputs and
+every gradient equal to eager) and in eval mode; one new grid costs at most one recompilation, and the layers of
+one forward never recompile each other (one graph per forward, counted).
+"""
+from __future__ import annotations
+
+import pytest
+import timm
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import vispe
+from vispe.encodings import get_encoding_class
+from vispe.models.video_llm import VideoLLM
+from vispe.positions import SCHEMES
+
+ALL = vispe.list_encodings()
+IMAGE = [n for n in ALL if 2 in get_encoding_class(n).grid_ndims]
+VIDEO = [n for n in ALL if 3 in get_encoding_class(n).grid_ndims]
+LLM = [n for n in ALL if n in SCHEMES]
+TOL = dict(atol=1e-5, rtol=1e-4)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_every_registered_encoding_has_a_compiled_host():
+    assert set(IMAGE) | set(VIDEO) | set(LLM) == set(ALL)
+
+
+def _image_model(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    # 8 x 8 grid, 3 heads (multi-head schemes need >= 3), head_dim 16
+    return timm.create_model("vispe_vit_tiny_patch4_32", pos_encoding=name, embed_dim=48, depth=2, num_heads=3, num_classes=5)
+
+
+def _video_model(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return timm.create_model(
+        "vispe_video_vit_nano_patch8_64", pos_encoding=name, img_size=32, num_frames=4, embed_dim=48, depth=2, num_heads=3,
+        num_classes=5,
+    )
+
+
+def _check_train_step(model: torch.nn.Module, inputs: tuple, loss_of) -> CompileCounterWithBackend:
+    """Compiled (fullgraph, aot_eager) and eager train steps from the same weights: same loss, same gradients."""
+    model.train()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, fullgraph=True, backend=counter)
+    want = loss_of(model(*inputs))
+    want.backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    got = loss_of(compiled(*inputs))
+    got.backward()
+    torch.testing.assert_close(got, want, **TOL)
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert grads.keys() == ref.keys()
+    for n in ref:
+        torch.testing.assert_close(grads[n], ref[n], **TOL, msg=lambda m, n=n: f"gradient of {n}: {m}")
+    assert counter.frame_count == 1  # one graph for the whole forward: no layer recompiles another
+    return counter
+
+
+def _check_eval_and_new_grid(model: torch.nn.Module, small: torch.Tensor, large: torch.Tensor, out_of=lambda y: y) -> None:
+    """Eval: fullgraph compiled == eager at two input sizes; the second size adds one compilation, going back to the
+    first adds none. ``dynamic=False``: grid sizes are Python ints to the encodings (position tables are constants of
+    the grid), so each new grid is one static recompilation."""
+    model.eval()
+    counter = CompileCounterWithBackend("eager")
+    compiled = torch.compile(model, fullgraph=True, backend=counter, dynamic=False)
+    with torch.no_grad():
+        for x in (small, large, small):
+            torch.testing.assert_close(out_of(compiled(x)), out_of(model(x)), **TOL)
+    assert counter.frame_count == 2, f"{counter.frame_count} compilations for two grids"
+
+
+@pytest.mark.parametrize("name", IMAGE)
+def test_image_vit_compiles_whole(name):
+    model = _image_model(name)
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    _check_train_step(model, (x,), lambda y: y.square().mean())
+    _check_eval_and_new_grid(model, x, torch.randn(1, 3, 48, 40))
+
+
+@pytest.mark.parametrize("name", VIDEO)
+def test_video_vit_compiles_whole(name):
+    model = _video_model(name)
+    x = torch.randn(2, 3, 4, 32, 32, generator=torch.Generator().manual_seed(1))
+    _check_train_step(model, (x,), lambda y: y.square().mean())
+    _check_eval_and_new_grid(model, x, torch.randn(1, 3, 6, 24, 32))
+
+
+@pytest.mark.parametrize("name", LLM)
+def test_video_llm_compiles_whole(name):
+    torch.manual_seed(0)
+    model = VideoLLM(vocab_size=40, dim=48, depth=2, num_heads=3, pos_scheme=name, visual_dim=24, spatial_merge_size=2)
+    gen = torch.Generator().manual_seed(1)
+    feats = torch.randn(2, 4, 4, 24, generator=gen)
+    text = torch.randint(0, 40, (6,), generator=gen)
+    batch = model.pack([[text[:3], feats, text[3:]], [text[:2], feats[:1]]])  # left padding, two layouts
+    labels = torch.randint(0, 40, batch.inputs_embeds.shape[:2], generator=gen)
+
+    def step(emb, pos, mask):
+        return model(inputs_embeds=emb, position_ids=pos, attention_mask=mask, labels=labels)
+
+    inputs = (batch.inputs_embeds.detach(), batch.position_ids, batch.attention_mask)
+    model.train()
+    counter = CompileCounterWithBackend("aot_eager")
+    want = step(*inputs).loss
+    want.backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    got = torch.compile(step, fullgraph=True, backend=counter)(*inputs).loss
+    got.backward()
+    torch.testing.assert_close(got, want, **TOL)
+    for n, g in ref.items():
+        torch.testing.assert_close(dict(model.named_parameters())[n].grad, g, **TOL)
+    assert counter.frame_count == 1
