@@ -353,3 +353,16 @@ def test_eva02at_joint_rotary_follows_the_paper():
     tables = enc.parts[0]
     lat = tables.lattice(PositionGrid(grid, 0))
     torch.testing.assert_close(lat[n + 3], tables.pos_embed[0, 3] + tables.temporal_embed[0, 1])
+
+
+def test_benchmarks_take_composed_names():
+    from vispe.benchmarks.resolution_benchmark import split_run_encoding
+    from vispe.benchmarks.three_cell import _resolve_encodings
+
+    assert split_run_encoding("learned+rope_axial") == ("learned+rope_axial", None)
+    assert split_run_encoding("rope_axial+randpos") == ("rope_axial", "randpos")
+    assert _resolve_encodings("learned+rope_axial,qwen3vl_vision", quick=False) == ["learned+rope_axial", "qwen3vl_vision"]
+    with pytest.raises(ValueError, match="attention-side"):
+        _resolve_encodings("rope_axial+rope_mixed", quick=False)
+    with pytest.raises(ValueError, match="eva02at"):
+        _resolve_encodings("eva02at", quick=False)
