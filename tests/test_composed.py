@@ -366,3 +366,23 @@ def test_benchmarks_take_composed_names():
         _resolve_encodings("rope_axial+rope_mixed", quick=False)
     with pytest.raises(ValueError, match="eva02at"):
         _resolve_encodings("eva02at", quick=False)
+
+
+def test_auxiliary_losses_of_the_parts_are_summed():
+    class WithLoss(vispe.encodings.TokenEncoding):
+        def __init__(self, value):
+            super().__init__()
+            self.value = value
+
+        def auxiliary_loss(self):
+            return torch.tensor(self.value)
+
+    comp = ComposedEncoding([WithLoss(1.5), create_encoding("rope_axial", EncodingContext(32, 2, 1, (4, 4)))])
+    assert float(comp.auxiliary_loss()) == 1.5
+    class OtherLoss(WithLoss):
+        pass
+
+    comp = ComposedEncoding([WithLoss(1.5), OtherLoss(2.0)])
+    assert float(comp.auxiliary_loss()) == 3.5
+    assert ComposedEncoding([create_encoding("learned", EncodingContext(32, 2, 1, (4, 4))),
+                             create_encoding("rope_axial", EncodingContext(32, 2, 1, (4, 4)))]).auxiliary_loss() is None

@@ -132,6 +132,11 @@ class ComposedEncoding(PositionalEncoding):
     def no_weight_decay(self) -> set[str]:
         return {f"parts.{i}.{n}" for i, p in enumerate(self.parts) for n in p.no_weight_decay()}
 
+    def auxiliary_loss(self) -> torch.Tensor | None:
+        """The sum of the parts' own training regularisers (the hook SeqPE's work adds to the base class), or ``None``."""
+        losses = [loss for p in self.parts if (loss := getattr(p, "auxiliary_loss", lambda: None)()) is not None]
+        return torch.stack([loss.reshape(()) for loss in losses]).sum() if losses else None
+
     def _first_mapping(self, hook: str, value: torch.Tensor) -> dict[str, torch.Tensor] | None:
         for i, p in enumerate(self.parts):
             mapped = getattr(p, hook)(value)
