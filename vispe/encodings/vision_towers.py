@@ -51,13 +51,11 @@ def _positive_int(owner: str, option: str, value) -> int:
     return value
 
 
-def _table_shape(owner: str, table_size, grid_size: Sequence[int]) -> tuple[int, int]:
+def _table_shape(owner: str, table_size: int | None, grid_size: Sequence[int]) -> tuple[int, int]:
     if table_size is None:
         return int(grid_size[-2]), int(grid_size[-1])
-    size = (table_size, table_size) if isinstance(table_size, int) and not isinstance(table_size, bool) else tuple(table_size)
-    if len(size) != 2:
-        raise ValueError(f"{owner}: table_size must be an int or (rows, cols), got {table_size!r}")
-    return _positive_int(owner, "table_size", size[0]), _positive_int(owner, "table_size", size[1])
+    side = _positive_int(owner, "table_size", table_size)
+    return side, side
 
 
 def _positive(owner: str, option: str, value) -> float:
@@ -75,8 +73,8 @@ def _sample_axis(n: int, align_corners: bool, device) -> torch.Tensor:
 
 @register_encoding("learned_resampled")
 class ResampledTable(TokenEncoding):
-    """A learned table of a fixed size (``table_size``, any grid's size) resampled to each image's grid and added to the
-    patch tokens: sampled at every patch with ``mode`` interpolation (``align_corners=True``: the table's corner rows
+    """A learned table (``table_size`` x ``table_size``; default: the training grid's shape) resampled to each image's
+    grid and added to the patch tokens: sampled at every patch with ``mode`` interpolation (``align_corners=True``: the table's corner rows
     on the corner patches; ``False``: at the patch centres), border padding. On ``(t, h, w)`` grids every frame gets
     the same spatial table. Prefix tokens get nothing. ``pos_embed`` ``(1, rows * cols, D)`` is row-major, as a
     transformers ``nn.Embedding`` table of the towers is."""
@@ -88,7 +86,7 @@ class ResampledTable(TokenEncoding):
         self,
         dim: int,
         grid_size: Sequence[int],
-        table_size: int | Sequence[int] | None = None,
+        table_size: int | None = None,
         mode: str = "bilinear",
         align_corners: bool = True,
         init_std: float = 0.02,
