@@ -47,8 +47,10 @@ HEADLINE = ("learned", "sincos2d", "rope_axial", "rope_mixed", "comrope_ap", "co
 CATALOGUE_2026 = ("rope_dinov3", "alibi_2d", "fire", "liere")
 #: SeqPE (Li et al. 2025): its extrapolation is the point of the paper, so every seed too
 SEQPE = ("seqpe",)
+#: composed encodings (issue 31): shipping vision towers' table + RoPE presets and the plain composition, every seed
+COMPOSED_2D = ("learned+rope_axial", "qwen3vl_vision", "glm4v_vision", "gemma4_vision")
 ALL_2D = ("none", "learned", "sincos2d", "rope_axial", "rope_mixed", "irpe", "cpe", "lff", "loope", "comrope_ap", "comrope_ld",
-          *CATALOGUE_2026, *SEQPE)
+          *CATALOGUE_2026, *SEQPE, *COMPOSED_2D)
 #: Training-time resolution-generalisation techniques (``--techniques``): name -> the encoding options that turn it on.
 #: A technique run ``<encoding>+<technique>`` trains the encoding with those options, with every seed of the part, and
 #: is swept like any run (so the evaluation-time policies ``ntk`` / ``yarn`` combine with it under ``--policies all``).
@@ -114,7 +116,7 @@ RECIPES: dict[str, list[Part]] = {
         Part(
             "fashion_mnist", "vispe.data.FashionMNISTDataModule", {"image_size": 28, "in_chans": 1, "augment": "flip"},
             28, 7, {**_SMALL_VIT, "patch_size": 7}, {**_CPU_FIT, "model.init_args.warmup_epochs": 0.2, "trainer.max_epochs": 10},
-            ALL_2D, (0, 1, 2), extra_seed_encodings=HEADLINE + CATALOGUE_2026 + SEQPE, needs_data="fashion-mnist",
+            ALL_2D, (0, 1, 2), extra_seed_encodings=HEADLINE + CATALOGUE_2026 + SEQPE + COMPOSED_2D, needs_data="fashion-mnist",
         ),
         Part(
             "cifar10", "vispe.data.CIFAR10JpegDataModule", {"augment": "crop_flip"},
@@ -132,9 +134,10 @@ RECIPES: dict[str, list[Part]] = {
 
 
 def split_run_encoding(run_encoding: str) -> tuple[str, str | None]:
-    """``'rope_axial+randpos'`` -> ``('rope_axial', 'randpos')``; a plain name -> ``(name, None)``."""
-    encoding, _, technique = run_encoding.partition("+")
-    return encoding, technique or None
+    """``'rope_axial+randpos'`` -> ``('rope_axial', 'randpos')``; a plain or composed name (``'learned+rope_axial'``)
+    -> ``(name, None)``."""
+    encoding, _, technique = run_encoding.rpartition("+")
+    return (encoding, technique) if technique in TECHNIQUES else (run_encoding, None)
 
 
 def _fit_command(part: Part, run_encoding: str, seed: int, out: Path, data_dir: str | None) -> list[str]:

@@ -111,7 +111,8 @@ def _resolve_encodings(spec: str | None, quick: bool) -> list[str]:
     from vispe.encodings.spec import parse_encoding_list
 
     specs = parse_encoding_list(spec)  # names, or specs with options: 'learned[init=sincos2d]'
-    bad = [name for _, name, _ in specs if name not in available]
+    # a composition ('learned+rope_axial') is resolved here: a part that cannot compose fails naming it
+    bad = [name for _, name, _ in specs if name not in available and not ("+" in name and 2 in vispe.get_encoding_class(name).grid_ndims)]
     if bad or not specs:
         raise ValueError(f"unknown or non-2D encoding(s) {bad or spec!r}; choose from {available} or 'all'")
     return [label for label, _, _ in specs]

@@ -461,6 +461,10 @@ def list_encodings(kind: str | None = None, grid_ndim: int | None = None) -> lis
 
 
 def get_encoding_class(name: str) -> type[PositionalEncoding]:
+    if isinstance(name, str) and "+" in name and name not in _REGISTRY:  # a composition ("learned+rope_axial")
+        from .composed import composed_class
+
+        return composed_class(name)
     if not isinstance(name, str) or name not in _REGISTRY:
         raise ValueError(f"unknown positional encoding {name!r}; choose one of {list_encodings()}")
     return _REGISTRY[name]

@@ -51,7 +51,8 @@ def position_digits(positions: torch.Tensor, base: int, num_digits: int) -> torc
     """Integer positions ``(P, A)`` -> digit sequences ``(P, A * num_digits)`` (most significant digit first,
     left-padded with 0, axes one after another). Raises when a position needs more than ``num_digits`` digits."""
     pos = positions.long()
-    if pos.numel() and (pos.min() < 0 or pos.max() >= base**num_digits):
+    # a value check reads the tensor (a graph break under torch.compile): lattices are checked by shape instead
+    if not torch.compiler.is_compiling() and pos.numel() and (pos.min() < 0 or pos.max() >= base**num_digits):
         raise ValueError(
             f"SeqPE position {int(pos.max()) if pos.max() >= 0 else int(pos.min())} does not fit in {num_digits} base-{base} "
             f"digits (0 .. {base**num_digits - 1}); raise max_position"
@@ -215,6 +216,9 @@ class SeqPE(TokenEncoding):
         return self.encoder(position_digits(positions.to(device), self.base, self.num_digits))
 
     def _lattice(self, shape: Sequence[int], device: torch.device, offset: torch.Tensor | None = None) -> torch.Tensor:
+        if max(shape) > self.base**self.num_digits:
+            raise ValueError(f"SeqPE grid {tuple(shape)} has positions past {self.base**self.num_digits - 1}, the largest "
+                             f"{self.num_digits} base-{self.base} digits hold; raise max_position")
         idx = PositionGrid(tuple(shape)).indices(device).long()
         return idx if offset is None else idx + offset
 
@@ -236,6 +240,8 @@ class SeqPE(TokenEncoding):
 
     def embed_tokens(self, x, grid, state=None, image=None):
         self.check_grid(grid)
+        if self.training and self.random_shift > 0 and torch.compiler.is_compiling():
+            return self.add_to_tokens(x, self._shifted_table_traceable(grid, x.device), grid, self.prefix_embed)
         if self.training and self.random_shift > 0 and torch.rand(()) < self.random_shift:
             room = torch.tensor([self.max_position - s for s in grid.shape])
             if bool((room > 0).all()):
@@ -243,6 +249,18 @@ class SeqPE(TokenEncoding):
                 pe = self.embed_positions(self._lattice(grid.shape, x.device, offset))[None]
                 return self.add_to_tokens(x, pe, grid, self.prefix_embed)
         return self.add_to_tokens(x, self.table_for(grid, x.device), grid, self.prefix_embed)
+
+    def _shifted_table_traceable(self, grid: PositionGrid, device: torch.device) -> torch.Tensor:
+        """The random shift without a data-dependent branch (for ``torch.compile(fullgraph=True)``): the offset is
+        drawn every step and zeroed when the coin says no shift, which is the unshifted lattice. Eager keeps the
+        branch (and so its random stream); a grid off the training one under ``interpolate`` is not shifted."""
+        room = [self.max_position - s for s in grid.shape]
+        if min(room) <= 0 or (self.extrapolation != "extend" and grid.shape != self.grid_size):
+            return self.table_for(grid, device)
+        room_t = torch.tensor(room, device=device)
+        coin = (torch.rand((), device=device) < self.random_shift).long()
+        offset = (torch.rand(len(room), device=device) * (room_t + 1)).long().clamp_max(room_t) * coin
+        return self.embed_positions(self._lattice(grid.shape, device, offset))[None]
 
     # -- regularisers ----------------------------------------------------------------------------
     def contrastive_loss(self) -> torch.Tensor:
