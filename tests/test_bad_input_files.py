@@ -23,6 +23,7 @@ import torch
 import vispe  # noqa: F401  (registers models)
 from bad_input import expect_clear_error
 from vispe.files import DamagedFileError, UnsafeCheckpointError, check_idx, read_checkpoint, read_idx, read_json, read_safetensors
+from vispe.encodings import EncodingContext, create_encoding
 
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = REPO / "configs" / "smoke.yaml"
@@ -76,7 +77,7 @@ def _loading_paths(path: Path, tmp_path: Path, capsys):
     """Every public way vispe reads a checkpoint file, as zero-argument callables."""
     from vispe.benchmarks.resolution import main as resolution_main
     from vispe.cli import main as vispe_main
-    from vispe.models import load_timm_checkpoint
+    from vispe.models import load_released_loope, load_timm_checkpoint
     from vispe.tasks.retrieval import build_text_tower, load_text_tower_checkpoint
     from vispe.train_cli import AtomicCheckpointIO
     from vispe.train_cli import main as fit_main
@@ -91,6 +92,7 @@ def _loading_paths(path: Path, tmp_path: Path, capsys):
         "vispe validate --ckpt_path": lambda: fit_main(["validate", *fit[1:]]),
         "fit resume 'last' (checkpoint io)": lambda: AtomicCheckpointIO().load_checkpoint(path),
         "load_timm_checkpoint": lambda: load_timm_checkpoint(_tiny_vit(), path),
+        "load_released_loope": lambda: load_released_loope(create_encoding("loope", EncodingContext(64, 4, 1, (4, 4))), path),
         "text tower": lambda: load_text_tower_checkpoint(build_text_tower(16, dict(context_length=8, width=32, heads=2, layers=1)), path),
     }
 

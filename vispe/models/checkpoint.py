@@ -229,17 +229,25 @@ def timm_checkpoint_filter(state_dict: Mapping[str, Any], model: nn.Module) -> d
     return out
 
 
+def _as_state_dict(checkpoint: str | os.PathLike | Mapping[str, Any]) -> Mapping[str, Any]:
+    """A state dict as given, or read from a ``.pth`` / ``.safetensors`` file through vispe's checked reader
+    (safetensors, or ``torch.load(weights_only=True)``: a file never runs code)."""
+    if isinstance(checkpoint, Mapping):
+        return checkpoint
+    from vispe.files import read_state_dict
+
+    path = os.fspath(checkpoint)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"checkpoint file not found: {path}")
+    state = read_state_dict(path)
+    if not isinstance(state, Mapping):
+        raise ValueError(f"checkpoint {path!r} holds a {type(state).__name__}, not a state dict")
+    return state
+
+
 def load_timm_checkpoint(model: nn.Module, checkpoint: str | os.PathLike | Mapping[str, Any]) -> LoadReport:
     """Load a timm ViT checkpoint (a state dict or a ``.pth``/``.safetensors`` file) into ``model``."""
-    if not isinstance(checkpoint, Mapping):
-        from vispe.files import read_state_dict
-
-        path = os.fspath(checkpoint)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"checkpoint file not found: {path}")
-        checkpoint = read_state_dict(path)  # safetensors, or torch.load(weights_only=True): never runs code
-        if not isinstance(checkpoint, Mapping):
-            raise ValueError(f"checkpoint {path!r} holds a {type(checkpoint).__name__}, not a state dict")
+    checkpoint = _as_state_dict(checkpoint)
     out, report = adapt_timm_state_dict(checkpoint, model)
     missing, unexpected = model.load_state_dict(out, strict=False)
     assert not unexpected, unexpected  # adapt_timm_state_dict only returns model keys
@@ -336,12 +344,7 @@ def load_released_loope(target: nn.Module, checkpoint: str | os.PathLike | Mappi
     or a ``.pth`` file. Returns the :class:`LoadReport` (kept / permuted / new / dropped), also logged.
     """
     encoding = getattr(target, "pos_encoding", target)
-    if not isinstance(checkpoint, Mapping):
-        path = os.fspath(checkpoint)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"checkpoint file not found: {path}")
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    out, report = adapt_released_loope_state_dict(checkpoint, encoding)
+    out, report = adapt_released_loope_state_dict(_as_state_dict(checkpoint), encoding)
     encoding.load_state_dict(out, strict=False)
     encoding.clear_cache()
     _log(report)
