@@ -92,6 +92,21 @@ def autocast_off_in_backward(backward: Callable[..., Any]) -> Callable[..., Any]
     return wrapped
 
 
+def _masked_softmax_(p: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last axis of the logits ``p``, in place, after a boolean (keep) or additive ``mask``; fully
+    masked rows become zeros, as SDPA returns there. The backward passes recompute attention probabilities with it."""
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            p.masked_fill_(~mask, float("-inf"))
+        else:
+            p.add_(mask)
+    p.sub_(p.amax(-1, keepdim=True)).exp_()
+    p.div_(p.sum(-1, keepdim=True))
+    if mask is not None:
+        p.nan_to_num_(0.0)
+    return p
+
+
 class _RecomputedBiasAttention(torch.autograd.Function):
     """``softmax(q k^T s + bias_fn(*inputs) [+ mask]) v`` that keeps no ``(B, H, L, L)`` tensor for backward.
 
@@ -124,15 +139,7 @@ class _RecomputedBiasAttention(torch.autograd.Function):
         p = torch.matmul(qf, kf.transpose(-1, -2)).mul_(s)
         with torch.no_grad():
             p.add_(ctx.bias_fn(*inputs))
-        if attn_mask is not None:
-            if attn_mask.dtype == torch.bool:
-                p.masked_fill_(~attn_mask, float("-inf"))
-            else:
-                p.add_(attn_mask)
-        p.sub_(p.amax(-1, keepdim=True)).exp_()
-        p.div_(p.sum(-1, keepdim=True))
-        if attn_mask is not None:
-            p.nan_to_num_(0.0)  # fully masked rows: SDPA returns zeros there
+        _masked_softmax_(p, attn_mask)
         dv = torch.matmul(p.transpose(-1, -2), dof)
         dp = torch.matmul(dof, vf.transpose(-1, -2))
         ds = p.mul_(dp.sub_((dof * out.to(dt)).sum(-1, keepdim=True)))  # dS = P * (dP - rowsum(dO * O))
@@ -358,15 +365,7 @@ class _BlockedBiasAttention(torch.autograd.Function):
                 bias = spec.rows(d_leaves, bsz, heads, start, stop, lk, q.device)
             p = torch.matmul(qf[:, :, start:stop], kf.transpose(-1, -2)).mul_(s)
             p.add_(bias.detach())
-            if mask is not None:
-                if mask.dtype == torch.bool:
-                    p.masked_fill_(~mask, float("-inf"))
-                else:
-                    p.add_(mask)
-            p.sub_(p.amax(-1, keepdim=True)).exp_()
-            p.div_(p.sum(-1, keepdim=True))
-            if mask is not None:
-                p.nan_to_num_(0.0)  # fully masked rows: SDPA returns zeros there
+            _masked_softmax_(p, mask)
             do_b = dof[:, :, start:stop]
             dv += torch.matmul(p.transpose(-1, -2), do_b).sum_to_size(dv.shape)
             dp = torch.matmul(do_b, vf.transpose(-1, -2))
