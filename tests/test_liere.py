@@ -129,7 +129,9 @@ def test_comrope_is_liere_with_commuting_generators(name, ndim):
     coordinate convention, gives ComRoPE's rotations, rotated logits and attention output."""
     torch.manual_seed(0)
     ctx = _ctx(ndim)
-    com = create_encoding(name, ctx, block_size=4)
+    # LieRE's 'centers' put every axis at (i + 0.5) / n; ComRoPE-3D's default places time as released,
+    # (t + 0.5) / n_spatial, so the shared convention on video grids is its time_scale='frames'
+    com = create_encoding(name, ctx, block_size=4, **({"time_scale": "frames"} if ndim == 3 else {}))
     lie = create_encoding("liere" if ndim == 2 else "liere_3d", ctx, block_size=4, coords="centers")
     gens = com.axis_generators()  # (N, depth, H, m, b, b)
     for i in range(ndim):  # they commute (so the subset claim is about commuting generators)

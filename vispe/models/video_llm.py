@@ -373,7 +373,10 @@ class VideoLLM(nn.Module):
                 raise TypeError(f"input_ids must be an integer tensor (B, L), got {getattr(input_ids, 'dtype', type(input_ids).__name__)}")
             if input_ids.ndim != 2:
                 raise ValueError(f"input_ids must be (B, L), got shape {shape(input_ids)}" + (" (add a batch dimension: ids[None])" if input_ids.ndim == 1 else ""))
-            if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.vocab_size):
+            # value checks read the tensors (a device sync; a data-dependent branch that torch.compile cannot
+            # trace), so a compiled forward relies on the eager one having checked them
+            if not torch.compiler.is_compiling() and input_ids.numel() and (
+                    int(input_ids.min()) < 0 or int(input_ids.max()) >= self.vocab_size):
                 raise ValueError(
                     f"input_ids must lie in [0, vocab_size={self.vocab_size}), got values in [{int(input_ids.min())}, {int(input_ids.max())}]"
                 )
@@ -400,7 +403,7 @@ class VideoLLM(nn.Module):
             if shape(labels) != (B, L):
                 raise ValueError(f"labels must be (B, L) = ({B}, {L}) like the input, got shape {shape(labels)}")
             bad = (labels != IGNORE_INDEX) & ((labels < 0) | (labels >= self.vocab_size))
-            if bool(bad.any()):
+            if not torch.compiler.is_compiling() and bool(bad.any()):
                 raise ValueError(f"labels must lie in [0, vocab_size={self.vocab_size}) or be {IGNORE_INDEX} (ignored), got {int(labels[bad][0])}")
         if rope_delta is not None and torch.is_tensor(rope_delta) and rope_delta.numel() not in (1, B):
             raise ValueError(f"rope_delta must have 1 or B={B} values, got shape {shape(rope_delta)}")
