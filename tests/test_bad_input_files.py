@@ -117,6 +117,26 @@ def test_checkpoints_hostile_pickle_never_runs_on_any_loading_path(hostile, tmp_
     assert not marker.exists()
 
 
+def test_checkpoints_hostile_pickle_through_the_hf_loader(hostile, tmp_path):
+    """`vispe.integrations.hf.from_pretrained` on a model folder whose `pytorch_model.bin` is the hostile pickle:
+    transformers reads `.bin` weights with weights_only, so the payload never runs and loading fails."""
+    transformers = pytest.importorskip("transformers")
+    from test_hf_integration import _qwen2_vl
+
+    from vispe.integrations import hf as vhf
+
+    path, marker = hostile
+    folder = tmp_path / "hf_model"
+    _qwen2_vl().save_pretrained(folder)
+    for f in folder.glob("*.safetensors"):  # transformers 5 saves safetensors only: put the pickle format in their place
+        f.unlink()
+    (folder / "pytorch_model.bin").write_bytes(path.read_bytes())
+    with pytest.raises(Exception) as info:
+        vhf.from_pretrained(transformers.Qwen2VLForConditionalGeneration, folder)
+    assert not marker.exists(), "the checkpoint's payload ran"
+    assert "weights_only" in str(info.value) or "Weights only load failed" in str(info.value) or "pickle" in str(info.value).lower()
+
+
 def test_checkpoints_no_unchecked_torch_load_in_vispe():
     """Every file read goes through vispe.files: no other torch.load / pickle.load / weights_only=False in the package."""
     import ast
