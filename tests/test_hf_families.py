@@ -14,6 +14,9 @@ from vispe.encodings import EncodingContext, create_encoding
 from vispe.integrations import hf as vhf
 from vispe.positions import POSITION_SCHEMES, SCHEMES, Text, Visual, build_positions_batch
 
+from test_hf_integration import _forward_kwargs  # noqa: E402  (one copy of the HF test helpers)
+from test_hf_integration import _generate_vs_reforward as _shared_generate_vs_reforward  # noqa: E402
+
 V5 = Version(transformers.__version__).major >= 5
 IMG, VID, VS, VE = 120, 121, 122, 123  # Qwen: image / video / vision start / vision end
 GIS, GIE, GVS, GVE = 124, 125, 126, 127  # GLM: image start / end, video start / end (frames are image tokens)
@@ -187,13 +190,6 @@ def _rope_index(model, kw, types):
     return inner.get_rope_index(kw["input_ids"], **args)
 
 
-def _forward_kwargs(model, kw, types):
-    out = dict(kw)
-    if "mm_token_type_ids" in inspect.signature(model.forward).parameters:
-        out["mm_token_type_ids"] = types
-    return out
-
-
 def _logits(model, kw, types):
     with torch.no_grad():
         out = model(**_forward_kwargs(model, kw, types))
@@ -240,20 +236,7 @@ def test_scheme_positions_are_vispes_builders(name, scheme):
 
 
 def _generate_vs_reforward(model, kw, types, n_new=4):
-    fkw = _forward_kwargs(model, kw, types)
-    with torch.no_grad():
-        out = model.generate(**fkw, max_new_tokens=n_new, do_sample=False, suppress_tokens=SPECIAL,
-                             output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-    seq = out.sequences
-    L = kw["input_ids"].shape[1]
-    assert seq.shape[1] == L + n_new
-    full = dict(fkw, input_ids=seq, attention_mask=torch.cat([kw["attention_mask"], torch.ones(2, n_new, dtype=torch.long)], 1))
-    if "mm_token_type_ids" in fkw:
-        full["mm_token_type_ids"] = torch.cat([types, torch.zeros(2, n_new, dtype=types.dtype)], 1)
-    _inner(model).rope_deltas = None
-    with torch.no_grad():
-        ref = model(**full).logits[:, L - 1: L + n_new - 1]
-    return (torch.stack(out.logits, dim=1) - ref).abs().max().item()
+    return _shared_generate_vs_reforward(model, kw, types, n_new, suppress=SPECIAL)
 
 
 @pytest.mark.parametrize("name", NAMES)

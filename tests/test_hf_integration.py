@@ -143,10 +143,12 @@ def test_scheme_positions_are_vispes_builders(name, scheme):
     assert torch.allclose(next_free, ref.rope_delta.double() + L)
 
 
-def _generate_vs_reforward(model, kw, types, n_new=4):
+def _generate_vs_reforward(model, kw, types, n_new=4, suppress=None):
+    """Max |cached generate() logits - one full re-forward's| over ``n_new`` greedy tokens (``suppress``: the special
+    ids generation must not emit; this file's by default). Shared with test_hf_families.py."""
     fkw = _forward_kwargs(model, kw, types)
     with torch.no_grad():
-        out = model.generate(**fkw, max_new_tokens=n_new, do_sample=False, suppress_tokens=SPECIAL,
+        out = model.generate(**fkw, max_new_tokens=n_new, do_sample=False, suppress_tokens=SPECIAL if suppress is None else suppress,
                              output_logits=True, return_dict_in_generate=True, pad_token_id=0)
     seq = out.sequences
     L = kw["input_ids"].shape[1]
@@ -154,7 +156,7 @@ def _generate_vs_reforward(model, kw, types, n_new=4):
     full = dict(fkw, input_ids=seq, attention_mask=torch.cat([kw["attention_mask"], torch.ones(2, n_new, dtype=torch.long)], 1))
     if "mm_token_type_ids" in fkw:
         full["mm_token_type_ids"] = torch.cat([types, torch.zeros(2, n_new, dtype=types.dtype)], 1)
-    model.model.rope_deltas = None
+    vhf._inner_model(model).rope_deltas = None
     with torch.no_grad():
         ref = model(**full).logits[:, L - 1: L + n_new - 1]
     cached = torch.stack(out.logits, dim=1)
