@@ -14,7 +14,7 @@ from vispe.encodings import EncodingContext, create_encoding
 from vispe.integrations import hf as vhf
 from vispe.positions import POSITION_SCHEMES, SCHEMES, Text, Visual, build_positions_batch
 
-from test_hf_integration import _forward_kwargs  # noqa: E402  (one copy of the HF test helpers)
+from test_hf_integration import _forward_kwargs, _left_padded  # noqa: E402  (one copy of the HF test helpers)
 from test_hf_integration import _generate_vs_reforward as _shared_generate_vs_reforward  # noqa: E402
 
 V5 = Version(transformers.__version__).major >= 5
@@ -155,12 +155,7 @@ def _batch(name, with_image=None, with_video=True):
     with_image = not _is_glm(name) if with_image is None else with_image
     first = [5, 6] + (_image(name) + [7, 8, 9] if with_image else []) + (_video(name) if with_video else _image(name)) + [10, 11]
     rows = [first, [12] + (_video(name) if with_video else _image(name)) + [13, 14, 15]]
-    L = max(map(len, rows))
-    ids = torch.zeros(2, L, dtype=torch.long)
-    mask = torch.zeros(2, L, dtype=torch.long)
-    for b, r in enumerate(rows):
-        ids[b, L - len(r):] = torch.tensor(r)
-        mask[b, L - len(r):] = 1
+    ids, mask = _left_padded(rows)
     types = _types(name, ids)
     segs = [_segments(ids[b, mask[b].bool()].tolist(), types[b, mask[b].bool()].tolist()) for b in range(2)]
     g = torch.Generator().manual_seed(1)

@@ -65,12 +65,7 @@ def _batch(name, with_video=True):
         [Text(3), Visual(*img), Text(5), Visual(*vid), Text(3)],
         [Text(2), Visual(*vid), Text(4)],
     ]
-    L = max(map(len, rows))
-    ids = torch.zeros(2, L, dtype=torch.long)
-    mask = torch.zeros(2, L, dtype=torch.long)
-    for b, r in enumerate(rows):
-        ids[b, L - len(r):] = torch.tensor(r)
-        mask[b, L - len(r):] = 1
+    ids, mask = _left_padded(rows)
     grids_img = torch.tensor([img])
     grids_vid = torch.tensor([vid, vid])
     g = torch.Generator().manual_seed(1)
@@ -96,6 +91,17 @@ def _rope_index(model, kw, types):
     if "mm_token_type_ids" in params:
         args["mm_token_type_ids"] = types
     return inner.get_rope_index(kw["input_ids"], **args)
+
+
+def _left_padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token rows -> left-padded ``(ids, attention_mask)`` of shape ``(B, longest)``. Shared with test_hf_families.py."""
+    L = max(map(len, rows))
+    ids = torch.zeros(len(rows), L, dtype=torch.long)
+    mask = torch.zeros(len(rows), L, dtype=torch.long)
+    for b, r in enumerate(rows):
+        ids[b, L - len(r):] = torch.tensor(r)
+        mask[b, L - len(r):] = 1
+    return ids, mask
 
 
 def _forward_kwargs(model, kw, types):
