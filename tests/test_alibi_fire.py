@@ -17,7 +17,8 @@ import torch
 
 import vispe
 from vispe.encodings import EncodingContext, PositionGrid, create_encoding, get_encoding_class
-from vispe.encodings.alibi import alibi_slopes, lattice_offsets
+from vispe.encodings.alibi import alibi_slopes
+from vispe.encodings.lattice_bias import lattice_offsets
 from vispe.encodings.fire import fire_inputs, lattice_extent
 from vispe.models.video_vit import VispeVideoViT
 

@@ -14,7 +14,7 @@ import torch
 
 import vispe
 from vispe.encodings import EncodingContext, PositionGrid, create_encoding, get_encoding_class
-from vispe.encodings.alibi import LatticePairCodes, lattice_offsets
+from vispe.encodings.lattice_bias import LatticePairCodes, lattice_offsets
 from vispe.encodings.attention import _blocked_traceable, resolve_attention_backend
 from vispe.encodings.irpe import irpe_bucket_ids
 

@@ -75,7 +75,7 @@ def hostile(request, tmp_path) -> tuple[Path, Path]:
 
 def _loading_paths(path: Path, tmp_path: Path, capsys):
     """Every public way vispe reads a checkpoint file, as zero-argument callables."""
-    from vispe.benchmarks.resolution import main as resolution_main
+    from vispe.benchmarks.resolution_sweep import main as resolution_main
     from vispe.cli import main as vispe_main
     from vispe.models import load_released_loope, load_timm_checkpoint
     from vispe.tasks.retrieval import build_text_tower, load_text_tower_checkpoint
@@ -160,7 +160,7 @@ def test_checkpoints_vispe_written_lightning_checkpoint_loads_weights_only(tmp_p
     optimizer and scheduler states) loads with weights_only and rebuilds the same model."""
     import lightning.pytorch as pl
 
-    from vispe.benchmarks.resolution import load_classifier
+    from vispe.benchmarks.resolution_sweep import load_classifier
     from vispe.data import SyntheticDataModule
     from vispe.tasks import ImageClassification
 
@@ -222,7 +222,7 @@ def _damage(kind: str, tmp_path: Path, suffix: str = ".pth") -> Path:
 ])
 @pytest.mark.parametrize("reader", ["read_checkpoint", "load_timm_checkpoint", "resolution", "fit"])
 def test_checkpoints_damaged_file_is_named(kind, needles, reader, tmp_path, capsys):
-    from vispe.benchmarks.resolution import main as resolution_main
+    from vispe.benchmarks.resolution_sweep import main as resolution_main
     from vispe.models import load_timm_checkpoint
     from vispe.train_cli import main as fit_main
 
@@ -292,7 +292,7 @@ def test_checkpoints_wrong_width_into_vit():
 
 
 def test_checkpoints_resolution_sweep_of_another_task_or_tampered_weights(narrow_ckpt, tmp_path, capsys):
-    from vispe.benchmarks.resolution import main as resolution_main
+    from vispe.benchmarks.resolution_sweep import main as resolution_main
 
     ckpt = read_checkpoint(narrow_ckpt)
     other = dict(ckpt, hyper_parameters=dict(ckpt["hyper_parameters"], _class_path="vispe.tasks.VideoTextRetrieval"))
@@ -306,7 +306,7 @@ def test_checkpoints_resolution_sweep_of_another_task_or_tampered_weights(narrow
 
 
 def test_data_damaged_earlier_sweep_results_are_named(narrow_ckpt, tmp_path, capsys):
-    from vispe.benchmarks.resolution import main as resolution_main
+    from vispe.benchmarks.resolution_sweep import main as resolution_main
 
     out = tmp_path / "res"
     out.mkdir()
@@ -316,7 +316,7 @@ def test_data_damaged_earlier_sweep_results_are_named(narrow_ckpt, tmp_path, cap
 
 
 def test_checkpoints_resolution_sweep_of_a_plain_state_dict(tmp_path, capsys):
-    from vispe.benchmarks.resolution import main as resolution_main
+    from vispe.benchmarks.resolution_sweep import main as resolution_main
 
     path = _good_state_dict_file(tmp_path)
     expect_clear_error(_cli_error(lambda: resolution_main([str(path), "--out", str(tmp_path / "r")]), capsys),

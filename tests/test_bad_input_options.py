@@ -11,7 +11,6 @@ finite outputs on finite inputs.
 from __future__ import annotations
 
 import inspect
-import math
 
 import pytest
 import timm

@@ -7,7 +7,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from vispe.benchmarks.resolution import _checkpoint, load_classifier, main, run_sweep
+from vispe.benchmarks.resolution_sweep import _checkpoint, load_classifier, main, run_sweep
 from vispe.data import SyntheticDataModule
 from vispe.tasks import ImageClassification
 

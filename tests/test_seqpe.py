@@ -156,7 +156,7 @@ def test_classification_task_validates_the_weight():
 
 
 def test_extrapolation_policies_and_the_resolution_sweep():
-    from vispe.benchmarks.resolution import extrapolation_modes
+    from vispe.benchmarks.resolution_sweep import extrapolation_modes
 
     assert set(extrapolation_modes("seqpe")) == {"extend", "interpolate"}
     torch.manual_seed(0)

@@ -205,7 +205,7 @@ class Seq(OptionCheck):
         else:
             size = "a sequence of"
         extra = ", distinct" if self.distinct else ""
-        single = f" (or one such value)" if self.scalar_ok else ""
+        single = " (or one such value)" if self.scalar_ok else ""
         return f"{size} items each {self.item.describe()}{extra}{single}"
 
     def _valid(self, value: Any) -> str | None:

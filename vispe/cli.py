@@ -20,7 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "validate": ("vispe.train_cli:main", "validate a checkpoint (LightningCLI)"),
     "test": ("vispe.train_cli:main", "test a checkpoint (LightningCLI)"),
     "predict": ("vispe.train_cli:main", "predict with a checkpoint (LightningCLI)"),
-    "resolution": ("vispe.benchmarks.resolution:main", "accuracy of checkpoints across input resolutions"),
+    "resolution": ("vispe.benchmarks.resolution_sweep:main", "accuracy of checkpoints across input resolutions"),
     "resolution-benchmark": ("vispe.benchmarks.resolution_benchmark:main", "train every 2D encoding, sweep 0.5x-2x (seeds, spreads)"),
     "three-cell": ("vispe.benchmarks.three_cell:main", "the Three Cell Experiment leaderboard (--quick for a first run)"),
     "bench": ("vispe.benchmarks.speed:main", "speed and memory of every encoding vs timm ('vispe bench speed')"),

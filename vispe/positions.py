@@ -588,8 +588,6 @@ class PositionScheme:
         train_draws: the builder draws a scale per visual block while training (``training=`` option).
         eval_options: evaluation-time options the NIAH task and benchmark use by default.
         bool_options: options that must be ``bool``.
-        qwen2vl_native: Qwen2-VL's own scheme: a Hugging Face model's ``mrope_section`` and (Qwen2.5-VL)
-            ``tokens_per_second`` carry over to it.
     """
 
     name: str
@@ -600,7 +598,6 @@ class PositionScheme:
     train_draws: bool = False
     eval_options: Mapping[str, Any] = field(default_factory=dict)
     bool_options: tuple[str, ...] = ()
-    qwen2vl_native: bool = False
 
     def options(self) -> list[str]:
         """The builder's option names."""
@@ -621,7 +618,7 @@ SCHEMES: dict[str, PositionScheme] = {
     rec.name: rec
     for rec in (
         PositionScheme("rope_1d", "1D RoPE", 1, _rope_1d),
-        PositionScheme("mrope", "M-RoPE", 3, _mrope, _mrope_integer, qwen2vl_native=True),
+        PositionScheme("mrope", "M-RoPE", 3, _mrope, _mrope_integer),
         PositionScheme("mrope_interleave", "MRoPE-I", 3, _reset, _stride_integer, bool_options=("spatial_reset",)),
         PositionScheme("mhrope", "MHRoPE", 3, _reset, _stride_integer, bool_options=("spatial_reset",)),
         PositionScheme("vrope", "VRoPE", 4, _vrope),

@@ -5,7 +5,7 @@
 
 Each recipe is a list of parts (a data set, a model size, a schedule, the encodings and their seeds).
 Every run is ``vispe fit`` (LightningCLI, the same task and data modules as any user run) with the
-part's overrides; the sweep is :func:`vispe.benchmarks.resolution.run_sweep` with both extrapolation
+part's overrides; the sweep is :func:`vispe.benchmarks.resolution_sweep.run_sweep` with both extrapolation
 policies where an encoding has them. Runs whose wall time is in ``timings.json`` are skipped and a run killed
 mid-way resumes from its ``last.ckpt`` (killed runs first, then seed by seed: every encoding's first seed comes early),
 so an interrupted benchmark resumes. The summary groups the seeds of each (encoding, policy): mean +- standard
@@ -495,7 +495,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="evaluation policies of the sweep: extend + interpolate (default), or every one an encoding has "
                         "(adds ntk / yarn for the rotary lattice encodings)")
     args = p.parse_args(list(argv) if argv is not None else None)
-    from vispe.benchmarks.resolution import run_sweep, write_json_atomic
+    from vispe.benchmarks.resolution_sweep import run_sweep, write_json_atomic
     from vispe.benchmarks.speed import _machine
 
     import torch

@@ -3,18 +3,8 @@
 Every DataModule takes its data location from an argument or ``$VISPE_DATA_ROOT`` and fails at
 construction, naming the missing path, when the files are not there.
 """
-from .base import (
-    AUGMENTATIONS,
-    DATA_ROOT_ENV,
-    DEFAULT_DATA_ROOT,
-    EpochSeededRandomSampler,
-    ResumableDataLoader,
-    ImageDataModule,
-    TensorImageDataset,
-    random_crop_flip,
-    resize_images,
-    resolve_data_path,
-)
+from .loading import DATA_ROOT_ENV, DEFAULT_DATA_ROOT, EpochSeededRandomSampler, ResumableDataLoader, resolve_data_path
+from .image_datamodule import AUGMENTATIONS, ImageDataModule, TensorImageDataset, random_crop_flip, resize_images
 from .image import (
     CIFAR10_CLASSES,
     CIFAR10JpegDataModule,

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from ..files import DamagedFileError, check_idx, check_zip, read_idx
-from .base import ImageDataModule, TensorImageDataset, make_pil_to_uint8, resolve_data_path
+from .image_datamodule import ImageDataModule, TensorImageDataset, make_pil_to_uint8
+from .loading import resolve_data_path
 
 __all__ = [
     "CIFAR10_CLASSES",

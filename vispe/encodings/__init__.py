@@ -16,7 +16,7 @@ from .spec import EXTRAPOLATION_MODES, PosEncodingArg, parse_encoding_list, pars
 
 # registered encodings (import order does not matter; each module registers its names)
 from . import absolute, rope_vit  # noqa: F401,E402
-from ._optional import import_encoding_modules  # noqa: E402
+from ._import_all import import_encoding_modules  # noqa: E402
 
 import_encoding_modules()
 

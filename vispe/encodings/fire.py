@@ -34,7 +34,7 @@ Options and defaults:
   weigh against them.
 
 The MLP runs over the ``prod(2 s_a - 1)`` distinct offsets of the grid only (at least float32, autocast off), and the
-per-pair term is a gather of that table (:class:`~vispe.encodings.alibi.LatticePairBias`). ``c`` and the
+per-pair term is a gather of that table (:class:`~vispe.encodings.alibi.LatticeOffsetBias`). ``c`` and the
 threshold are not weight-decayed (decay would flatten ``psi`` and drop the threshold to 0). Design notes:
 ``docs/design/attention-bias-2d.md``.
 """
@@ -48,7 +48,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .._checks import Choice, Int, Real, check_choice
-from .alibi import LatticePairBias, pair_distance
+from .lattice_bias import LatticeOffsetBias, pair_distance
 from .base import register_encoding
 from .grid import PositionGrid
 
@@ -80,7 +80,7 @@ def fire_inputs(
     return x * torch.sign(offsets) if distance == "axial" else x
 
 
-class _Fire(LatticePairBias):
+class _Fire(LatticeOffsetBias):
     """FIRE on a lattice (see the module docstring for the maths and the choices).
 
     Args:

@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .._checks import AnyOf, Choice, Ints, Real, Seq, Str
-from .alibi import LatticePairCodes, _lattice_offset_rows, take_columns
+from .lattice_bias import LatticePairCodes, _lattice_offset_rows, take_columns
 from .base import AttentionBiasEncoding, IndexedBias, fold_causal_mask, merge_attn_mask, register_encoding
 from .grid import PositionGrid
 

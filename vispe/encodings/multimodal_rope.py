@@ -49,14 +49,13 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..positions import POSITION_SCHEMES, Text, Visual, build_positions, get_scheme
+from ..positions import Text, Visual, build_positions, get_scheme
 from .._checks import Choice, Int, Ints, Real
 from .base import register_encoding
 from .grid import PositionGrid
 from .rotary import ROTARY_LAYOUTS, RotaryEncoding, apply_rotary, rotary_table
 
 __all__ = [
-    "MULTIMODAL_SCHEMES",
     "V2PE",
     "HoPE",
     "MHRope",
@@ -69,7 +68,6 @@ __all__ = [
     "VideoRoPE",
 ]
 
-MULTIMODAL_SCHEMES = POSITION_SCHEMES
 
 
 def _check_layout(layout: str) -> None:

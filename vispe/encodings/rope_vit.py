@@ -24,17 +24,7 @@ from .grid import PositionGrid, random_lattice_indices, random_scale_shift
 from .rotary import RotaryEncoding
 from .spec import ROTARY_EXTRAPOLATION_MODES
 
-__all__ = ["RopeAxial", "RopeMixed", "RopeAxial3d", "RopeMixed3d", "grid_xy", "grid_thw", "default_chunk_axes"]
-
-
-def grid_xy(grid: PositionGrid, device, train_grid: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Column (``t_x``) and row (``t_y``) indices of a 2D grid, float32, row-major token order.
-
-    With ``train_grid`` the indices are rescaled so the new grid spans the training grid's index
-    range ('interpolate' policy) instead of extending past it.
-    """
-    idx = grid.indices(device, rescale_to=train_grid)
-    return idx[:, 1], idx[:, 0]
+__all__ = ["RopeAxial", "RopeMixed", "RopeAxial3d", "RopeMixed3d", "grid_thw", "default_chunk_axes"]
 
 
 def grid_thw(grid: PositionGrid, device, train_grid: Sequence[int] | None = None) -> torch.Tensor:
