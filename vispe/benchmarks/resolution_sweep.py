@@ -85,38 +85,25 @@ def _encoding_spec(hp: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
 
 
 def extrapolation_modes(encoding: str | None) -> tuple[str, ...]:
-    """The ``extrapolation`` values an encoding accepts (empty: it has a single, fixed policy)."""
-    if encoding is None:
-        return ()
-    import vispe
+    """The extrapolation policies an encoding (a registered name or spec) declares (empty: a single, fixed policy)."""
+    from vispe.encodings import extrapolation_policies
 
-    cls = vispe.get_encoding_class(encoding)
-    param = inspect.signature(cls.__init__).parameters.get("extrapolation")
-    if param is None:
-        return ()
-    from vispe.encodings.spec import EXTRAPOLATION_MODES
-
-    return tuple(getattr(cls, "extrapolation_modes", EXTRAPOLATION_MODES))
+    return extrapolation_policies(encoding)
 
 
 def load_classifier(ckpt: dict[str, Any], extrapolation: str | None = None):
-    """Rebuild the ``ImageClassification`` of a checkpoint, optionally forcing the PE's extrapolation."""
+    """Rebuild the ``ImageClassification`` of a checkpoint, optionally switching its PE's extrapolation policy
+    (:func:`vispe.encodings.set_extrapolation`, on the loaded model: no other module is rebuilt)."""
+    from vispe.encodings import set_extrapolation
     from vispe.tasks import ImageClassification
 
     hp = dict(ckpt["hyper_parameters"])
     hp.pop("_instantiator", None)
-    name, pe_kwargs = _encoding_spec(hp)
-    if extrapolation is not None:
-        if extrapolation not in extrapolation_modes(name):
-            raise ValueError(f"encoding {name!r} has no extrapolation option; valid: {list(extrapolation_modes(name))}")
-        pe_kwargs = dict(pe_kwargs, extrapolation=extrapolation)
-        if hp.get("pos_encoding") is not None:
-            hp["pos_encoding"] = {"name": name, **pe_kwargs}
-        else:
-            hp["model_kwargs"] = dict(hp["model_kwargs"], pos_encoding={"name": name, **pe_kwargs})
     valid = set(inspect.signature(ImageClassification.__init__).parameters) - {"self"}
     module = ImageClassification(**{k: v for k, v in hp.items() if k in valid})
     module.load_state_dict(ckpt["state_dict"], strict=True)
+    if extrapolation is not None:
+        set_extrapolation(module.model, extrapolation)
     return module.eval()
 
 
@@ -198,13 +185,14 @@ def run_sweep(
                 f"sizes {bad} cannot be tiled by the patch size {ph}x{pw} of {str(path)!r}; use multiples of {ph} "
                 f"(e.g. {[ph * max(1, round(s / ph)) for s in bad]})"
             )
-        name, pe_kwargs = _encoding_spec(dict(ckpt["hyper_parameters"]))
-        modes = extrapolation_modes(name)
+        from vispe.encodings import extrapolation_policies, get_extrapolation
+
+        name, _ = _encoding_spec(dict(ckpt["hyper_parameters"]))
+        modes = extrapolation_policies(probe.model)
         if not modes:
             policies: list[str | None] = [None]
         elif extrapolation == "native":
-            policies = [pe_kwargs.get("extrapolation", inspect.signature(
-                __import__("vispe").get_encoding_class(name).__init__).parameters["extrapolation"].default)]
+            policies = [get_extrapolation(probe.model)]
         elif extrapolation == "both":
             policies = [m for m in modes if m in ("extend", "interpolate")]
         elif extrapolation == "all":

@@ -6,10 +6,13 @@ from .base import (
     PositionalEncoding,
     TokenEncoding,
     create_encoding,
+    extrapolation_policies,
     get_encoding_class,
+    get_extrapolation,
     list_encodings,
     register_encoding,
     sdpa,
+    set_extrapolation,
 )
 from .rotary import ROTARY_LAYOUTS, RotaryEncoding, RotaryState, apply_rotary, rotary_table
 from .spec import EXTRAPOLATION_MODES, PosEncodingArg, parse_encoding_list, parse_pos_encoding
@@ -41,4 +44,7 @@ __all__ = [
     "parse_encoding_list",
     "PosEncodingArg",
     "EXTRAPOLATION_MODES",
+    "extrapolation_policies",
+    "get_extrapolation",
+    "set_extrapolation",
 ]

@@ -10,7 +10,8 @@ from timm.layers import build_sincos2d_pos_embed, resample_abs_pos_embed, trunc_
 
 from .._checks import Choice, Real, check_choice
 from .base import PositionalEncoding, TokenEncoding, register_encoding
-from .grid import PositionGrid, random_lattice_indices
+from .coordinates import CoordinateAugmentation, random_lattice_indices
+from .grid import PositionGrid
 from .spec import EXTRAPOLATION_MODES
 
 __all__ = ["NoPE", "LearnedAbsolute", "FixedTableEncoding", "SinCos2d", "EXTRAPOLATION_MODES"]  # EXTRAPOLATION_MODES: from .spec
@@ -183,7 +184,7 @@ def sincos2d_from_indices(idx: torch.Tensor, dim: int, temperature: float = 1000
 
 
 @register_encoding("sincos2d")
-class SinCos2d(FixedTableEncoding):
+class SinCos2d(CoordinateAugmentation, FixedTableEncoding):
     """Fixed 2D sin-cos table (timm's ``build_sincos2d_pos_embed``: rows then columns, sin then cos).
 
     ``extrapolation='extend'`` evaluates the formula at the new integer indices;
@@ -195,7 +196,9 @@ class SinCos2d(FixedTableEncoding):
     grid_ndims = (2,)
 
     #: option rules, checked before __init__ (vispe._checks; see PositionalEncoding.option_checks)
-    option_checks = {"temperature": Real(1), "extrapolation": Choice(EXTRAPOLATION_MODES), "random_positions": Real(1, 1e3)}
+    option_checks = {"temperature": Real(1)}
+    extrapolation_policies = EXTRAPOLATION_MODES
+    coordinate_options = ("random_positions",)
 
     def __init__(
         self,
@@ -208,21 +211,16 @@ class SinCos2d(FixedTableEncoding):
         super().__init__(dim)
         if dim % 4:
             raise ValueError(f"sincos2d needs an embedding dim divisible by 4, got dim={dim}")
-        check_choice("extrapolation", extrapolation, EXTRAPOLATION_MODES)
-        if not random_positions >= 1.0:
-            raise ValueError(f"sincos2d: random_positions (size of the grid positions are drawn from, as a multiple of the "
-                             f"training grid; 1 = off) must be >= 1, got {random_positions!r}")
         self.grid_size = tuple(int(g) for g in grid_size)
         self.temperature = temperature
         self.extrapolation = extrapolation
-        self.random_positions = float(random_positions)
+        self.set_coordinate_augmentation(random_positions=random_positions)
 
     def embed_tokens(self, x, grid, state=None, image=None):
         if not (self.training and self.random_positions > 1):
             return super().embed_tokens(x, grid, state, image)
         self.check_grid(grid)
-        pool = [max(n, math.ceil(self.random_positions * g)) for n, g in zip(grid.shape, self.grid_size)]
-        idx = random_lattice_indices(grid.shape, pool, x.device)
+        idx = random_lattice_indices(grid.shape, self.random_position_pools(grid.shape, self.grid_size), x.device)
         return self.add_to_tokens(x, sincos2d_from_indices(idx, self.dim, self.temperature)[None], grid)
 
     def build_table(self, grid: PositionGrid, device: torch.device | None) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from timm.layers import trunc_normal_
 from torch import nn
 
-from .._checks import Choice, Real, check_choice
+from .._checks import Real
 from .absolute import FixedTableEncoding
 from .spec import EXTRAPOLATION_MODES
 from .base import TokenEncoding, register_encoding
@@ -55,13 +55,13 @@ class SinCos3d(FixedTableEncoding):
     grid_ndims = (3,)
 
     #: option rules, checked before __init__ (vispe._checks; see PositionalEncoding.option_checks)
-    option_checks = {"temperature": Real(1), "extrapolation": Choice(EXTRAPOLATION_MODES)}
+    option_checks = {"temperature": Real(1)}
+    extrapolation_policies = EXTRAPOLATION_MODES
 
     def __init__(self, dim: int, grid_size: Sequence[int] = (8, 14, 14), temperature: float = 10000.0, extrapolation: str = "extend") -> None:
         super().__init__(dim)
         if dim % 2 or dim < 6:
             raise ValueError(f"sincos3d needs an even embedding dim >= 6, got dim={dim}")
-        check_choice("extrapolation", extrapolation, EXTRAPOLATION_MODES)
         self.grid_size = tuple(int(g) for g in grid_size)
         self.temperature = temperature
         self.extrapolation = extrapolation

@@ -66,14 +66,14 @@ class _Alibi(LatticeOffsetBias):
     distances: ClassVar[tuple[str, ...]] = ALIBI_DISTANCES
 
     #: option rules, checked before __init__ (vispe._checks; see PositionalEncoding.option_checks)
-    option_checks = {"distance": Choice(ALIBI_DISTANCES), "extrapolation": Choice(EXTRAPOLATION_MODES)}
+    option_checks = {"distance": Choice(ALIBI_DISTANCES)}
+    extrapolation_policies = EXTRAPOLATION_MODES
 
     def __init__(
         self, num_heads: int, grid_size: Sequence[int], distance: str = "euclidean", extrapolation: str = "extend"
     ) -> None:
         super().__init__()
         check_choice("distance", distance, self.distances)
-        check_choice("extrapolation", extrapolation, EXTRAPOLATION_MODES)
         self.slopes = tuple(alibi_slopes(num_heads))
         self.num_heads = num_heads
         self.grid_size = self._training_grid(grid_size)

@@ -29,7 +29,7 @@ from typing import Any, Callable, ClassVar, Hashable, Mapping, Sequence, TypeVar
 import torch
 import torch.nn as nn
 
-from .._checks import Bool, Int, Ints, OptionCheck, Real, Str, check_options
+from .._checks import Bool, Choice, Int, Ints, OptionCheck, Real, Str, check_options
 # the attention kernels live in .attention; re-exported here for the encodings that import them from .base
 from .attention import (
     ATTENTION_BACKENDS,
@@ -42,6 +42,7 @@ from .attention import (
     sdpa,
     sdpa_with_bias,
 )
+from .coordinates import coordinate_option_rules
 from .grid import PositionGrid
 
 _T = TypeVar("_T")
@@ -56,6 +57,9 @@ __all__ = [
     "list_encodings",
     "get_encoding_class",
     "encoding_option_checks",
+    "extrapolation_policies",
+    "get_extrapolation",
+    "set_extrapolation",
     "check_context_fields",
     "sdpa",
     "merge_attn_mask",
@@ -197,21 +201,38 @@ class PositionalEncoding(nn.Module):
     #: (:data:`CONTEXT_OPTION_CHECKS`) are declared here, and an undeclared ``float``/``int``/``bool``/``str``
     #: option gets its annotation's type check (see :meth:`option_rules`).
     option_checks: ClassVar[Mapping[str, OptionCheck]] = CONTEXT_OPTION_CHECKS
+    #: What the encoding can do on a grid other than the training one, as the values of its ``extrapolation``
+    #: option (empty: one built-in behaviour, nothing to choose): ``'extend'`` / ``'interpolate'``
+    #: (:data:`~vispe.encodings.spec.EXTRAPOLATION_MODES`), plus ``'ntk'`` / ``'yarn'`` on the rotary lattice
+    #: encodings. The active one is :attr:`extrapolation`, which may also be set on a built (or loaded) encoding:
+    #: :func:`set_extrapolation`. The option's rule is derived from this tuple.
+    extrapolation_policies: ClassVar[tuple[str, ...]] = ()
+    #: The training-time coordinate options the encoding takes (``coord_shift``, ``coord_jitter``,
+    #: ``coord_rescale``, ``random_positions``, or DINOv3's names); their rules are declared once, in
+    #: :data:`vispe.encodings.coordinates.COORDINATE_OPTION_CHECKS`.
+    coordinate_options: ClassVar[tuple[str, ...]] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         init = cls.__dict__.get("__init__")
         if init is not None and not getattr(init, "_validates_options", False):
             cls.__init__ = _validating_init(init)  # type: ignore[method-assign]
+        if init is not None and cls.coordinate_options:
+            # a subclass whose constructor fixes some coordinate options does not declare them
+            accepted, var_kw = _init_params(cls)
+            if not var_kw:
+                cls.coordinate_options = tuple(o for o in cls.coordinate_options if o in accepted)
 
     @classmethod
     def option_rules(cls) -> dict[str, OptionCheck]:
         """Every constructor option's rule: declared (:attr:`option_checks` along the MRO) or implied by
         the option's annotation; options with neither are absent (how many axes ``grid_size`` may have is
         each encoding's own check: :attr:`grid_ndims` lists hosts, some encodings take any number of axes)."""
-        declared: dict[str, OptionCheck] = {}
+        declared: dict[str, OptionCheck] = coordinate_option_rules(cls.coordinate_options)
         for klass in reversed(cls.__mro__):
             declared.update(klass.__dict__.get("option_checks", {}) or {})
+        if cls.extrapolation_policies:
+            declared["extrapolation"] = Choice(cls.extrapolation_policies)
         rules: dict[str, OptionCheck] = {}
         params = list(inspect.signature(cls.__init__).parameters.values())[1:]
         for param in params:
@@ -228,6 +249,25 @@ class PositionalEncoding(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self._state_cache: OrderedDict[Any, Any] = OrderedDict()
+
+    # -- the extrapolation policy (see extrapolation_policies) ----------------------------------
+    @property
+    def extrapolation(self) -> str | None:
+        """The active extrapolation policy (``None`` for an encoding without :attr:`extrapolation_policies`)."""
+        return self.__dict__.get("_extrapolation")
+
+    @extrapolation.setter
+    def extrapolation(self, policy: str | None) -> None:
+        name = self.registry_name or type(self).__name__
+        if not self.extrapolation_policies:
+            if policy is not None:
+                raise ValueError(f"{name} has no extrapolation option (it meets every grid one way), "
+                                 f"got extrapolation={policy!r}")
+        elif policy not in self.extrapolation_policies:
+            raise ValueError(f"{name}: extrapolation={policy!r} is not valid; choose one of {list(self.extrapolation_policies)}")
+        self.__dict__["_extrapolation"] = policy
+        if "_state_cache" in self.__dict__:  # tables built under the previous policy
+            self.clear_cache()
 
     # -- the one cache of position-only state --------------------------------------------------
     def cacheable(self) -> bool:
@@ -473,6 +513,70 @@ def get_encoding_class(name: str) -> type[PositionalEncoding]:
 def encoding_option_checks(name: str) -> dict[str, OptionCheck]:
     """The rule of every option of the registered encoding ``name`` (see :meth:`PositionalEncoding.option_rules`)."""
     return get_encoding_class(name).option_rules()
+
+
+def _policy_encodings(source: Any) -> list[PositionalEncoding]:
+    """The encodings of a model (or the encoding itself) that hold an extrapolation policy; a composed encoding
+    is walked to its parts."""
+    from .composed import ComposedEncoding
+
+    modules = source.modules() if isinstance(source, nn.Module) else ()
+    return [m for m in modules if isinstance(m, PositionalEncoding) and not isinstance(m, ComposedEncoding)
+            and m.extrapolation_policies]
+
+
+def _common_policies(groups: Sequence[Sequence[str]]) -> tuple[str, ...]:
+    if not groups:
+        return ()
+    return tuple(p for p in groups[0] if all(p in g for g in groups[1:]))
+
+
+def extrapolation_policies(source: Any) -> tuple[str, ...]:
+    """The extrapolation policies that can be set on ``source`` (empty: none), in the encoding's order.
+
+    ``source`` is a model (every encoding in it, the parts of a composed encoding included: the policies all of
+    them offer), an encoding, an encoding class, or a registered name or spec (``"rope_axial"``,
+    ``"learned+rope_axial"``).
+    """
+    if isinstance(source, nn.Module):
+        return _common_policies([m.extrapolation_policies for m in _policy_encodings(source)])
+    if isinstance(source, type) and issubclass(source, PositionalEncoding):
+        return source.extrapolation_policies
+    if source is None:
+        return ()
+    from .spec import parse_pos_encoding
+
+    return get_encoding_class(parse_pos_encoding(source)[0]).extrapolation_policies
+
+
+def get_extrapolation(model: nn.Module) -> str | None:
+    """The active extrapolation policy of a model's (or an encoding's) encodings (``None``: none has one)."""
+    active = {m.extrapolation for m in _policy_encodings(model)}
+    if len(active) > 1:
+        raise ValueError(f"the encodings of this model use different extrapolation policies {sorted(active)}")
+    return active.pop() if active else None
+
+
+def set_extrapolation(model: nn.Module, policy: str) -> nn.Module:
+    """Switch every encoding of ``model`` (a model or an encoding; composed encodings' parts included) to the
+    extrapolation policy ``policy``, in place, without rebuilding anything: tables built under the previous policy
+    are dropped. Raises ``ValueError`` naming ``policy`` and the valid ones (none when no encoding has a policy).
+    Returns ``model``."""
+    holders = _policy_encodings(model)
+    if not holders:
+        names = sorted({m.registry_name or type(m).__name__ for m in model.modules() if isinstance(m, PositionalEncoding)})
+        raise ValueError(f"cannot set extrapolation={policy!r}: encoding {' + '.join(names) or 'none'} has no extrapolation "
+                         "option (it meets every grid one way)")
+    valid = _common_policies([m.extrapolation_policies for m in holders])
+    if policy not in valid:
+        raise ValueError(f"extrapolation={policy!r} is not valid for this model's encoding(s) "
+                         f"{sorted({m.registry_name or type(m).__name__ for m in holders})}; choose one of {list(valid)}")
+    for m in holders:
+        m.extrapolation = policy
+    for m in model.modules():
+        if isinstance(m, PositionalEncoding):
+            m.clear_cache()
+    return model
 
 
 def _init_params(cls: type) -> tuple[set[str], bool]:

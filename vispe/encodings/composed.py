@@ -119,6 +119,21 @@ class ComposedEncoding(PositionalEncoding):
     def uses_attention(self) -> bool:
         return self.attention_index is not None and self.parts[self.attention_index].uses_attention()
 
+    @property
+    def extrapolation(self) -> str | None:
+        """The parts' extrapolation policy (``None``: no part has one; see :func:`~vispe.encodings.set_extrapolation`)."""
+        active = {p.extrapolation for p in getattr(self, "parts", ()) if p.extrapolation_policies}
+        return active.pop() if len(active) == 1 else None
+
+    @extrapolation.setter
+    def extrapolation(self, policy: str | None) -> None:
+        holders = [p for p in self.parts if p.extrapolation_policies]
+        if not holders:
+            PositionalEncoding.extrapolation.fset(self, policy)  # type: ignore[attr-defined]  # refuses a policy by name
+        for p in holders:
+            p.extrapolation = policy
+        self.clear_cache()
+
     def set_grid_size(self, grid_size: Sequence[int]) -> None:
         for p in self.parts:
             p.set_grid_size(grid_size)
@@ -192,7 +207,10 @@ def composed_class(name: str) -> type[ComposedEncoding]:
     if not ndims:
         raise ValueError(f"{name!r} cannot compose: its parts take different grids "
                          f"({', '.join(f'{n}: {c.grid_ndims}-D' for n, c in zip(names, classes))})")
+    policies = [c.extrapolation_policies for c in classes if c.extrapolation_policies]
+    common = tuple(p for p in policies[0] if all(p in g for g in policies[1:])) if policies else ()
     cls = type(f"Composed[{name}]", (_NamedComposition,), {"part_specs": tuple(specs), "grid_ndims": ndims,
+                                                             "extrapolation_policies": common,
                                                              "registry_name": name, "__module__": __name__})
     _COMPOSED_CLASSES[name] = cls
     return cls

@@ -8,11 +8,13 @@ specific to two axes. Multimodal (text + vision) position ids are not lattices a
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
 import torch
+
+# the coordinate-augmentation draws live with the other augmentation code; re-exported here
+from .coordinates import random_lattice_indices, random_scale_shift
 
 __all__ = ["PositionGrid", "as_grid", "random_lattice_indices", "random_scale_shift"]
 
@@ -103,33 +105,3 @@ def as_grid(grid: PositionGrid | Sequence[int], num_prefix_tokens: int = 0) -> P
     if isinstance(grid, PositionGrid):
         return grid
     return PositionGrid(tuple(grid), num_prefix_tokens)
-
-
-def random_lattice_indices(
-    shape: Sequence[int], pool: Sequence[int], device: torch.device | str | None = None
-) -> torch.Tensor:
-    """Randomized positions (RPE-2D style): per axis, ``shape[a]`` distinct integers drawn from ``range(pool[a])``
-    and sorted, so the tokens keep their order along every axis while their indices span a larger grid. Returns
-    ``(N, ndim)`` float32 in the row-major order of :meth:`PositionGrid.indices` (equal to it when ``pool == shape``).
-    """
-    if len(pool) != len(shape) or any(int(m) < int(n) for n, m in zip(shape, pool)):
-        raise ValueError(f"random_lattice_indices: pool {tuple(pool)} must have one size >= the grid's per axis {tuple(shape)}")
-    axes = [torch.randperm(int(m))[: int(n)].sort().values.to(device=device, dtype=torch.float32) for n, m in zip(shape, pool)]
-    mesh = torch.meshgrid(*axes, indexing="ij")
-    return torch.stack([m.reshape(-1) for m in mesh], dim=-1)
-
-
-def random_scale_shift(
-    ndim: int, coord_shift: float = 0.0, coord_jitter: float = 1.0, coord_rescale: float = 1.0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One draw of DINOv3-style coordinate augmentation for ``ndim`` axes (CPU float32, shared by the batch):
-    per-axis scale = one factor log-uniform in ``[1/coord_rescale, coord_rescale]`` times the axis's own in
-    ``[1/coord_jitter, coord_jitter]``, and per-axis shift uniform in ``[-coord_shift, coord_shift]`` (the caller's
-    units). Bounds of 1 (0 for the shift) give the identity; the draws are made either way."""
-
-    def log_uniform(bound: float, n: int) -> torch.Tensor:
-        return torch.exp((torch.rand(n) * 2 - 1) * math.log(bound))
-
-    scale = log_uniform(coord_rescale, 1) * log_uniform(coord_jitter, ndim)
-    shift = (torch.rand(ndim) * 2 - 1) * coord_shift
-    return scale, shift

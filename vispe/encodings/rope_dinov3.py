@@ -51,6 +51,7 @@ import torch
 
 from .._checks import Choice, Ints, Real, check_choice
 from .base import register_encoding
+from .coordinates import COORDINATE_OPTION_DEFAULTS as DEFAULT_OFF, DINOV3_COORDINATE_ALIASES
 from .grid import PositionGrid
 from .rope_vit import RopeAxial
 
@@ -103,6 +104,10 @@ class RopeDinoV3(RopeAxial):
 
     grid_ndims = (2,)
     layout = "half"
+    #: every grid maps into the same [-1, 1] box: nothing to choose on a new grid
+    extrapolation_policies = ()
+    #: DINOv3's names of the shared coordinate options (vispe.encodings.coordinates)
+    coordinate_options = tuple(DINOV3_COORDINATE_ALIASES)
 
     #: option rules, checked before __init__ (vispe._checks; see PositionalEncoding.option_checks)
     option_checks = {
@@ -110,9 +115,6 @@ class RopeDinoV3(RopeAxial):
         "min_period": Real(1e-6, optional=True),  # periods near 0 overflow the frequencies 2*pi/period
         "max_period": Real(1e-6, optional=True),
         "normalize_coords": Choice(NORMALIZE_COORDS_MODES),
-        "shift_coords": Real(0, 1e3, optional=True),
-        "jitter_coords": Real(1, 1e3, optional=True),
-        "rescale_coords": Real(1, 1e3, optional=True),
         "sections": Ints(0, optional=True),
     }
 
@@ -142,19 +144,13 @@ class RopeDinoV3(RopeAxial):
                 raise ValueError(f"{name}: min_period={min_period!r} must be <= max_period={max_period!r}")
         else:
             base = _check_positive("base", DEFAULT_BASE if base is None else base)
-        shift = 0.0 if shift_coords is None else float(shift_coords)
-        jitter = 1.0 if jitter_coords is None else float(jitter_coords)
-        rescale = 1.0 if rescale_coords is None else float(rescale_coords)
-        if not (math.isfinite(shift) and shift >= 0.0):
-            raise ValueError(f"{name}: shift_coords (largest random shift, normalised units) must be finite and >= 0, got {shift_coords!r}")
-        for opt, given, v in (("jitter_coords", jitter_coords, jitter), ("rescale_coords", rescale_coords, rescale)):
-            if not (math.isfinite(v) and v >= 1.0):
-                raise ValueError(f"{name}: {opt} (largest random scale factor, drawn in [1/{opt}, {opt}]) must be finite "
-                                 f"and >= 1 (1 = off), got {given!r}")
+        # DINOv3's names for the shared coordinate options (None: off), checked by their declared rules
+        shift, jitter, rescale = (DEFAULT_OFF[k] if v is None else float(v) for k, v in
+                                  (("coord_shift", shift_coords), ("coord_jitter", jitter_coords), ("coord_rescale", rescale_coords)))
         ndim = len(tuple(grid_size))
         # the base class's coord_* switches hold DINOv3's values (normalised units) and decide when tables
         # are drawn per forward (cacheable); augment_coordinates below gives them DINOv3's meaning
-        super().__init__(head_dim, grid_size, theta=base if base is not None else DEFAULT_BASE, extrapolation="extend",
+        super().__init__(head_dim, grid_size, theta=base if base is not None else DEFAULT_BASE, extrapolation=None,
                          sections=sections, chunk_axes=tuple(range(ndim)), coord_shift=shift, coord_jitter=jitter,
                          coord_rescale=rescale)
         self.base = base
@@ -178,18 +174,8 @@ class RopeDinoV3(RopeAxial):
 
     def augment_coordinates(self, coords: torch.Tensor) -> torch.Tensor:
         """DINOv3's training-time augmentation (one draw per forward): shift, then per-axis jitter, then a
-        shared rescale, drawn on ``coords``' device in that order."""
-        num_axes = coords.shape[-1]
-        like = dict(device=coords.device, dtype=coords.dtype)
-        if self.coord_shift > 0:
-            coords = coords + torch.empty(num_axes, **like).uniform_(-self.coord_shift, self.coord_shift)
-        if self.coord_jitter > 1:
-            bound = math.log(self.coord_jitter)
-            coords = coords * torch.empty(num_axes, **like).uniform_(-bound, bound).exp()
-        if self.coord_rescale > 1:
-            bound = math.log(self.coord_rescale)
-            coords = coords * torch.empty(1, **like).uniform_(-bound, bound).exp()
-        return coords
+        shared rescale, drawn on ``coords``' device in that order (:meth:`CoordinateAugmentation.augment_dinov3`)."""
+        return self.augment_dinov3(coords)
 
     def coordinates(self, grid: PositionGrid, device: torch.device | str | None = None) -> torch.Tensor:
         """The coordinates this forward rotates by: normalised, and augmented while training with augmentation on."""

@@ -20,7 +20,8 @@ from timm.layers.pos_embed_sincos import init_random_2d_freqs
 
 from .._checks import Choice, Int, Ints, Real, check_choice
 from .base import register_encoding
-from .grid import PositionGrid, random_lattice_indices, random_scale_shift
+from .coordinates import CoordinateAugmentation, random_lattice_indices
+from .grid import PositionGrid
 from .rotary import RotaryEncoding
 from .spec import ROTARY_EXTRAPOLATION_MODES
 
@@ -53,8 +54,9 @@ def _check_chunk_axes(name: str, chunk_axes: Sequence[int] | None, ndim: int) ->
     return axes
 
 
-class _LatticeRotary(RotaryEncoding):
-    """What RoPE-Axial and RoPE-Mixed share: the training grid, the extrapolation policy, the chunk order.
+class _LatticeRotary(CoordinateAugmentation, RotaryEncoding):
+    """What RoPE-Axial and RoPE-Mixed share: the training grid, the extrapolation policy, the chunk order, the
+    training-time coordinate augmentation (:mod:`vispe.encodings.coordinates`).
 
     Extrapolation policies on a grid other than the training one, per axis with scale ``s = size / train``:
     ``extend`` (the paper's: the new integer indices), ``interpolate`` (indices times ``1/s``, i.e. every
@@ -67,22 +69,17 @@ class _LatticeRotary(RotaryEncoding):
     temperature).
     """
 
-    extrapolation_modes: ClassVar[tuple[str, ...]] = ROTARY_EXTRAPOLATION_MODES
+    extrapolation_policies = ROTARY_EXTRAPOLATION_MODES
     yarn_alpha: ClassVar[float] = 1.0
     yarn_beta: ClassVar[float] = 32.0
 
-    #: option rules, checked before __init__ (vispe._checks; see PositionalEncoding.option_checks)
+    #: option rules, checked before __init__ (vispe._checks; see PositionalEncoding.option_checks); the
+    #: extrapolation and coordinate options' rules come from extrapolation_policies / coordinate_options
     option_checks = {
         "head_dim": Int(2, multiple_of=2),
         "theta": Real(1),  # the base of the ladder theta^(-2i/d); below 1 the ladder grows (and overflows near 0)
-        "extrapolation": Choice(ROTARY_EXTRAPOLATION_MODES),
         "sections": Ints(0, optional=True),
         "chunk_axes": Ints(0, optional=True),  # a permutation of the grid axes: checked with the grid below
-        # training augmentations, bounded where float32 positions (and the random-position pool) stay sane
-        "coord_shift": Real(0, 1e3),
-        "coord_jitter": Real(1, 1e3),
-        "coord_rescale": Real(1, 1e3),
-        "random_positions": Real(1, 1e3),
     }
 
     def __init__(
@@ -90,7 +87,7 @@ class _LatticeRotary(RotaryEncoding):
         name: str,
         head_dim: int,
         grid_size: Sequence[int],
-        extrapolation: str,
+        extrapolation: str | None,
         chunk_axes: Sequence[int] | None,
         coord_shift: float = 0.0,
         coord_jitter: float = 1.0,
@@ -98,31 +95,13 @@ class _LatticeRotary(RotaryEncoding):
         random_positions: float = 1.0,
     ) -> None:
         super().__init__()
-        check_choice("extrapolation", extrapolation, self.extrapolation_modes)
-        if not random_positions >= 1.0:
-            raise ValueError(f"{name}: random_positions (size of the grid positions are drawn from, as a multiple of the "
-                             f"training grid; 1 = off) must be >= 1, got {random_positions!r}")
-        self.random_positions = float(random_positions)
+        self.extrapolation = extrapolation
+        self.set_coordinate_augmentation(coord_shift, coord_jitter, coord_rescale, random_positions)
         if head_dim % 2:
             raise ValueError(f"{name} rotates channel pairs and needs an even head_dim, got head_dim={head_dim}")
-        if not coord_shift >= 0.0:
-            raise ValueError(f"{name}: coord_shift (largest random shift, in patches) must be >= 0, got {coord_shift!r}")
-        for opt, v in (("coord_jitter", coord_jitter), ("coord_rescale", coord_rescale)):
-            if not v >= 1.0:
-                raise ValueError(f"{name}: {opt} (largest random scale factor, drawn in [1/{opt}, {opt}]) must be >= 1 (1 = off), got {v!r}")
         self.head_dim = head_dim
         self.grid_size = _training_grid(grid_size)
-        self.extrapolation = extrapolation
         self.chunk_axes = _check_chunk_axes(name, chunk_axes, len(self.grid_size))
-        self.coord_shift = float(coord_shift)
-        self.coord_jitter = float(coord_jitter)
-        self.coord_rescale = float(coord_rescale)
-
-    @property
-    def augments_coordinates(self) -> bool:
-        """Training-time coordinate augmentation is on (and the module is in training mode)."""
-        return self.training and (self.coord_shift > 0 or self.coord_jitter > 1 or self.coord_rescale > 1
-                                  or self.random_positions > 1)
 
     def cacheable(self) -> bool:
         # augmented coordinates are drawn anew every forward
@@ -134,9 +113,7 @@ class _LatticeRotary(RotaryEncoding):
         axis by its own in ``[1/coord_jitter, coord_jitter]``, then shift each axis by a uniform
         ``[-coord_shift, coord_shift]`` patches. Angles stay linear in the coordinates, so attention still
         depends only on offsets (rescaled ones)."""
-        centre = idx.new_tensor([(g - 1) / 2 for g in self.grid_size])
-        scale, shift = random_scale_shift(idx.shape[-1], self.coord_shift, self.coord_jitter, self.coord_rescale)
-        return (idx - centre) * scale.to(idx.device) + centre + shift.to(idx.device)
+        return self.augment_about(idx, idx.new_tensor([(g - 1) / 2 for g in self.grid_size]))
 
     def check_grid(self, grid: PositionGrid) -> None:
         # any number of axes: the training grid fixes it (``grid_ndims`` only says which hosts a name is listed for)
@@ -152,8 +129,7 @@ class _LatticeRotary(RotaryEncoding):
         self.check_grid(grid)
         if self.training and self.random_positions > 1:
             # RPE-2D: ordered random indices from a grid random_positions x the training one (train only)
-            pool = [max(n, math.ceil(self.random_positions * g)) for n, g in zip(grid.shape, self.grid_size)]
-            idx = random_lattice_indices(grid.shape, pool, device)
+            idx = random_lattice_indices(grid.shape, self.random_position_pools(grid.shape, self.grid_size), device)
         else:
             idx = grid.indices(device, rescale_to=self.grid_size if self.extrapolation == "interpolate" else None)
         return self.augment_coordinates(idx) if self.augments_coordinates else idx

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from timm.layers import resample_abs_pos_embed, trunc_normal_
 from timm.models.vision_transformer import Block
 
-from .._checks import Choice, Int, Real, check_choice
+from .._checks import Int, Real
 from .base import TokenEncoding, register_encoding
 from .grid import PositionGrid
 from .spec import EXTRAPOLATION_MODES
@@ -130,6 +130,7 @@ class SeqPE(TokenEncoding):
     prefix_policy = "prefix tokens get their own learned vectors (trunc-normal 0.02), as released"
 
     #: option rules, checked before __init__ (vispe._checks; see PositionalEncoding.option_checks)
+    extrapolation_policies = EXTRAPOLATION_MODES
     option_checks = {
         "max_position": Int(2),
         "base": Int(2),
@@ -146,7 +147,6 @@ class SeqPE(TokenEncoding):
         "num_distill": Int(1),
         "distill_heads": Int(1, optional=True),
         "random_shift": Real(0, 1e3),
-        "extrapolation": Choice(EXTRAPOLATION_MODES),
     }
 
     def __init__(
@@ -172,7 +172,6 @@ class SeqPE(TokenEncoding):
         extrapolation: str = "extend",
     ) -> None:
         super().__init__()
-        check_choice("extrapolation", extrapolation, EXTRAPOLATION_MODES)
         if not (isinstance(base, int) and base >= 2):
             raise ValueError(f"seqpe: base must be an integer >= 2, got {base!r}")
         self.grid_size = tuple(int(g) for g in grid_size)

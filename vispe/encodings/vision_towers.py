@@ -341,6 +341,7 @@ class Eva02AT(_TowerPreset):
     over all pairs). Videos (``(t, h, w)`` grids)."""
 
     grid_ndims = (3,)
+    extrapolation_policies = JointSpaceTimeRope.extrapolation_policies  # its extrapolation option is the rotary part's
 
     def __init__(
         self,
