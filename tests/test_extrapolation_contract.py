@@ -94,3 +94,4 @@ def test_coordinate_options_declared_once():
     assert vispe.get_encoding_class("rope_axial").coordinate_options == tuple(COORDINATE_OPTION_CHECKS)
     assert vispe.get_encoding_class("sincos2d").coordinate_options == ("random_positions",)
     assert vispe.get_encoding_class("rope_dinov3").coordinate_options == tuple(DINOV3_COORDINATE_ALIASES)
+    assert vispe.get_encoding_class("comrope_ld").coordinate_options == tuple(COORDINATE_OPTION_CHECKS)

@@ -20,7 +20,8 @@ from .._checks import Bool, Choice, Int, Real, check_choice
 from .base import autocast_off_in_backward, register_encoding
 from .block_rotation import rotate_blocks
 from .rotary import RotaryEncoding, RotaryState, apply_rotary, rotary_table
-from .grid import PositionGrid, random_scale_shift
+from .coordinates import CoordinateAugmentation, random_axis_indices, random_scale_shift
+from .grid import PositionGrid
 
 __all__ = [
     "ComRopeBase",
@@ -512,8 +513,7 @@ def line_offsets(
     coords = list(base)
     if random_positions > 1:
         pools = [max(n, math.ceil(random_positions * n)) for n in grid.shape]
-        coords = [(torch.randperm(m)[:n].sort().values.to(device=device, dtype=torch.float32) + 0.5) / m
-                  for n, m in zip(grid.shape, pools)]
+        coords = [(c + 0.5) / m for c, m in zip(random_axis_indices(grid.shape, pools, device), pools)]
     if sigma > 0:
         coords = [c + j for c, j in zip(coords, line_jitter(grid, sigma, device))]
     if coord_rescale > 1 or coord_jitter > 1 or coord_shift > 0:
@@ -588,7 +588,7 @@ class ComRopeState:
         return _gathered_product(tables, self.flat_index)[1][-1].reshape(heads, -1, self.num_blocks, b, b)
 
 
-class ComRopeBase(RotaryEncoding):
+class ComRopeBase(CoordinateAugmentation, RotaryEncoding):
     """Shared machinery of the ComRoPE variants; subclasses define :meth:`coefficients`.
 
     A rotary encoding whose per-token rotations are commuting ``b x b`` block rotations rather than
@@ -606,11 +606,7 @@ class ComRopeBase(RotaryEncoding):
         "zero_init": Bool(),
         "sigma": Real(0, 1e3),
         "rotation": Choice(ROTATION_METHODS),
-        "coord_shift": Real(0, 1e3),
-        "coord_jitter": Real(1, 1e3),
-        "coord_rescale": Real(1, 1e3),
-        "random_positions": Real(1, 1e3),
-    }
+    }  # the coordinate options' rules: vispe.encodings.coordinates (coordinate_options)
 
     def __init__(
         self,
@@ -629,20 +625,7 @@ class ComRopeBase(RotaryEncoding):
     ) -> None:
         super().__init__()
         check_choice("rotation", rotation, ROTATION_METHODS)
-        name = self.registry_name or type(self).__name__
-        if not coord_shift >= 0.0:
-            raise ValueError(f"{name}: coord_shift (largest random shift, in patches) must be >= 0, got {coord_shift!r}")
-        for opt, v in (("coord_jitter", coord_jitter), ("coord_rescale", coord_rescale)):
-            if not v >= 1.0:
-                raise ValueError(f"{name}: {opt} (largest random scale factor, drawn in [1/{opt}, {opt}]) must be >= 1 "
-                                 f"(1 = off), got {v!r}")
-        if not random_positions >= 1.0:
-            raise ValueError(f"{name}: random_positions (how much finer the lattice positions are drawn from; 1 = off) "
-                             f"must be >= 1, got {random_positions!r}")
-        self.coord_shift = float(coord_shift)
-        self.coord_jitter = float(coord_jitter)
-        self.coord_rescale = float(coord_rescale)
-        self.random_positions = float(random_positions)
+        self.set_coordinate_augmentation(coord_shift, coord_jitter, coord_rescale, random_positions)
         if not isinstance(block_size, int) or block_size < 2:
             raise ValueError(f"block_size must be an integer >= 2, got {block_size!r}")
         if head_dim % block_size:
@@ -750,9 +733,9 @@ class ComRopeBase(RotaryEncoding):
 
     @property
     def augments_coordinates(self) -> bool:
-        """A training-time move of the coordinates is on (and the module is in training mode)."""
-        return self.training and (self.sigma > 0 or self.coord_shift > 0 or self.coord_jitter > 1 or self.coord_rescale > 1
-                                  or self.random_positions > 1)
+        """A training-time move of the coordinates is on (and the module is in training mode): the shared
+        coordinate options or the paper's per-line ``sigma``."""
+        return super().augments_coordinates or (self.training and self.sigma > 0)
 
     def line_offsets(self, grid: PositionGrid, device: torch.device | str | None) -> list[torch.Tensor] | None:
         """This forward's per-line coordinate offsets (:func:`line_offsets`), or ``None`` when nothing moves."""
@@ -843,9 +826,7 @@ class ComRopeBase(RotaryEncoding):
         return set()  # the released code decays the generators with everything else
 
     def extra_repr(self) -> str:
-        aug = "".join(f", {k}={v}" for k, v, off in (("coord_shift", self.coord_shift, 0.0), ("coord_jitter", self.coord_jitter, 1.0),
-                                                      ("coord_rescale", self.coord_rescale, 1.0),
-                                                      ("random_positions", self.random_positions, 1.0)) if v != off)
+        aug = self.coordinate_repr()
         return (f"block_size={self.block_size}, num_blocks={self.num_blocks}, sigma={self.sigma}, zero_init={self.zero_init}, "
                 f"rotation={self.rotation!r}{aug}")
 
