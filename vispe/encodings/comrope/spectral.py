@@ -1,0 +1,160 @@
+"""ComRoPE's spectral path: every ComRoPE rotation is a fixed basis change plus per-pair phases.
+
+Each skew-symmetric block generator has a real normal form ``S = Q J Q^T`` (:func:`spectral_decomposition`), so a
+token's block rotation is ``Q rot(c w) Q^T``: one dense basis change per head shared by every token, then RoPE's
+elementwise phases (:func:`rotate_pair_spectral`, an autograd Function that recomputes ``q @ Q`` in its backward).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..base import autocast_off_in_backward
+from ..rotary import RotaryState
+
+__all__ = ["SPECTRAL_MIN_GAP", "spectral_decomposition", "rotate_pair_spectral", "ComRopeSpectralState"]
+
+#: Smallest gap between the eigenvalues of ``i S`` (and so the smallest ``2 omega``) for the spectral
+#: path: its gradient divides by these gaps (float32 noise / gap stays below ~1e-4 relative).
+SPECTRAL_MIN_GAP = 1e-5
+
+
+def spectral_decomposition(skew: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Real normal form ``S = Q J Q^T`` of skew-symmetric blocks ``skew`` ``(..., b, b)``, ``b`` even.
+
+    ``J`` is block-diagonal with 2x2 blocks ``[[0, -w_k], [w_k, 0]]``, so ``exp(c S) = Q rot(c w) Q^T``.
+    Computed from the Hermitian ``i S`` in float64 (``eigh``; its eigenvalues are ``+-w_k``): for the
+    eigenvector ``u_k`` of ``+w_k`` the columns ``2k, 2k+1`` of ``Q`` are ``sqrt(2) Re u_k`` and
+    ``sqrt(2) Im u_k``. Differentiable (the loss must not depend on the eigenvectors' phases, which
+    holds for attention logits: both q and k are expressed in the same basis).
+
+    Returns:
+        ``(Q (..., b, b) float32, w (..., b/2) float32 >= 0, eigenvalues (..., b) float64 ascending)``.
+    """
+    b = skew.shape[-1]
+    with torch.autocast(device_type=skew.device.type, enabled=False):
+        evals, evecs = torch.linalg.eigh(1j * skew.double().to(torch.complex128))
+        top = evecs[..., b // 2 :]
+        basis = torch.stack([top.real, top.imag], dim=-1).flatten(-2) * math.sqrt(2.0)
+        return basis.float(), evals[..., b // 2 :].float(), evals
+
+
+class _SpectralRotation(torch.autograd.Function):
+    """``q, k -> phase(q @ W), phase(k @ W)``: a block-diagonal orthogonal basis change ``W`` ``(H, dh, dh)``
+    shared by every token, then per-pair phases from a rotary table (``view_as_real`` form ``(..., L, P, 2)``).
+
+    Every product runs per head over all ``B * L`` tokens at once (``(H, B*L, dh) @ (H, dh, dh)``; q and k are
+    token-major views of the qkv projection, so ``(H, B*L, dh)`` is a view too). Saves only q, k (which
+    attention keeps alive through ``v`` anyway), ``W`` and the table; ``q @ W`` is recomputed in the backward
+    instead of being stored per layer.
+    """
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, basis: torch.Tensor, table_ri: torch.Tensor):  # type: ignore[override]
+        ctx.save_for_backward(q, k, basis, table_ri)
+        bsz, heads, length, dh = q.shape
+        table = _heads_first(torch.view_as_complex(table_ri))  # (H, B or 1, L, P)
+        # written token-major (memory (B, L, 2, H, dh), like timm's qkv): SDPA then returns its output
+        # token-major and the head merge before the output projection stays a view, not a kept copy
+        res = torch.empty(bsz, length, 2, heads, dh, dtype=torch.float32, device=q.device)
+        outs = (res[:, :, 0].transpose(1, 2), res[:, :, 1].transpose(1, 2))
+        for x, out in zip((q, k), outs):
+            y = _by_head(x, basis)  # (H, B, L, dh)
+            out_h = out.transpose(0, 1)
+            if torch.compiler.is_compiling():
+                out_h.copy_(torch.view_as_real(_complex_pairs(y) * table).flatten(-2))
+            else:
+                torch.mul(_complex_pairs(y), table, out=_complex_pairs(out_h))
+        return outs
+
+    @staticmethod
+    @autocast_off_in_backward
+    def backward(ctx, grad_q: torch.Tensor, grad_k: torch.Tensor):  # type: ignore[override]
+        q, k, basis, table_ri = ctx.saved_tensors
+        table_c = torch.view_as_complex(table_ri)
+        table = _heads_first(table_c)
+        need_x = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        g_basis = torch.zeros_like(basis) if ctx.needs_input_grad[2] else None
+        g_table = torch.zeros_like(table) if ctx.needs_input_grad[3] else None
+        grads = []
+        for x, g in ((q, grad_q), (k, grad_k)):
+            g_c = _complex_pairs(g.float().transpose(0, 1))  # (H, B, L, P)
+            g_y = torch.view_as_real(g_c * table.conj()).flatten(-2).contiguous()  # rotate back by -phase
+            flat_g = g_y.flatten(1, 2)  # (H, B*L, dh)
+            if need_x:
+                grads.append(torch.bmm(flat_g, basis.transpose(-1, -2)).view_as(g_y).transpose(0, 1))
+            else:
+                grads.append(None)
+            if g_basis is not None:
+                g_basis += torch.bmm(_tokens_by_head(x).transpose(-1, -2), flat_g)
+            if g_table is not None:
+                y = _by_head(x, basis)
+                g_table += (g_c * _complex_pairs(y).conj()).sum_to_size(table.shape)
+        if g_table is not None:
+            g_table = torch.view_as_real(_heads_first(g_table, back=table_c.ndim)).contiguous()
+        return grads[0], grads[1], g_basis, g_table
+
+
+def _heads_first(table: torch.Tensor, back: int | None = None) -> torch.Tensor:
+    """A rotary table ``(H, L, P)`` / ``(B, H, L, P)`` as ``(H, 1|B, L, P)`` (``back``: the inverse, to that rank)."""
+    if back is None:
+        return table.unsqueeze(1) if table.ndim == 3 else table.transpose(0, 1)
+    return table.squeeze(1) if back == 3 else table.transpose(0, 1)
+
+
+def _tokens_by_head(x: torch.Tensor) -> torch.Tensor:
+    """``(B, H, L, dh)`` -> ``(H, B*L, dh)`` (a view for token-major q/k)."""
+    return x.transpose(0, 1).reshape(x.shape[1], -1, x.shape[-1])
+
+
+def _by_head(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+    """``x @ basis`` per head for all tokens of the batch: ``(B, H, L, dh)``, ``(H, dh, dh)`` -> ``(H, B, L, dh)``."""
+    return torch.bmm(_tokens_by_head(x), basis).view(x.shape[1], x.shape[0], x.shape[2], x.shape[3])
+
+
+def _complex_pairs(x: torch.Tensor) -> torch.Tensor:
+    """Interleaved channel pairs ``(..., 2P)`` as a complex view ``(..., P)``."""
+    return torch.view_as_complex(x.unflatten(-1, (-1, 2)))
+
+
+def rotate_pair_spectral(
+    q: torch.Tensor, k: torch.Tensor, basis: torch.Tensor, table: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate ``q, k`` ``(B, H, L, dh)`` as ComRoPE does, in the generators' eigenbasis: ``basis`` ``(H, dh, dh)``
+    (block-diagonal, orthogonal; ``x @ basis`` takes each block to its normal-form coordinates) and the
+    complex phase ``table`` ``(..., L, dh/2)`` (interleaved pairs). The logits ``q' k'^T`` equal those of the
+    block rotations ``Q rot Q^T`` (the trailing ``Q`` cancels between q and k); float32 maths, q's dtype out."""
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        q2, k2 = _SpectralRotation.apply(q.float(), k.float(), basis.float(), torch.view_as_real(table))
+    return q2.to(q.dtype), k2.to(k.dtype)
+
+
+@dataclass
+class ComRopeSpectralState:
+    """Per-forward ComRoPE state on the spectral path: per layer a block-diagonal basis ``(depth, H, dh, dh)``
+    and the per-pair phases as a per-layer :class:`~vispe.encodings.rotary.RotaryState` (``(depth, H, L, P)``)."""
+
+    basis: torch.Tensor
+    rotary: RotaryState
+    num_blocks: int
+    #: the host folded the basis into its q/k projection (:meth:`ComRopeBase.fold_qk_basis`): only the phases remain
+    basis_folded: bool = False
+
+    def for_layer(self, layer: int) -> torch.Tensor:
+        """Dense per-token block rotations ``(H, L, m, b, b)`` of one layer, ``Q rot(phase) Q^T`` (analysis, tests)."""
+        heads, dh = self.basis.shape[1], self.basis.shape[-1]
+        m = self.num_blocks
+        b = dh // m
+        # the diagonal blocks of the basis are the Q_j themselves (x @ Q_j = (Q_j^T x)^T)
+        q_mat = self.basis[layer].reshape(heads, m, b, m, b).diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2)  # (H, m, b, b)
+        phase = self.rotary.for_layer(layer)  # (H, L, P) complex
+        c, s = phase.real.unflatten(-1, (m, b // 2)), phase.imag.unflatten(-1, (m, b // 2))  # (H, L, m, b/2)
+        rot = torch.zeros(*c.shape[:-1], b, b, dtype=c.dtype, device=c.device)
+        idx = torch.arange(b // 2, device=c.device)
+        rot[..., 2 * idx, 2 * idx] = c
+        rot[..., 2 * idx + 1, 2 * idx + 1] = c
+        rot[..., 2 * idx + 1, 2 * idx] = s
+        rot[..., 2 * idx, 2 * idx + 1] = -s
+        return q_mat[:, None] @ rot @ q_mat[:, None].transpose(-1, -2)
