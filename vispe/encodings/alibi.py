@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from .._checks import Choice, check_choice
-from .base import register_encoding
+from .base import register_preset
 from .grid import PositionGrid
 from .lattice_bias import LatticeOffsetBias, pair_distance
 from .spec import EXTRAPOLATION_MODES
@@ -94,26 +94,15 @@ class _Alibi(LatticeOffsetBias):
         )
 
 
-@register_encoding("alibi_2d")
-class Alibi2d(_Alibi):
-    """ALiBi on ``(h, w)`` image lattices (2D-ALiBi); defaults: Euclidean distance, ``extrapolation='extend'``."""
+Alibi2d = register_preset(
+    "alibi_2d", _Alibi,
+    """ALiBi on ``(h, w)`` image lattices (2D-ALiBi); defaults: Euclidean distance, ``extrapolation='extend'``.""",
+    class_name="Alibi2d", grid_ndims=(2,), grid_size=(14, 14),
+)
 
-    grid_ndims = (2,)
-
-    def __init__(
-        self, num_heads: int, grid_size: Sequence[int] = (14, 14), distance: str = "euclidean", extrapolation: str = "extend"
-    ) -> None:
-        super().__init__(num_heads, grid_size, distance, extrapolation)
-
-
-@register_encoding("alibi_3d")
-class Alibi3d(_Alibi):
+Alibi3d = register_preset(
+    "alibi_3d", _Alibi,
     """ALiBi on ``(t, h, w)`` video lattices; a tubelet step counts one unit, like a patch step. On a single
-    temporal position it is ``alibi_2d``."""
-
-    grid_ndims = (3,)
-
-    def __init__(
-        self, num_heads: int, grid_size: Sequence[int] = (8, 14, 14), distance: str = "euclidean", extrapolation: str = "extend"
-    ) -> None:
-        super().__init__(num_heads, grid_size, distance, extrapolation)
+    temporal position it is ``alibi_2d``.""",
+    class_name="Alibi3d", grid_ndims=(3,), grid_size=(8, 14, 14),
+)

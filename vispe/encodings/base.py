@@ -53,6 +53,7 @@ __all__ = [
     "TokenEncoding",
     "AttentionBiasEncoding",
     "register_encoding",
+    "register_preset",
     "create_encoding",
     "list_encodings",
     "get_encoding_class",
@@ -193,6 +194,9 @@ class PositionalEncoding(nn.Module):
     supports_token_dropout: ClassVar[bool] = True
 
     registry_name: ClassVar[str] = ""
+    #: For a preset (:func:`register_preset`): the class it presets and the defaults it changes.
+    preset_of: ClassVar[type | None] = None
+    preset_defaults: ClassVar[Mapping[str, Any]] = {}
     #: Entries kept by :meth:`cached` (least recently used dropped first).
     cache_size: ClassVar[int] = 8
     #: The rule of each constructor option (``vispe._checks``: ``Real``, ``Int``, ``Bool``, ``Choice``, ...),
@@ -486,6 +490,48 @@ def register_encoding(name: str) -> Callable[[type[PositionalEncoding]], type[Po
         return cls
 
     return wrap
+
+
+def register_preset(
+    name: str,
+    base: type[PositionalEncoding],
+    doc: str,
+    *,
+    class_name: str,
+    grid_ndims: tuple[int, ...] | None = None,
+    **defaults: Any,
+) -> type[PositionalEncoding]:
+    """Register ``name`` as ``base`` with other default options (timm's way: a registered name is a class plus
+    default kwargs), e.g. ``register_preset("rope_axial_3d", RopeAxial, ..., grid_ndims=(3,), grid_size=(8, 14, 14))``.
+
+    Returns the registered class: ``base`` with ``defaults`` in its constructor's signature (so
+    :meth:`PositionalEncoding.option_rules`, the option checks, specs and ``create_encoding`` see them), the grids
+    ``grid_ndims`` it is listed for, and nothing else of its own. ``class_name`` names it in its module (checkpoints
+    record that path). Every default names an option of ``base``."""
+    sig = inspect.signature(base.__init__)
+    unknown = sorted(set(defaults) - set(sig.parameters))
+    if unknown:
+        raise TypeError(f"preset {name!r}: {base.__name__} has no option(s) {unknown}")
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in sig.parameters.values()):
+        raise TypeError(f"preset {name!r}: {base.__name__} takes *args/**kwargs; a preset needs named options")
+    preset_sig = sig.replace(parameters=[p.replace(default=defaults[p.name]) if p.name in defaults else p
+                                         for p in sig.parameters.values()])
+
+    def __init__(self: PositionalEncoding, *args: Any, **kwargs: Any) -> None:
+        bound = preset_sig.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        options = dict(bound.arguments)
+        options.pop(next(iter(preset_sig.parameters)))  # self
+        base.__init__(self, **options)
+
+    __init__.__signature__ = preset_sig  # type: ignore[attr-defined]
+    __init__.__qualname__ = f"{class_name}.__init__"
+    attrs: dict[str, Any] = {"__init__": __init__, "__doc__": doc, "__module__": base.__module__,
+                             "preset_of": base, "preset_defaults": dict(defaults)}
+    if grid_ndims is not None:
+        attrs["grid_ndims"] = tuple(grid_ndims)
+    cls = type(class_name, (base,), attrs)
+    return register_encoding(name)(cls)
 
 
 def list_encodings(kind: str | None = None, grid_ndim: int | None = None) -> list[str]:

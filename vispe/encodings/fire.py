@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 from .._checks import Choice, Int, Real, check_choice
 from .lattice_bias import LatticeOffsetBias, pair_distance
-from .base import register_encoding
+from .base import register_preset
 from .grid import PositionGrid
 
 __all__ = ["FIRE_DISTANCES", "Fire", "Fire3d", "fire_inputs", "lattice_extent"]
@@ -181,41 +181,12 @@ class _Fire(LatticeOffsetBias):
         )
 
 
-@register_encoding("fire")
-class Fire(_Fire):
-    """FIRE on ``(h, w)`` image lattices (see the module docstring)."""
+Fire = register_preset(
+    "fire", _Fire, """FIRE on ``(h, w)`` image lattices (see the module docstring).""",
+    class_name="Fire", grid_ndims=(2,), grid_size=(14, 14),
+)
 
-    grid_ndims = (2,)
-
-    def __init__(
-        self,
-        num_heads: int,
-        depth: int,
-        grid_size: Sequence[int] = (14, 14),
-        distance: str = "euclidean",
-        mlp_width: int = 32,
-        init_c: float = 0.1,
-        init_threshold: float | None = None,
-        share_layers: bool = False,
-    ) -> None:
-        super().__init__(num_heads, depth, grid_size, distance, mlp_width, init_c, init_threshold, share_layers)
-
-
-@register_encoding("fire_3d")
-class Fire3d(_Fire):
-    """FIRE on ``(t, h, w)`` video lattices; a tubelet step counts one unit, like a patch step."""
-
-    grid_ndims = (3,)
-
-    def __init__(
-        self,
-        num_heads: int,
-        depth: int,
-        grid_size: Sequence[int] = (8, 14, 14),
-        distance: str = "euclidean",
-        mlp_width: int = 32,
-        init_c: float = 0.1,
-        init_threshold: float | None = None,
-        share_layers: bool = False,
-    ) -> None:
-        super().__init__(num_heads, depth, grid_size, distance, mlp_width, init_c, init_threshold, share_layers)
+Fire3d = register_preset(
+    "fire_3d", _Fire, """FIRE on ``(t, h, w)`` video lattices; a tubelet step counts one unit, like a patch step.""",
+    class_name="Fire3d", grid_ndims=(3,), grid_size=(8, 14, 14),
+)

@@ -54,13 +54,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import ClassVar, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.nn as nn
 
 from .._checks import Choice, Int, Ints, Real, check_choice
-from .base import autocast_off_in_backward, register_encoding
+from .base import autocast_off_in_backward, register_preset
 from .grid import PositionGrid
 from .block_rotation import rotate_blocks
 from .rotary import RotaryEncoding
@@ -220,7 +220,12 @@ class LieREBase(RotaryEncoding):
         "coords='liere': prefix tokens get the identity rotation (released code); coords='centers': they sit at "
         "the grid centre (0.5, ...) and are rotated like patches (ComRoPE's convention)"
     )
-    num_axes: ClassVar[int] = 2
+    grid_ndims = (2,)
+
+    @property
+    def num_axes(self) -> int:
+        """Grid axes the generators span: those of the grids the variant takes (its ``grid_ndims``)."""
+        return self.grid_ndims[0]
 
     #: option rules, checked before __init__ (vispe._checks; see PositionalEncoding.option_checks)
     option_checks = {
@@ -356,17 +361,7 @@ class LieREBase(RotaryEncoding):
         )
 
 
-@register_encoding("liere")
-class LieRE(LieREBase):
-    """LieRE on 2D image grids ``(h, w)``."""
-
-    grid_ndims = (2,)
-    num_axes = 2
-
-
-@register_encoding("liere_3d")
-class LieRE3d(LieREBase):
-    """LieRE on video grids ``(t, h, w)``."""
-
-    grid_ndims = (3,)
-    num_axes = 3
+# the 2D and video variants: the class registered for each grid (a registered name = class + defaults)
+LieRE = register_preset("liere", LieREBase, """LieRE on 2D image grids ``(h, w)``.""", class_name="LieRE", grid_ndims=(2,))
+LieRE3d = register_preset("liere_3d", LieREBase, """LieRE on video grids ``(t, h, w)``.""", class_name="LieRE3d",
+                          grid_ndims=(3,))

@@ -50,7 +50,7 @@ from typing import Sequence
 import torch
 
 from .._checks import Choice, Ints, Real, check_choice
-from .base import register_encoding
+from .base import register_encoding, register_preset
 from .coordinates import COORDINATE_OPTION_DEFAULTS as DEFAULT_OFF, DINOV3_COORDINATE_ALIASES
 from .grid import PositionGrid
 from .rope_vit import RopeAxial
@@ -194,26 +194,10 @@ class RopeDinoV3(RopeAxial):
         return torch.cat(chunks, dim=-1)  # (N, P): [h | w] (video: [t | h | w])
 
 
-@register_encoding("rope_dinov3_3d")
-class RopeDinoV3_3d(RopeDinoV3):
+RopeDinoV3_3d = register_preset(
+    "rope_dinov3_3d", RopeDinoV3,
     """:class:`RopeDinoV3` on ``(t, h, w)`` video lattices: chunks ``[t | h | w]``, default ``sections``
     ``(P - 2*(P//3), P//3, P//3)``; time normalised by the clip length in every ``normalize_coords`` mode
-    (``'min'`` / ``'max'`` act on ``(h, w)``). With ``sections=(0, P/2, P/2)`` a single frame is ``rope_dinov3``."""
-
-    grid_ndims = (3,)
-
-    def __init__(
-        self,
-        head_dim: int,
-        grid_size: Sequence[int] = (8, 14, 14),
-        base: float | None = None,
-        min_period: float | None = None,
-        max_period: float | None = None,
-        normalize_coords: str = "separate",
-        shift_coords: float | None = None,
-        jitter_coords: float | None = None,
-        rescale_coords: float | None = None,
-        sections: Sequence[int] | None = None,
-    ) -> None:
-        super().__init__(head_dim, grid_size, base, min_period, max_period, normalize_coords, shift_coords, jitter_coords,
-                         rescale_coords, sections)
+    (``'min'`` / ``'max'`` act on ``(h, w)``). With ``sections=(0, P/2, P/2)`` a single frame is ``rope_dinov3``.""",
+    class_name="RopeDinoV3_3d", grid_ndims=(3,), grid_size=(8, 14, 14),
+)

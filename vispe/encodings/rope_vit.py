@@ -19,7 +19,7 @@ import torch.nn as nn
 from timm.layers.pos_embed_sincos import init_random_2d_freqs
 
 from .._checks import Choice, Int, Ints, Real, check_choice
-from .base import register_encoding
+from .base import register_encoding, register_preset
 from .coordinates import CoordinateAugmentation, random_lattice_indices
 from .grid import PositionGrid
 from .rotary import RotaryEncoding
@@ -288,55 +288,18 @@ class RopeMixed(_LatticeRotary):
         return {"freqs": freqs}
 
 
-# -- video presets: the same classes with (t, h, w) defaults -------------------------------------
+# -- video presets: the same classes with (t, h, w) defaults (a registered name = class + default options) --------
 
-
-@register_encoding("rope_axial_3d")
-class RopeAxial3d(RopeAxial):
+RopeAxial3d = register_preset(
+    "rope_axial_3d", RopeAxial,
     """:class:`RopeAxial` on ``(t, h, w)`` video lattices: chunks ``[t | h | w]``, default ``sections``
     ``(P - 2*(P//3), P//3, P//3)``. With ``sections=(0, P/2, P/2)`` a single frame gets 2D rope_axial's
-    ladders (chunks in ``(h, w)`` order instead of ``(x, y)``)."""
+    ladders (chunks in ``(h, w)`` order instead of ``(x, y)``).""",
+    class_name="RopeAxial3d", grid_ndims=(3,), grid_size=(8, 14, 14),
+)
 
-    grid_ndims = (3,)
-
-    def __init__(
-        self,
-        head_dim: int,
-        grid_size: Sequence[int] = (8, 14, 14),
-        sections: Sequence[int] | None = None,
-        theta: float = 100.0,
-        extrapolation: str = "extend",
-        chunk_axes: Sequence[int] | None = None,
-        coord_shift: float = 0.0,
-        coord_jitter: float = 1.0,
-        coord_rescale: float = 1.0,
-        random_positions: float = 1.0,
-    ) -> None:
-        super().__init__(head_dim, grid_size, theta, extrapolation, sections, chunk_axes, coord_shift, coord_jitter, coord_rescale,
-                         random_positions)
-
-
-@register_encoding("rope_mixed_3d")
-class RopeMixed3d(RopeMixed):
-    """:class:`RopeMixed` on ``(t, h, w)`` video lattices: ``freqs`` ``(3, depth, H, P)`` = ``(f_t, f_y, f_x)``."""
-
-    grid_ndims = (3,)
-
-    def __init__(
-        self,
-        head_dim: int,
-        num_heads: int,
-        depth: int,
-        grid_size: Sequence[int] = (8, 14, 14),
-        theta: float = 10.0,
-        temporal_theta: float = 100.0,
-        temporal_init: str = "ladder",
-        extrapolation: str = "extend",
-        chunk_axes: Sequence[int] | None = None,
-        coord_shift: float = 0.0,
-        coord_jitter: float = 1.0,
-        coord_rescale: float = 1.0,
-        random_positions: float = 1.0,
-    ) -> None:
-        super().__init__(head_dim, num_heads, depth, grid_size, theta, extrapolation, temporal_theta, temporal_init, chunk_axes,
-                         coord_shift, coord_jitter, coord_rescale, random_positions)
+RopeMixed3d = register_preset(
+    "rope_mixed_3d", RopeMixed,
+    """:class:`RopeMixed` on ``(t, h, w)`` video lattices: ``freqs`` ``(3, depth, H, P)`` = ``(f_t, f_y, f_x)``.""",
+    class_name="RopeMixed3d", grid_ndims=(3,), grid_size=(8, 14, 14),
+)

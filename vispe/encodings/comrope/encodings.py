@@ -3,14 +3,14 @@ AP / LD variants (``comrope_ap``, ``comrope_ld``, ``comrope_ld_3d``)."""
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import ClassVar, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from ..._checks import Bool, Choice, Int, Real, check_choice
-from ..base import register_encoding
+from ..base import register_encoding, register_preset
 from ..coordinates import CoordinateAugmentation
 from ..grid import PositionGrid
 from ..rotary import RotaryEncoding, RotaryState, apply_rotary, rotary_table
@@ -36,7 +36,12 @@ class ComRopeBase(CoordinateAugmentation, RotaryEncoding):
 
     pairwise_phases = False
     prefix_policy = "prefix tokens (cls, registers) sit at the grid centre (0.5, ...) and are rotated like patches"
-    num_axes: ClassVar[int] = 2
+    grid_ndims = (2,)
+
+    @property
+    def num_axes(self) -> int:
+        """Grid axes the generators span: those of the grids the variant takes (its ``grid_ndims``)."""
+        return self.grid_ndims[0]
 
     #: option rules, checked before __init__ (vispe._checks; see PositionalEncoding.option_checks)
     option_checks = {
@@ -349,20 +354,12 @@ class ComRopeLDBase(ComRopeBase):
         return th.permute(2, 0, 1, 3)[..., None, None] * s[None]
 
 
-@register_encoding("comrope_ap")
-class ComRopeAP(ComRopeAPBase):
-    """ComRoPE-AP on 2D grids (block ``j`` -> row axis if ``j`` is even, column axis if odd)."""
-
-    grid_ndims = (2,)
-    num_axes = 2
-
-
-@register_encoding("comrope_ld")
-class ComRopeLD(ComRopeLDBase):
-    """ComRoPE-LD on 2D grids."""
-
-    grid_ndims = (2,)
-    num_axes = 2
+# 2D variants: the base classes registered for (h, w) grids (a registered name = class + defaults)
+ComRopeAP = register_preset("comrope_ap", ComRopeAPBase,
+                            """ComRoPE-AP on 2D grids (block ``j`` -> row axis if ``j`` is even, column axis if odd).""",
+                            class_name="ComRopeAP", grid_ndims=(2,))
+ComRopeLD = register_preset("comrope_ld", ComRopeLDBase, """ComRoPE-LD on 2D grids.""", class_name="ComRopeLD",
+                            grid_ndims=(2,))
 
 
 #: ComRoPE-3D time coordinate: released ``(t + 0.5) / n_spatial`` or vispe's ``(t + 0.5) / T``
@@ -387,7 +384,6 @@ class ComRopeLD3d(ComRopeLDBase):
     option_checks = {"time_scale": Choice(COMROPE_TIME_SCALES)}
 
     grid_ndims = (3,)
-    num_axes = 3
 
     def __init__(self, head_dim: int, num_heads: int, depth: int, block_size: int = 8, init_std: float = 1.0,
                  zero_init: bool = False, sigma: float = 0.0, shared_scalars: bool = False, rotation: str = "auto",
