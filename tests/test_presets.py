@@ -70,6 +70,13 @@ def test_preset_keeps_option_checks_and_names_itself():
 
 def test_register_preset_refuses_options_the_class_lacks():
     with pytest.raises(TypeError, match=r"RopeAxial has no option\(s\) \['gird_size'\]"):
-        register_preset("rope_typo", RopeAxial, "doc", class_name="RopeTypo", gird_size=(3, 3))
-    assert "rope_typo" not in vispe.list_encodings()
+        @register_preset("rope_typo", gird_size=(3, 3))
+        class RopeTypo(RopeAxial):
+            grid_ndims = (3,)
+    with pytest.raises(TypeError, match="defines __init__; a preset only changes defaults"):
+        @register_preset("rope_own_init", grid_size=(3, 3))
+        class RopeOwnInit(RopeAxial):
+            def __init__(self, head_dim: int) -> None:
+                super().__init__(head_dim)
+    assert "rope_typo" not in vispe.list_encodings() and "rope_own_init" not in vispe.list_encodings()
     assert issubclass(vispe.get_encoding_class("rope_axial_3d"), PositionalEncoding)

@@ -94,15 +94,16 @@ class _Alibi(LatticeOffsetBias):
         )
 
 
-Alibi2d = register_preset(
-    "alibi_2d", _Alibi,
-    """ALiBi on ``(h, w)`` image lattices (2D-ALiBi); defaults: Euclidean distance, ``extrapolation='extend'``.""",
-    class_name="Alibi2d", grid_ndims=(2,), grid_size=(14, 14),
-)
+@register_preset("alibi_2d", grid_size=(14, 14))
+class Alibi2d(_Alibi):
+    """ALiBi on ``(h, w)`` image lattices (2D-ALiBi); defaults: Euclidean distance, ``extrapolation='extend'``."""
 
-Alibi3d = register_preset(
-    "alibi_3d", _Alibi,
+    grid_ndims = (2,)
+
+
+@register_preset("alibi_3d", grid_size=(8, 14, 14))
+class Alibi3d(_Alibi):
     """ALiBi on ``(t, h, w)`` video lattices; a tubelet step counts one unit, like a patch step. On a single
-    temporal position it is ``alibi_2d``.""",
-    class_name="Alibi3d", grid_ndims=(3,), grid_size=(8, 14, 14),
-)
+    temporal position it is ``alibi_2d``."""
+
+    grid_ndims = (3,)

@@ -492,46 +492,49 @@ def register_encoding(name: str) -> Callable[[type[PositionalEncoding]], type[Po
     return wrap
 
 
-def register_preset(
-    name: str,
-    base: type[PositionalEncoding],
-    doc: str,
-    *,
-    class_name: str,
-    grid_ndims: tuple[int, ...] | None = None,
-    **defaults: Any,
-) -> type[PositionalEncoding]:
-    """Register ``name`` as ``base`` with other default options (timm's way: a registered name is a class plus
-    default kwargs), e.g. ``register_preset("rope_axial_3d", RopeAxial, ..., grid_ndims=(3,), grid_size=(8, 14, 14))``.
+def register_preset(name: str, **defaults: Any) -> Callable[[type[PositionalEncoding]], type[PositionalEncoding]]:
+    """Class decorator: register ``name`` as the decorated class's base with other default options (timm's way: a
+    registered name is a class plus default kwargs)::
 
-    Returns the registered class: ``base`` with ``defaults`` in its constructor's signature (so
-    :meth:`PositionalEncoding.option_rules`, the option checks, specs and ``create_encoding`` see them), the grids
-    ``grid_ndims`` it is listed for, and nothing else of its own. ``class_name`` names it in its module (checkpoints
-    record that path). Every default names an option of ``base``."""
-    sig = inspect.signature(base.__init__)
-    unknown = sorted(set(defaults) - set(sig.parameters))
-    if unknown:
-        raise TypeError(f"preset {name!r}: {base.__name__} has no option(s) {unknown}")
-    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in sig.parameters.values()):
-        raise TypeError(f"preset {name!r}: {base.__name__} takes *args/**kwargs; a preset needs named options")
-    preset_sig = sig.replace(parameters=[p.replace(default=defaults[p.name]) if p.name in defaults else p
-                                         for p in sig.parameters.values()])
+        @register_preset("rope_axial_3d", grid_size=(8, 14, 14))
+        class RopeAxial3d(RopeAxial):
+            # docstring: what the preset is
+            grid_ndims = (3,)
 
-    def __init__(self: PositionalEncoding, *args: Any, **kwargs: Any) -> None:
-        bound = preset_sig.bind(self, *args, **kwargs)
-        bound.apply_defaults()
-        options = dict(bound.arguments)
-        options.pop(next(iter(preset_sig.parameters)))  # self
-        base.__init__(self, **options)
+    The decorated class states only what describes the preset (docstring, the grids it is listed for) and no
+    constructor: it gets the base's, with ``defaults`` in its signature (so :meth:`PositionalEncoding.option_rules`,
+    the option checks, specs and ``create_encoding`` see them). ``preset_of`` / ``preset_defaults`` record both."""
 
-    __init__.__signature__ = preset_sig  # type: ignore[attr-defined]
-    __init__.__qualname__ = f"{class_name}.__init__"
-    attrs: dict[str, Any] = {"__init__": __init__, "__doc__": doc, "__module__": base.__module__,
-                             "preset_of": base, "preset_defaults": dict(defaults)}
-    if grid_ndims is not None:
-        attrs["grid_ndims"] = tuple(grid_ndims)
-    cls = type(class_name, (base,), attrs)
-    return register_encoding(name)(cls)
+    def wrap(cls: type[PositionalEncoding]) -> type[PositionalEncoding]:
+        if "__init__" in cls.__dict__:
+            raise TypeError(f"preset {name!r}: {cls.__name__} defines __init__; a preset only changes defaults "
+                            "(register a class with its own constructor with register_encoding)")
+        base = cls.__mro__[1]
+        sig = inspect.signature(base.__init__)
+        unknown = sorted(set(defaults) - set(sig.parameters))
+        if unknown:
+            raise TypeError(f"preset {name!r}: {base.__name__} has no option(s) {unknown}")
+        if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in sig.parameters.values()):
+            raise TypeError(f"preset {name!r}: {base.__name__} takes *args/**kwargs; a preset needs named options")
+        preset_sig = sig.replace(parameters=[p.replace(default=defaults[p.name]) if p.name in defaults else p
+                                             for p in sig.parameters.values()])
+
+        def __init__(self: PositionalEncoding, *args: Any, **kwargs: Any) -> None:
+            bound = preset_sig.bind(self, *args, **kwargs)
+            bound.apply_defaults()
+            options = dict(bound.arguments)
+            options.pop(next(iter(preset_sig.parameters)))  # self
+            base.__init__(self, **options)
+
+        __init__.__signature__ = preset_sig  # type: ignore[attr-defined]
+        __init__.__qualname__ = f"{cls.__qualname__}.__init__"
+        __init__.__module__ = cls.__module__
+        cls.__init__ = _validating_init(__init__)  # type: ignore[method-assign]
+        cls.preset_of = base
+        cls.preset_defaults = dict(defaults)
+        return register_encoding(name)(cls)
+
+    return wrap
 
 
 def list_encodings(kind: str | None = None, grid_ndim: int | None = None) -> list[str]:

@@ -181,12 +181,15 @@ class _Fire(LatticeOffsetBias):
         )
 
 
-Fire = register_preset(
-    "fire", _Fire, """FIRE on ``(h, w)`` image lattices (see the module docstring).""",
-    class_name="Fire", grid_ndims=(2,), grid_size=(14, 14),
-)
+@register_preset("fire", grid_size=(14, 14))
+class Fire(_Fire):
+    """FIRE on ``(h, w)`` image lattices (see the module docstring)."""
 
-Fire3d = register_preset(
-    "fire_3d", _Fire, """FIRE on ``(t, h, w)`` video lattices; a tubelet step counts one unit, like a patch step.""",
-    class_name="Fire3d", grid_ndims=(3,), grid_size=(8, 14, 14),
-)
+    grid_ndims = (2,)
+
+
+@register_preset("fire_3d", grid_size=(8, 14, 14))
+class Fire3d(_Fire):
+    """FIRE on ``(t, h, w)`` video lattices; a tubelet step counts one unit, like a patch step."""
+
+    grid_ndims = (3,)

@@ -361,7 +361,15 @@ class LieREBase(RotaryEncoding):
         )
 
 
-# the 2D and video variants: the class registered for each grid (a registered name = class + defaults)
-LieRE = register_preset("liere", LieREBase, """LieRE on 2D image grids ``(h, w)``.""", class_name="LieRE", grid_ndims=(2,))
-LieRE3d = register_preset("liere_3d", LieREBase, """LieRE on video grids ``(t, h, w)``.""", class_name="LieRE3d",
-                          grid_ndims=(3,))
+@register_preset("liere")
+class LieRE(LieREBase):
+    """LieRE on 2D image grids ``(h, w)``."""
+
+    grid_ndims = (2,)
+
+
+@register_preset("liere_3d")
+class LieRE3d(LieREBase):
+    """LieRE on video grids ``(t, h, w)``."""
+
+    grid_ndims = (3,)

@@ -194,10 +194,10 @@ class RopeDinoV3(RopeAxial):
         return torch.cat(chunks, dim=-1)  # (N, P): [h | w] (video: [t | h | w])
 
 
-RopeDinoV3_3d = register_preset(
-    "rope_dinov3_3d", RopeDinoV3,
+@register_preset("rope_dinov3_3d", grid_size=(8, 14, 14))
+class RopeDinoV3_3d(RopeDinoV3):
     """:class:`RopeDinoV3` on ``(t, h, w)`` video lattices: chunks ``[t | h | w]``, default ``sections``
     ``(P - 2*(P//3), P//3, P//3)``; time normalised by the clip length in every ``normalize_coords`` mode
-    (``'min'`` / ``'max'`` act on ``(h, w)``). With ``sections=(0, P/2, P/2)`` a single frame is ``rope_dinov3``.""",
-    class_name="RopeDinoV3_3d", grid_ndims=(3,), grid_size=(8, 14, 14),
-)
+    (``'min'`` / ``'max'`` act on ``(h, w)``). With ``sections=(0, P/2, P/2)`` a single frame is ``rope_dinov3``."""
+
+    grid_ndims = (3,)

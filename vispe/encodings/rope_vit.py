@@ -290,16 +290,17 @@ class RopeMixed(_LatticeRotary):
 
 # -- video presets: the same classes with (t, h, w) defaults (a registered name = class + default options) --------
 
-RopeAxial3d = register_preset(
-    "rope_axial_3d", RopeAxial,
+@register_preset("rope_axial_3d", grid_size=(8, 14, 14))
+class RopeAxial3d(RopeAxial):
     """:class:`RopeAxial` on ``(t, h, w)`` video lattices: chunks ``[t | h | w]``, default ``sections``
     ``(P - 2*(P//3), P//3, P//3)``. With ``sections=(0, P/2, P/2)`` a single frame gets 2D rope_axial's
-    ladders (chunks in ``(h, w)`` order instead of ``(x, y)``).""",
-    class_name="RopeAxial3d", grid_ndims=(3,), grid_size=(8, 14, 14),
-)
+    ladders (chunks in ``(h, w)`` order instead of ``(x, y)``)."""
 
-RopeMixed3d = register_preset(
-    "rope_mixed_3d", RopeMixed,
-    """:class:`RopeMixed` on ``(t, h, w)`` video lattices: ``freqs`` ``(3, depth, H, P)`` = ``(f_t, f_y, f_x)``.""",
-    class_name="RopeMixed3d", grid_ndims=(3,), grid_size=(8, 14, 14),
-)
+    grid_ndims = (3,)
+
+
+@register_preset("rope_mixed_3d", grid_size=(8, 14, 14))
+class RopeMixed3d(RopeMixed):
+    """:class:`RopeMixed` on ``(t, h, w)`` video lattices: ``freqs`` ``(3, depth, H, P)`` = ``(f_t, f_y, f_x)``."""
+
+    grid_ndims = (3,)

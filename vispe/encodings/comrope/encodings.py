@@ -354,12 +354,18 @@ class ComRopeLDBase(ComRopeBase):
         return th.permute(2, 0, 1, 3)[..., None, None] * s[None]
 
 
-# 2D variants: the base classes registered for (h, w) grids (a registered name = class + defaults)
-ComRopeAP = register_preset("comrope_ap", ComRopeAPBase,
-                            """ComRoPE-AP on 2D grids (block ``j`` -> row axis if ``j`` is even, column axis if odd).""",
-                            class_name="ComRopeAP", grid_ndims=(2,))
-ComRopeLD = register_preset("comrope_ld", ComRopeLDBase, """ComRoPE-LD on 2D grids.""", class_name="ComRopeLD",
-                            grid_ndims=(2,))
+@register_preset("comrope_ap")
+class ComRopeAP(ComRopeAPBase):
+    """ComRoPE-AP on 2D grids (block ``j`` -> row axis if ``j`` is even, column axis if odd)."""
+
+    grid_ndims = (2,)
+
+
+@register_preset("comrope_ld")
+class ComRopeLD(ComRopeLDBase):
+    """ComRoPE-LD on 2D grids."""
+
+    grid_ndims = (2,)
 
 
 #: ComRoPE-3D time coordinate: released ``(t + 0.5) / n_spatial`` or vispe's ``(t + 0.5) / T``
