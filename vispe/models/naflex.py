@@ -109,7 +109,8 @@ def parse_naflex_input(
         return x["patches"], x.get("patch_coord", patch_coord), x.get("patch_valid", patch_valid)
     if isinstance(x, (list, tuple)):
         return list(x), None, None
-    if patch_coord is not None or patch_valid is not None:
+    # real tensors only: a symbolic tracer (FX) passes placeholders for every argument of forward
+    if isinstance(patch_coord, torch.Tensor) or isinstance(patch_valid, torch.Tensor):
         return x, patch_coord, patch_valid
     return None
 
