@@ -152,3 +152,78 @@ def test_agrees_with_timm_naflexvit_learned_table(class_token, pool):
     assert expected.abs().max() > 0.1
     # same maths on different kernels (conv vs linear patch embedding, masked vs sliced attention): float32 round-off
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=0)
+
+
+# -- training with sampled resolutions ----------------------------------------------------------
+def _synthetic(**kw):
+    from vispe.data import SyntheticDataModule
+
+    return SyntheticDataModule(num_classes=4, image_size=16, train_size=64, val_size=32, batch_size=16, **kw)
+
+
+def test_datamodule_samples_one_resolution_per_batch():
+    dm = _synthetic(resolutions=[16, [12, 20], [20, 12]], resolution_sampling="batch")
+    x = torch.randn(16, 3, 16, 16)
+    seen = {tuple(dm.sample_resolutions(x, torch.Generator().manual_seed(s)).shape[-2:]) for s in range(20)}
+    assert seen == {(16, 16), (12, 20), (20, 12)}
+
+
+def test_datamodule_samples_per_sample_into_a_naflex_batch():
+    dm = _synthetic(resolutions=[[16, 16], [12, 20], [20, 12]], resolution_sampling="sample", patch_size=4)
+    x = torch.randn(16, 3, 16, 16)
+    batch = dm.sample_resolutions(x, torch.Generator().manual_seed(0))
+    assert isinstance(batch, dict) and batch["patches"].shape[0] == 16
+    grids = grids_from_patch_coord(batch["patch_coord"], batch["patch_valid"])
+    assert set(grids) == {(4, 4), (3, 5), (5, 3)}
+    # each sample is its own image resized to its drawn size (bicubic, antialiased), then patchified
+    from vispe.data.image_datamodule import resize_images
+
+    for b in (0, 7, 15):
+        (h, w) = grids[b]
+        img = unpatchify(batch["patches"][b : b + 1, : h * w], (h, w), (PATCH, PATCH), 3)
+        torch.testing.assert_close(img, resize_images(x[b : b + 1], (4 * h, 4 * w)))
+    # the same draw from the same generator: reproducible from the seed
+    again = dm.sample_resolutions(x, torch.Generator().manual_seed(0))
+    assert torch.equal(again["patches"], batch["patches"])
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(resolutions=[[16, 16], [12, 0]]), r"entry \[12, 0\] is not a size"),
+    (dict(resolutions="16"), "non-empty list"),
+    (dict(resolutions=[16, 18], patch_size=4), r"\[18, 18\] is not a multiple of patch_size=4"),
+    (dict(resolutions=[16], resolution_sampling="pixel"), r"resolution_sampling='pixel' is not valid; choose one of \['batch', 'sample'\]"),
+    (dict(resolutions=[16, [12, 20]], resolution_sampling="sample"), "give patch_size"),
+    (dict(resolutions=[16], patch_size=0), "patch_size must be a positive int"),
+])
+def test_bad_resolution_options_fail_at_construction(kw, message):
+    with pytest.raises(ValueError, match=message):
+        _synthetic(**kw)
+
+
+def test_fit_three_steps_with_per_sample_resolutions(tmp_path, monkeypatch):
+    """`vispe fit` on the synthetic set with `--data.init_args.resolutions ... --resolution_sampling sample`: the
+    training batches reach the model as mixed-resolution patches and the run trains."""
+    import csv
+    from pathlib import Path
+
+    from vispe.models.vispe_vit import VispeVisionTransformer
+    from vispe.train_cli import main
+
+    grids_seen: list[list[tuple[int, int]]] = []
+    original = VispeVisionTransformer.forward_features_naflex
+
+    def spy(self, patches, patch_coord=None, patch_valid=None):
+        grids_seen.append(grids_from_patch_coord(patch_coord, patch_valid))
+        return original(self, patches, patch_coord, patch_valid)
+
+    monkeypatch.setattr(VispeVisionTransformer, "forward_features_naflex", spy)
+    smoke = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
+    main(["fit", "-c", str(smoke), "--trainer.max_steps", "3", "--trainer.max_epochs", "1",
+          "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.enable_progress_bar", "false",
+          "--trainer.enable_checkpointing", "false", "--model.init_args.pos_encoding", "cpe",
+          "--data.init_args.resolutions", "[[16,16],[12,20],[20,12]]", "--data.init_args.resolution_sampling", "sample",
+          "--data.init_args.patch_size", "4"])
+    assert len(grids_seen) == 3 and all(len(set(g)) > 1 for g in grids_seen)  # three steps, each a mixed batch
+    rows = list(csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))))
+    losses = [float(r["train/loss_step"]) for r in rows if r.get("train/loss_step")]
+    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
