@@ -141,6 +141,10 @@ def test_bad_naflex_inputs_are_named():
         model(holes)
     with pytest.raises(ValueError, match="not a multiple of the patch size"):
         patchify_images([torch.randn(3, 10, 8)], PATCH)
+    with pytest.raises(ValueError, match="image 1 of the list is 17x16, not a multiple of the patch size 4x4"):
+        model([torch.randn(3, 16, 16), torch.randn(3, 17, 16)])
+    with pytest.raises(ValueError, match="C=3"):
+        model([torch.randn(3, 16, 16), torch.randn(1, 8, 16)])
     with pytest.raises(ValueError, match="key-padding mask"):
         model(batch, attn_mask=torch.ones(1, 1, 19, 19, dtype=torch.bool))
 

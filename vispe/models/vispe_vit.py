@@ -261,6 +261,9 @@ class VispeVisionTransformer(VisionTransformer):
                 if not isinstance(img, torch.Tensor) or img.ndim != 3:
                     raise ValueError(f"image {i} of the list must be a (C, H, W) tensor, got "
                                      f"{type(img).__name__} {tuple(getattr(img, 'shape', ()))}")
+                if img.shape[-2] % patch[0] or img.shape[-1] % patch[1]:
+                    raise ValueError(f"image {i} of the list is {img.shape[-2]}x{img.shape[-1]}, not a multiple of the patch size "
+                                     f"{patch[0]}x{patch[1]}; resize it to a multiple")
             grids = [(int(img.shape[-2]) // patch[0], int(img.shape[-1]) // patch[1]) for img in patches]
             batch = len(patches)
         else:
