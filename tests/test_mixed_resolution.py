@@ -62,6 +62,10 @@ def test_mixed_batch_equals_each_image_alone(name):
     assert (alone[0] - alone[1]).abs().max() > 1e-4  # the samples differ: not a constant output
     # a list of images is the same batch
     torch.testing.assert_close(model(imgs), mixed, atol=1e-6, rtol=0)
+    # timm NaFlexViT's split: forward_features gives {'patches', 'patch_valid'}, forward_head pools the valid rows
+    feats = model.forward_features(batch)
+    assert feats["patches"].shape[:2] == (3, model.num_prefix_tokens + 16) and feats["patch_valid"].sum(1).tolist() == [16, 15, 12]
+    torch.testing.assert_close(model.forward_head(feats["patches"], patch_valid=feats["patch_valid"]), mixed, atol=0, rtol=0)
     # and the gradient of the batch is the sum of the per-image gradients (padding leaks nowhere in backward)
     params = [p for p in model.parameters() if p.requires_grad]
     g_mixed = torch.autograd.grad((model(batch) * weights).sum(), params, allow_unused=True)

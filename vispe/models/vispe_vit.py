@@ -191,7 +191,17 @@ class VispeVisionTransformer(VisionTransformer):
         _check_attn_mask(attn_mask, x, self.blocks[0].attn.num_heads if len(self.blocks) else 1)
         yield from run_blocks(self.blocks, self.pos_encoding, x, grid, attn_mask, is_causal, self.grad_checkpointing, last_index, state)
 
-    def forward_features(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False) -> torch.Tensor:
+    def forward_features(
+        self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
+        patch_coord: Optional[torch.Tensor] = None, patch_valid: Optional[torch.Tensor] = None,
+    ) -> Union[torch.Tensor, Dict[str, torch.Tensor]]:
+        """timm's ``forward_features``; a mixed-resolution batch (see :meth:`forward`) gives timm NaFlexViT's
+        dict ``{'patches', 'patch_valid'}`` (:meth:`forward_features_naflex`)."""
+        naflex = parse_naflex_input(x, patch_coord, patch_valid)
+        if naflex is not None:
+            if attn_mask is not None or is_causal:
+                raise ValueError("a mixed-resolution (NaFlex) batch builds its own key-padding mask; attn_mask / is_causal cannot be given")
+            return self.forward_features_naflex(*naflex)
         x, grid, state = self.embed_with_state(x)
         for _, x in self.iter_blocks(x, grid, attn_mask, is_causal, state=state):
             pass
@@ -351,13 +361,10 @@ class VispeVisionTransformer(VisionTransformer):
         """timm's forward for ``(B, C, H, W)`` images; a mixed-resolution batch -- timm NaFlexViT's dict
         (``patches``, ``patch_coord``, ``patch_valid``), padded ``patches`` with ``patch_coord`` / ``patch_valid``,
         or a list of ``(C, H, W)`` images of different sizes -- runs each sample on its own grid."""
-        naflex = parse_naflex_input(x, patch_coord, patch_valid)
-        if naflex is None:
-            return super().forward(x, attn_mask=attn_mask, is_causal=is_causal)
-        if attn_mask is not None or is_causal:
-            raise ValueError("a mixed-resolution (NaFlex) batch builds its own key-padding mask; attn_mask / is_causal cannot be given")
-        features = self.forward_features_naflex(*naflex)
-        return self.forward_head(features["patches"], patch_valid=features["patch_valid"])
+        features = self.forward_features(x, attn_mask, is_causal, patch_coord, patch_valid)
+        if isinstance(features, dict):
+            return self.forward_head(features["patches"], patch_valid=features["patch_valid"])
+        return self.forward_head(features)
 
     def set_input_size(self, img_size: Optional[Tuple[int, int]] = None, patch_size: Optional[Tuple[int, int]] = None) -> None:
         super().set_input_size(img_size=img_size, patch_size=patch_size)
