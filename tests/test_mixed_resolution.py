@@ -268,3 +268,37 @@ def test_fit_three_steps_with_per_sample_resolutions(tmp_path, monkeypatch):
     rows = list(csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))))
     losses = [float(r["train/loss_step"]) for r in rows if r.get("train/loss_step")]
     assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
+
+
+@pytest.mark.parametrize("timm_name,pe", [("vit_small_patch16_rope_mixed_224", "rope_mixed"), ("vit_small_patch16_rope_224", "rope_axial")])
+def test_agrees_with_timm_naflexvit_rope(timm_name, pe):
+    """timm builds a NaFlexViT from its RoPE ViTs (``use_naflex=True``, per-sample rotary tables); the same EVA
+    weights loaded into vispe (``load_timm_checkpoint``) give the same logits on a padded batch of three grids."""
+    from timm.models.naflexvit import checkpoint_filter_fn
+
+    from vispe.models import load_timm_checkpoint
+
+    small = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4, num_classes=5)
+    torch.manual_seed(0)
+    eva = timm.create_model(timm_name, dynamic_img_size=True, **small).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # timm's layer scale starts at 1e-5: give the blocks (and so the positions) a real say
+        for n, p in eva.named_parameters():
+            if n.endswith(("gamma_1", "gamma_2", "ls1.gamma", "ls2.gamma")):
+                p.copy_(0.5 + torch.rand(p.shape, generator=g))
+        eva.head.weight.copy_(torch.randn(eva.head.weight.shape, generator=g) / 8)  # O(1) logits: 1e-5 is a real bound
+    ref = timm.create_model(timm_name, use_naflex=True, **small).eval()
+    ref.load_state_dict(checkpoint_filter_fn(eva.state_dict(), ref), strict=True)
+    ours = timm.create_model("vispe_vit_small_patch16_224", pos_encoding=pe, **small).eval()
+    report = load_timm_checkpoint(ours, eva.state_dict())
+    assert not report.new and not report.dropped, str(report)
+    batch = patchify_images(_images(5, [(32, 32), (24, 40), (48, 16)]), 8)
+    with torch.no_grad():
+        expected = ref(batch)
+        got = ours(batch)
+        no_pe = timm.create_model("vispe_vit_small_patch16_224", pos_encoding="none", **small).eval()
+        load_timm_checkpoint(no_pe, eva.state_dict())
+        without_rope = no_pe(batch)
+    assert expected.abs().max() > 0.5 and (expected[1:] - expected[0]).abs().max() > 1e-2  # samples differ
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    assert (without_rope - expected).abs().max() > 1e-3  # the rotary tables matter here: 100x the tolerance
