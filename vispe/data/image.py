@@ -106,8 +106,12 @@ class CIFAR10JpegDataModule(ImageDataModule):
         train_subset: int | None = None,
         eval_subset: int | None = None,
         seed: int = 0,
+        resolutions: list[int | list[int]] | None = None,
+        resolution_sampling: str = "batch",
+        patch_size: int | None = None,
     ) -> None:
-        super().__init__(batch_size, eval_batch_size, num_workers, augment, train_subset, eval_subset, seed)
+        super().__init__(batch_size, eval_batch_size, num_workers, augment, train_subset, eval_subset, seed,
+                         resolutions=resolutions, resolution_sampling=resolution_sampling, patch_size=patch_size)
         self.save_hyperparameters()
         self.data_dir = resolve_data_path(data_dir, "cifar10-jpeg", "CIFAR-10 JPEG data")
         for split in ("train", "test"):
@@ -185,8 +189,12 @@ class TorchvisionDataModule(ImageDataModule):
         train_subset: int | None = None,
         eval_subset: int | None = None,
         seed: int = 0,
+        resolutions: list[int | list[int]] | None = None,
+        resolution_sampling: str = "batch",
+        patch_size: int | None = None,
     ) -> None:
-        super().__init__(batch_size, eval_batch_size, num_workers, augment, train_subset, eval_subset, seed)
+        super().__init__(batch_size, eval_batch_size, num_workers, augment, train_subset, eval_subset, seed,
+                         resolutions=resolutions, resolution_sampling=resolution_sampling, patch_size=patch_size)
         self.save_hyperparameters()
         import torchvision.datasets as tvd
 
@@ -255,8 +263,12 @@ class ImageFolderDataModule(ImageDataModule):
         train_subset: int | None = None,
         eval_subset: int | None = None,
         seed: int = 0,
+        resolutions: list[int | list[int]] | None = None,
+        resolution_sampling: str = "batch",
+        patch_size: int | None = None,
     ) -> None:
-        super().__init__(batch_size, eval_batch_size, num_workers, augment, train_subset, eval_subset, seed)
+        super().__init__(batch_size, eval_batch_size, num_workers, augment, train_subset, eval_subset, seed,
+                         resolutions=resolutions, resolution_sampling=resolution_sampling, patch_size=patch_size)
         self.save_hyperparameters()
         self.train_dir = resolve_data_path(train_dir, "", "ImageFolder train_dir")
         self.val_dir = resolve_data_path(val_dir, "", "ImageFolder val_dir")
@@ -305,8 +317,12 @@ class FashionMNISTDataModule(ImageDataModule):
         train_subset: int | None = None,
         eval_subset: int | None = None,
         seed: int = 0,
+        resolutions: list[int | list[int]] | None = None,
+        resolution_sampling: str = "batch",
+        patch_size: int | None = None,
     ) -> None:
-        super().__init__(batch_size, eval_batch_size, num_workers, augment, train_subset, eval_subset, seed)
+        super().__init__(batch_size, eval_batch_size, num_workers, augment, train_subset, eval_subset, seed,
+                         resolutions=resolutions, resolution_sampling=resolution_sampling, patch_size=patch_size)
         self.save_hyperparameters()
         self.data_dir = resolve_data_path(data_dir, "fashion-mnist", "Fashion-MNIST IDX files")
         self.files = {k: self._find(k) for k in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
@@ -357,8 +373,12 @@ class DigitsDataModule(ImageDataModule):
         train_subset: int | None = None,
         eval_subset: int | None = None,
         seed: int = 0,
+        resolutions: list[int | list[int]] | None = None,
+        resolution_sampling: str = "batch",
+        patch_size: int | None = None,
     ) -> None:
-        super().__init__(batch_size, eval_batch_size, num_workers, augment, train_subset, eval_subset, seed)
+        super().__init__(batch_size, eval_batch_size, num_workers, augment, train_subset, eval_subset, seed,
+                         resolutions=resolutions, resolution_sampling=resolution_sampling, patch_size=patch_size)
         self.save_hyperparameters()
         path = resolve_data_path(data_path, "sklearn-digits/digits.csv.gz", "scikit-learn digits csv.gz")
         if path.is_dir():
@@ -424,8 +444,12 @@ class SyntheticDataModule(ImageDataModule):
         train_subset: int | None = None,
         eval_subset: int | None = None,
         seed: int = 0,
+        resolutions: list[int | list[int]] | None = None,
+        resolution_sampling: str = "batch",
+        patch_size: int | None = None,
     ) -> None:
-        super().__init__(batch_size, eval_batch_size, num_workers, augment, train_subset, eval_subset, seed)
+        super().__init__(batch_size, eval_batch_size, num_workers, augment, train_subset, eval_subset, seed,
+                         resolutions=resolutions, resolution_sampling=resolution_sampling, patch_size=patch_size)
         self.save_hyperparameters()
         if num_classes < 2:
             raise ValueError(f"num_classes must be >= 2, got {num_classes}")

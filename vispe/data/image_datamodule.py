@@ -17,12 +17,31 @@ from torch.utils.data import DataLoader, Dataset
 
 from .loading import EpochSeededRandomSampler, ResumableDataLoader
 
-__all__ = ["AUGMENTATIONS", "ImageDataModule", "TensorImageDataset", "channel_fix", "make_pil_to_uint8", "random_crop_flip",
+__all__ = ["AUGMENTATIONS", "RESOLUTION_SAMPLING", "ImageDataModule", "parse_resolutions", "TensorImageDataset", "channel_fix", "make_pil_to_uint8", "random_crop_flip",
            "resize_images"]
 
 #: Batch-level training augmentations: 'crop_flip' (pad by size/8, random crop, random h-flip),
 #: 'flip' (random h-flip only), 'none'.
 AUGMENTATIONS = ("crop_flip", "flip", "none")
+#: How training draws from ``resolutions``: one size for the whole batch, or one per sample (a mixed batch).
+RESOLUTION_SAMPLING = ("batch", "sample")
+
+
+def parse_resolutions(resolutions: Any, patch_size: int | None = None) -> tuple[tuple[int, int], ...]:
+    """``[28, [21, 35], ...]`` -> ``((28, 28), (21, 35), ...)`` (pixels, ``(H, W)``); each a multiple of ``patch_size``
+    when given. Raises naming the bad entry."""
+    if isinstance(resolutions, (str, bytes)) or not isinstance(resolutions, (list, tuple)) or len(resolutions) == 0:
+        raise ValueError(f"resolutions must be a non-empty list of sizes (an int or [H, W] in pixels), got {resolutions!r}")
+    out = []
+    for r in resolutions:
+        hw = (r, r) if isinstance(r, int) and not isinstance(r, bool) else r
+        if (not isinstance(hw, (list, tuple)) or len(hw) != 2
+                or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in hw)):
+            raise ValueError(f"resolutions: entry {r!r} is not a size; give an int or [H, W] of positive ints (pixels)")
+        if patch_size is not None and (hw[0] % patch_size or hw[1] % patch_size):
+            raise ValueError(f"resolutions: {list(hw)} is not a multiple of patch_size={patch_size} on both sides")
+        out.append((int(hw[0]), int(hw[1])))
+    return tuple(out)
 
 
 class TensorImageDataset(Dataset):
@@ -87,6 +106,14 @@ class ImageDataModule(pl.LightningDataModule):
         train_subset: keep only this many training samples (a fixed, seeded, class-balanced choice).
         eval_subset: keep only this many validation/test samples (same rule).
         seed: seed of the subset choice and of the per-epoch shuffling.
+        resolutions: training sizes in pixels (an int or ``[H, W]`` each; ``None``: ``image_size`` only). Each
+            training batch is resized (after augmentation, bicubic antialiased) to sizes drawn from this list;
+            validation and test stay at ``image_size``.
+        resolution_sampling: ``'batch'`` -- one size per batch, a plain ``(B, C, H, W)`` tensor (the model needs
+            ``dynamic_img_size=True``) -- or ``'sample'`` -- one size per sample: when the sizes differ the batch is
+            timm NaFlex's padded patches ``{'patches', 'patch_coord', 'patch_valid'}`` (see docs/mixed-resolution.md).
+        patch_size: the model's patch size; needed by ``'sample'`` to lay out the patches, and every resolution
+            must be a multiple of it.
     """
 
     def __init__(
@@ -98,6 +125,10 @@ class ImageDataModule(pl.LightningDataModule):
         train_subset: int | None = None,
         eval_subset: int | None = None,
         seed: int = 0,
+        *,
+        resolutions: list[int | list[int]] | None = None,
+        resolution_sampling: str = "batch",
+        patch_size: int | None = None,
     ) -> None:
         super().__init__()
         if augment not in AUGMENTATIONS:
@@ -118,6 +149,16 @@ class ImageDataModule(pl.LightningDataModule):
         self.train_subset = train_subset
         self.eval_subset = eval_subset
         self.seed = int(seed)
+        if resolution_sampling not in RESOLUTION_SAMPLING:
+            raise ValueError(f"resolution_sampling={resolution_sampling!r} is not valid; choose one of {list(RESOLUTION_SAMPLING)}")
+        if patch_size is not None and (isinstance(patch_size, bool) or not isinstance(patch_size, int) or patch_size < 1):
+            raise ValueError(f"patch_size must be a positive int (the model's patch size) or None, got {patch_size!r}")
+        self.resolutions = None if resolutions is None else parse_resolutions(resolutions, patch_size)
+        if self.resolutions is not None and resolution_sampling == "sample" and patch_size is None:
+            raise ValueError("resolution_sampling='sample' makes mixed-resolution batches of patches: give patch_size "
+                             "(the model's, e.g. --data.init_args.patch_size 4)")
+        self.resolution_sampling = resolution_sampling
+        self.patch_size = patch_size
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
         self.test_set: Dataset | None = None
@@ -207,6 +248,25 @@ class ImageDataModule(pl.LightningDataModule):
         x = self.normalize(x)
         return self.augment_batch(x, generator) if training else x
 
+    def sample_resolutions(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
+        """A normalised training batch resized to sizes drawn from :attr:`resolutions`: one for the batch
+        (``'batch'``) or one per sample (``'sample'``; a NaFlex padded-patch dict when the sizes differ)."""
+        if not self.resolutions:
+            return x
+        b = x.shape[0]
+        draws = torch.randint(len(self.resolutions), (1 if self.resolution_sampling == "batch" else b,), generator=generator)
+        if bool((draws == draws[0]).all()):
+            return resize_images(x, self.resolutions[int(draws[0])])
+        from ..models.naflex import patchify_images  # model-side format; imported here to keep data free of models at import
+
+        images: list[torch.Tensor] = [x[0]] * b
+        for r in draws.unique().tolist():
+            rows = (draws == r).nonzero().flatten().tolist()
+            resized = resize_images(x[rows], self.resolutions[r])
+            for i, row in enumerate(rows):
+                images[row] = resized[i]
+        return patchify_images(images, self.patch_size)
+
     def _batch_generator(self) -> torch.Generator:
         """Augmentation RNG seeded by (seed, epoch, batch in epoch, rank): independent of the global RNG,
         so a resumed run draws exactly what an uninterrupted one would."""
@@ -218,7 +278,9 @@ class ImageDataModule(pl.LightningDataModule):
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         x, y = batch
         training = self.trainer is not None and self.trainer.training
-        return self.transform_batch(x, training, self._batch_generator() if training else None), y
+        generator = self._batch_generator() if training else None
+        x = self.transform_batch(x, training, generator)
+        return (self.sample_resolutions(x, generator) if training else x), y
 
 
 def _labels_of(ds: Dataset) -> torch.Tensor | None:

@@ -21,6 +21,7 @@ from ..encodings.base import check_context_fields
 from ..encodings.spec import PosEncodingArg, parse_pos_encoding
 from .checkpoint import timm_checkpoint_filter
 from .layers import NOT_PREPARED, PEAttention, PEBlock, drop_patches, encoding_embed_tokens, encoding_keep_tokens, encoding_prepare, run_blocks
+from .naflex import GroupedEncoding, NaFlexGroup, grids_from_patch_coord, masked_global_pool, parse_naflex_input, unpatchify
 
 __all__ = ["VispeVisionTransformer", "parse_pos_encoding"]  # parse_pos_encoding: re-exported from vispe.encodings.spec
 
@@ -190,7 +191,17 @@ class VispeVisionTransformer(VisionTransformer):
         _check_attn_mask(attn_mask, x, self.blocks[0].attn.num_heads if len(self.blocks) else 1)
         yield from run_blocks(self.blocks, self.pos_encoding, x, grid, attn_mask, is_causal, self.grad_checkpointing, last_index, state)
 
-    def forward_features(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False) -> torch.Tensor:
+    def forward_features(
+        self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
+        patch_coord: Optional[torch.Tensor] = None, patch_valid: Optional[torch.Tensor] = None,
+    ) -> Union[torch.Tensor, Dict[str, torch.Tensor]]:
+        """timm's ``forward_features``; a mixed-resolution batch (see :meth:`forward`) gives timm NaFlexViT's
+        dict ``{'patches', 'patch_valid'}`` (:meth:`forward_features_naflex`)."""
+        naflex = parse_naflex_input(x, patch_coord, patch_valid)
+        if naflex is not None:
+            if attn_mask is not None or is_causal:
+                raise ValueError("a mixed-resolution (NaFlex) batch builds its own key-padding mask; attn_mask / is_causal cannot be given")
+            return self.forward_features_naflex(*naflex)
         x, grid, state = self.embed_with_state(x)
         for _, x in self.iter_blocks(x, grid, attn_mask, is_causal, state=state):
             pass
@@ -239,6 +250,121 @@ class VispeVisionTransformer(VisionTransformer):
         if intermediates_only:
             return intermediates
         return self.norm(x), intermediates
+
+    # -- mixed-resolution (NaFlex) batches ------------------------------------------------------
+    def embed_naflex(
+        self, patches: Union[torch.Tensor, List[torch.Tensor]], patch_coord: Optional[torch.Tensor] = None,
+        patch_valid: Optional[torch.Tensor] = None,
+    ) -> tuple[torch.Tensor, GroupedEncoding]:
+        """:meth:`embed_with_state` for a batch whose images have different grids (see :mod:`vispe.models.naflex`):
+        padded NaFlex patches ``(B, N, P*P*C)`` with ``patch_coord`` / ``patch_valid``, or a list of ``(C, H, W)``
+        images. Each group of samples sharing a grid is embedded exactly as a plain batch of that grid (the
+        encoding prepared for that grid); returns the padded tokens ``(B, S + N, D)`` and the per-group binding
+        the blocks run the encoding through."""
+        pe_ = self.patch_embed
+        patch = tuple(int(p) for p in pe_.patch_size)
+        in_chans = pe_.proj.in_channels
+        if isinstance(patches, list):
+            if not patches:
+                raise ValueError("a mixed-resolution batch given as a list of images must not be empty")
+            for i, img in enumerate(patches):
+                if not isinstance(img, torch.Tensor) or img.ndim != 3:
+                    raise ValueError(f"image {i} of the list must be a (C, H, W) tensor, got "
+                                     f"{type(img).__name__} {tuple(getattr(img, 'shape', ()))}")
+                if img.shape[-2] % patch[0] or img.shape[-1] % patch[1]:
+                    raise ValueError(f"image {i} of the list is {img.shape[-2]}x{img.shape[-1]}, not a multiple of the patch size "
+                                     f"{patch[0]}x{patch[1]}; resize it to a multiple")
+            grids = [(int(img.shape[-2]) // patch[0], int(img.shape[-1]) // patch[1]) for img in patches]
+            batch = len(patches)
+        else:
+            if patch_coord is None or patch_valid is None:
+                raise ValueError("a padded patch batch needs both patch_coord (B, N, 2) and patch_valid (B, N)")
+            if not isinstance(patches, torch.Tensor) or patches.ndim != 3 or patches.shape[-1] != patch[0] * patch[1] * in_chans:
+                raise ValueError(f"patches must be (B, N, P*P*C) = (B, N, {patch[0] * patch[1] * in_chans}) flattened (ph, pw, C) "
+                                 f"patches, got {tuple(getattr(patches, 'shape', ()))}")
+            grids = grids_from_patch_coord(patch_coord, patch_valid)
+            batch = patches.shape[0]
+        by_grid: Dict[Tuple[int, int], List[int]] = {}
+        for b, g in enumerate(grids):
+            by_grid.setdefault(g, []).append(b)
+        groups, tokens = [], []
+        for (h, w), rows in by_grid.items():
+            if isinstance(patches, list):
+                image = torch.stack([patches[b] for b in rows])
+            else:
+                image = unpatchify(patches[rows, : h * w], (h, w), patch, in_chans)
+            _check_image_input(image, patch, tuple(pe_.img_size), False, True, in_chans, pe_.proj.weight.dtype)
+            # the patch embedding of a plain batch (timm's PatchEmbed without its fixed-size check)
+            x = pe_.norm(pe_.proj(image).flatten(2).transpose(1, 2))
+            to_cat = []
+            if self.cls_token is not None:
+                to_cat.append(self.cls_token.expand(x.shape[0], -1, -1))
+            if self.reg_token is not None:
+                to_cat.append(self.reg_token.expand(x.shape[0], -1, -1))
+            if to_cat:
+                x = torch.cat(to_cat + [x], dim=1)
+            grid = PositionGrid((h, w), self.num_prefix_tokens)
+            state = encoding_prepare(self.pos_encoding, grid, x)
+            x = encoding_embed_tokens(self.pos_encoding, x, grid, state, image)
+            x = self.pos_drop(x)
+            x, grid = drop_patches(self.patch_drop, x, grid)
+            state = encoding_keep_tokens(self.pos_encoding, state, grid)
+            x = self.norm_pre(x)
+            index = torch.tensor(rows, device=x.device)
+            groups.append(NaFlexGroup(index, grid, x.shape[1], state))
+            tokens.append(x)
+        seq_len = max(t.shape[1] for t in tokens)
+        out = tokens[0].new_zeros(batch, seq_len, tokens[0].shape[-1])
+        for g, t in zip(groups, tokens):
+            out = out.index_copy(0, g.index, torch.nn.functional.pad(t, (0, 0, 0, seq_len - t.shape[1])))
+        return out, GroupedEncoding(self.pos_encoding, groups, seq_len)
+
+    def forward_features_naflex(
+        self, patches: Union[torch.Tensor, List[torch.Tensor]], patch_coord: Optional[torch.Tensor] = None,
+        patch_valid: Optional[torch.Tensor] = None,
+    ) -> Dict[str, torch.Tensor]:
+        """Blocks over a mixed-resolution batch. Returns timm NaFlexViT's dict: ``patches`` (normalised tokens
+        ``(B, S + N, D)``, prefix first, padding rows at the end of each sample) and ``patch_valid`` ``(B, N)``."""
+        x, grouped = self.embed_naflex(patches, patch_coord, patch_valid)
+        for _, x in run_blocks(self.blocks, grouped, x, None, None, False, self.grad_checkpointing, None, None):  # type: ignore[arg-type]
+            pass
+        return {"patches": self.norm(x), "patch_valid": grouped.token_valid(x.device)[:, self.num_prefix_tokens:]}
+
+    def pool(self, x: torch.Tensor, pool_type: Optional[str] = None, patch_valid: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """timm's pooling; with ``patch_valid`` (a mixed-resolution batch) padding tokens are left out."""
+        if patch_valid is None:
+            return super().pool(x, pool_type)
+        npt = self.num_prefix_tokens
+        if self.attn_pool is not None:
+            keys = patch_valid.bool()
+            if self.pool_include_prefix:
+                keys = torch.cat([keys.new_ones(x.shape[0], npt), keys], dim=1)
+            else:
+                x = x[:, npt:]
+            return self.attn_pool(x, attn_mask=keys[:, None, None, :])
+        return masked_global_pool(x, patch_valid, self.global_pool if pool_type is None else pool_type, npt, self.pool_include_prefix)
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False, patch_valid: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x = self.pool(x, patch_valid=patch_valid)
+        x = self.fc_norm(x)
+        x = self.head_drop(x)
+        return x if pre_logits else self.head(x)
+
+    def forward(
+        self,
+        x: Union[torch.Tensor, Dict[str, torch.Tensor], List[torch.Tensor]],
+        attn_mask: Optional[torch.Tensor] = None,
+        is_causal: bool = False,
+        patch_coord: Optional[torch.Tensor] = None,
+        patch_valid: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """timm's forward for ``(B, C, H, W)`` images; a mixed-resolution batch -- timm NaFlexViT's dict
+        (``patches``, ``patch_coord``, ``patch_valid``), padded ``patches`` with ``patch_coord`` / ``patch_valid``,
+        or a list of ``(C, H, W)`` images of different sizes -- runs each sample on its own grid."""
+        features = self.forward_features(x, attn_mask, is_causal, patch_coord, patch_valid)
+        if isinstance(features, dict):
+            return self.forward_head(features["patches"], patch_valid=features["patch_valid"])
+        return self.forward_head(features)
 
     def set_input_size(self, img_size: Optional[Tuple[int, int]] = None, patch_size: Optional[Tuple[int, int]] = None) -> None:
         super().set_input_size(img_size=img_size, patch_size=patch_size)

@@ -212,10 +212,18 @@ class ImageClassification(pl.LightningModule):
             np.random.seed(s)
             torch.manual_seed(s)
 
+    @staticmethod
+    def _num_samples(x: Any) -> int:
+        """Batch size of images ``(B, C, H, W)``, a mixed-resolution NaFlex dict or a list of images."""
+        if isinstance(x, dict):
+            return int(x["patches"].shape[0])
+        return len(x) if isinstance(x, (list, tuple)) else int(x.shape[0])
+
     def _check_labels(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """Labels agree with the images and lie in [0, num_classes) (else: torch's 'Target 7 is out of bounds')."""
-        if y.ndim != 1 or y.shape[0] != x.shape[0] or y.is_floating_point():
-            raise ValueError(f"labels must be integer class ids of shape (B,) = ({x.shape[0]},), got {y.dtype} {tuple(y.shape)}")
+        n = self._num_samples(x)
+        if y.ndim != 1 or y.shape[0] != n or y.is_floating_point():
+            raise ValueError(f"labels must be integer class ids of shape (B,) = ({n},), got {y.dtype} {tuple(y.shape)}")
         bad = (y < 0) | (y >= self.hparams.num_classes)
         if bool(bad.any()):
             raise ValueError(f"label {int(y[bad][0])} is outside [0, num_classes={self.hparams.num_classes}); check the data module's classes")
@@ -224,6 +232,9 @@ class ImageClassification(pl.LightningModule):
         x, y = batch
         self._check_labels(x, y)
         if self.mixer is not None:
+            if not isinstance(x, torch.Tensor):
+                raise ValueError("mixup/cutmix mix images of one size; a mixed-resolution batch (resolution_sampling='sample') "
+                                 "cannot be mixed: set mixup_alpha=0 and cutmix_alpha=0, or resolution_sampling='batch'")
             x, soft = self._mix(x, y)
             logits = self(x)
             loss = torch.sum(-soft * F.log_softmax(logits, dim=-1), dim=-1).mean()
@@ -231,10 +242,10 @@ class ImageClassification(pl.LightningModule):
         else:
             logits = self(x)
             loss = F.cross_entropy(logits, y, label_smoothing=self.hparams.label_smoothing)
-        loss = add_auxiliary_loss(self, self.model, loss, self.hparams.aux_loss_weight, x.shape[0])
+        loss = add_auxiliary_loss(self, self.model, loss, self.hparams.aux_loss_weight, self._num_samples(x))
         self.train_metrics.update(logits.detach(), y)
-        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=x.shape[0], sync_dist=True)
-        self.log_dict(self.train_metrics, on_step=False, on_epoch=True, batch_size=x.shape[0])
+        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=self._num_samples(x), sync_dist=True)
+        self.log_dict(self.train_metrics, on_step=False, on_epoch=True, batch_size=self._num_samples(x))
         return loss
 
     def _eval_step(self, batch: tuple[torch.Tensor, torch.Tensor], metrics: MetricCollection, stage: str) -> None:
@@ -243,8 +254,8 @@ class ImageClassification(pl.LightningModule):
         logits = self(x)
         loss = F.cross_entropy(logits, y)
         metrics.update(logits, y)
-        self.log(f"{stage}/loss", loss, prog_bar=stage == "val", batch_size=x.shape[0], sync_dist=True)
-        self.log_dict(metrics, prog_bar=stage == "val", batch_size=x.shape[0])
+        self.log(f"{stage}/loss", loss, prog_bar=stage == "val", batch_size=self._num_samples(x), sync_dist=True)
+        self.log_dict(metrics, prog_bar=stage == "val", batch_size=self._num_samples(x))
 
     def validation_step(self, batch, batch_idx: int) -> None:
         self._eval_step(batch, self.val_metrics, "val")

@@ -1,0 +1,213 @@
+"""Mixed-resolution batches (NaFlex-style): one padded batch whose images have different patch grids.
+
+The input follows timm's NaFlexViT convention: ``patches`` ``(B, N, P*P*C)`` (each patch flattened as
+``(ph, pw, C)``, timm's default ``patchify_channels_last``), ``patch_coord`` ``(B, N, 2)`` integer ``(y, x)``
+lattice coordinates and ``patch_valid`` ``(B, N)`` booleans (``False``: padding). Valid patches of a sample
+come first, in row-major order of its own ``(h, w)`` lattice, as timm's NaFlex collator lays them out.
+
+How every encoding works per sample, without the model looking at which encoding it holds: samples are
+grouped by grid, and each group runs the encoding's own hooks exactly as a plain batch of that grid would
+(``prepare`` on the group's grid, ``embed_tokens`` on the group's tokens, ``attend`` on the group's q/k/v cut
+to its length, ``after_block`` on the group's lattice). Everything that acts token by token (patch
+projection, norms, MLPs, qkv) runs once on the whole padded batch. Padding tokens never reach a valid
+token: the grouped attention only sees a group's own tokens, and where the encoding's attention is plain
+SDPA the whole batch runs in one call with a key-padding mask.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..encodings.base import PositionalEncoding, sdpa
+from ..encodings.grid import PositionGrid
+
+__all__ = [
+    "NaFlexGroup",
+    "GroupedEncoding",
+    "patchify_images",
+    "unpatchify",
+    "grids_from_patch_coord",
+    "parse_naflex_input",
+    "masked_global_pool",
+]
+
+
+def patchify_images(images: Sequence[torch.Tensor], patch_size: int | tuple[int, int]) -> dict[str, torch.Tensor]:
+    """Images ``(C, H_i, W_i)`` of different sizes (each a multiple of the patch) -> the padded NaFlex batch
+    ``{'patches': (B, N, P*P*C), 'patch_coord': (B, N, 2), 'patch_valid': (B, N)}``, ``N`` the largest grid."""
+    ph, pw = (patch_size, patch_size) if isinstance(patch_size, int) else tuple(patch_size)
+    if len(images) == 0:
+        raise ValueError("patchify_images: got an empty list of images")
+    flat, coords = [], []
+    for i, img in enumerate(images):
+        if not isinstance(img, torch.Tensor) or img.ndim != 3:
+            raise ValueError(f"patchify_images: image {i} must be a (C, H, W) tensor, got "
+                             f"{type(img).__name__} {tuple(getattr(img, 'shape', ()))}")
+        c, h, w = img.shape
+        if h % ph or w % pw:
+            raise ValueError(f"patchify_images: image {i} is {h}x{w}, not a multiple of the patch size {ph}x{pw}")
+        gh, gw = h // ph, w // pw
+        p = img.reshape(c, gh, ph, gw, pw).permute(1, 3, 2, 4, 0).reshape(gh * gw, ph * pw * c)
+        flat.append(p)
+        yy, xx = torch.meshgrid(torch.arange(gh), torch.arange(gw), indexing="ij")
+        coords.append(torch.stack([yy.reshape(-1), xx.reshape(-1)], dim=-1).to(img.device))
+    n = max(p.shape[0] for p in flat)
+    dims = {p.shape[1] for p in flat}
+    if len(dims) != 1:
+        raise ValueError(f"patchify_images: images have different channel counts (patch lengths {sorted(dims)})")
+    patches = torch.stack([F.pad(p, (0, 0, 0, n - p.shape[0])) for p in flat])
+    patch_coord = torch.stack([F.pad(c, (0, 0, 0, n - c.shape[0])) for c in coords])
+    patch_valid = torch.stack([torch.arange(n, device=p.device) < p.shape[0] for p in flat])
+    return {"patches": patches, "patch_coord": patch_coord, "patch_valid": patch_valid}
+
+
+def unpatchify(patches: torch.Tensor, grid: tuple[int, int], patch_size: tuple[int, int], in_chans: int) -> torch.Tensor:
+    """``(B, h*w, P*P*C)`` row-major ``(ph, pw, C)`` patches -> images ``(B, C, h*ph, w*pw)`` (exact inverse of
+    :func:`patchify_images` for one grid)."""
+    b = patches.shape[0]
+    (gh, gw), (ph, pw) = grid, patch_size
+    x = patches.reshape(b, gh, gw, ph, pw, in_chans)
+    return x.permute(0, 5, 1, 3, 2, 4).reshape(b, in_chans, gh * ph, gw * pw)
+
+
+def grids_from_patch_coord(patch_coord: torch.Tensor, patch_valid: torch.Tensor) -> list[tuple[int, int]]:
+    """Each sample's ``(h, w)`` lattice from NaFlex coordinates, checking the layout this module relies on:
+    the first ``h * w`` patches valid, in row-major order, the rest padding."""
+    if patch_coord.ndim != 3 or patch_coord.shape[-1] != 2:
+        raise ValueError(f"patch_coord must be (B, N, 2) integer (y, x) coordinates, got {tuple(patch_coord.shape)}")
+    if tuple(patch_valid.shape) != tuple(patch_coord.shape[:2]):
+        raise ValueError(f"patch_valid has shape {tuple(patch_valid.shape)}; expected (B, N) = {tuple(patch_coord.shape[:2])}")
+    coord = patch_coord.long().cpu()
+    valid = patch_valid.bool().cpu()
+    grids = []
+    for b in range(coord.shape[0]):
+        n_valid = int(valid[b].sum())
+        if n_valid == 0:
+            raise ValueError(f"sample {b} of the NaFlex batch has no valid patch")
+        if not bool(valid[b, :n_valid].all()):
+            raise ValueError(f"sample {b}: valid patches must come first (padding at the end), as timm's NaFlex collator lays them out")
+        h, w = (int(v) + 1 for v in coord[b, :n_valid].amax(0))
+        idx = torch.arange(n_valid)
+        if h * w != n_valid or not torch.equal(coord[b, :n_valid], torch.stack([idx // w, idx % w], -1)):
+            raise ValueError(f"sample {b}: its {n_valid} valid patches are not the row-major lattice of a {h}x{w} grid "
+                             f"(patch_coord must list (y, x) = (i // w, i % w) for patch i)")
+        grids.append((h, w))
+    return grids
+
+
+def parse_naflex_input(
+    x: Any, patch_coord: Optional[torch.Tensor], patch_valid: Optional[torch.Tensor]
+) -> Optional[tuple[Any, Optional[torch.Tensor], Optional[torch.Tensor]]]:
+    """``None`` for a plain ``(B, C, H, W)`` tensor; otherwise ``(patches or list of images, patch_coord,
+    patch_valid)`` from a NaFlex dict, a padded patch tensor with coordinates, or a list of images."""
+    if isinstance(x, Mapping):
+        if "patches" not in x:
+            raise ValueError(f"a NaFlex input dict needs 'patches', 'patch_coord' and 'patch_valid'; got keys {sorted(x)}")
+        return x["patches"], x.get("patch_coord", patch_coord), x.get("patch_valid", patch_valid)
+    if isinstance(x, (list, tuple)):
+        return list(x), None, None
+    # real tensors only: a symbolic tracer (FX) passes placeholders for every argument of forward
+    if isinstance(patch_coord, torch.Tensor) or isinstance(patch_valid, torch.Tensor):
+        return x, patch_coord, patch_valid
+    return None
+
+
+@dataclass
+class NaFlexGroup:
+    """The samples of a mixed batch that share one grid: their rows in the batch, the grid, its sequence
+    length (prefix + kept lattice tokens) and the encoding's state for it."""
+
+    index: torch.Tensor
+    grid: PositionGrid
+    seq_len: int
+    state: Any
+
+
+def _scatter_rows(out: torch.Tensor, index: torch.Tensor, rows: torch.Tensor, dim: int) -> torch.Tensor:
+    """``out`` with batch rows ``index`` replaced by ``rows`` (zero-padded along ``dim`` to ``out``'s length);
+    out of place, so autograd follows it."""
+    pad = out.shape[dim] - rows.shape[dim]
+    if pad:
+        spec = [0, 0] * (rows.ndim - 1 - dim) + [0, pad]
+        rows = F.pad(rows, spec)
+    return out.index_copy(0, index, rows.to(out.dtype))
+
+
+class GroupedEncoding:
+    """Stands in for the encoding in :func:`vispe.models.layers.run_blocks` on a mixed batch: every hook the
+    blocks call (``fold_qk_basis``, ``attend``, ``after_block``) runs the real encoding once per group of
+    samples sharing a grid, each with that grid's state, and puts the rows back in their batch places."""
+
+    def __init__(self, encoding: PositionalEncoding, groups: Sequence[NaFlexGroup], seq_len: int) -> None:
+        self.encoding = encoding
+        self.groups = list(groups)
+        self.seq_len = seq_len
+        lengths = torch.zeros(sum(len(g.index) for g in self.groups), dtype=torch.long)
+        for g in self.groups:
+            lengths[g.index.cpu()] = g.seq_len
+        self.lengths = lengths
+        cls = type(encoding)
+        # capability checks (never the encoding's name): hooks left at the base class's behaviour
+        self.plain_attention = cls.attend is PositionalEncoding.attend
+        self.acts_after_blocks = cls.after_block is not PositionalEncoding.after_block
+
+    def token_valid(self, device: torch.device) -> torch.Tensor:
+        """``(B, L)`` bool: which rows of the padded sequence are real tokens (prefix tokens included)."""
+        return torch.arange(self.seq_len, device=device)[None, :] < self.lengths.to(device)[:, None]
+
+    def fold_qk_basis(self, state: Any, layer: int = 0) -> tuple[Optional[torch.Tensor], Any]:
+        folded = [self.encoding.fold_qk_basis(g.state, layer) for g in self.groups]
+        basis = folded[0][0]
+        # one projection serves the whole batch, so every group's basis must be the same matrix
+        if basis is None or any(b is None or not torch.equal(b, basis) for b, _ in folded[1:]):
+            return None, state
+        return basis, [s for _, s in folded]
+
+    def attend(self, q, k, v, *, layer=0, state=None, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
+        if attn_mask is not None or is_causal:
+            raise ValueError("a mixed-resolution (NaFlex) batch builds its own key-padding mask; attn_mask / is_causal cannot be given")
+        states = state if isinstance(state, list) else [g.state for g in self.groups]
+        if self.plain_attention:  # one SDPA over the padded batch, padded keys masked out
+            keep = self.token_valid(q.device)[:, None, None, :]
+            return self.encoding.attend(q, k, v, layer=layer, state=states[0], attn_mask=keep, dropout_p=dropout_p, scale=scale)
+        out = q.new_zeros(*q.shape[:-1], v.shape[-1])
+        for g, s in zip(self.groups, states):
+            n = g.seq_len
+            qg, kg, vg = (t.index_select(0, g.index)[:, :, :n] for t in (q, k, v))
+            og = self.encoding.attend(qg, kg, vg, layer=layer, state=s, dropout_p=dropout_p, scale=scale)
+            out = _scatter_rows(out, g.index, og, dim=2)
+        return out
+
+    def after_block(self, index: int, x: torch.Tensor, grid: Any, state: Any = None) -> torch.Tensor:
+        if not self.acts_after_blocks:
+            return x
+        for g in self.groups:
+            xg = x.index_select(0, g.index)[:, : g.seq_len]
+            x = _scatter_rows(x, g.index, self.encoding.after_block(index, xg, g.grid, g.state), dim=1)
+        return x
+
+
+def masked_global_pool(x: torch.Tensor, patch_valid: torch.Tensor, pool_type: str, num_prefix_tokens: int,
+                       include_prefix: bool = False) -> torch.Tensor:
+    """timm's ``global_pool_nlc`` over the valid tokens only (``patch_valid`` ``(B, L - num_prefix_tokens)`` as
+    timm's NaFlexViT: the lattice rows; prefix tokens are always valid)."""
+    if not pool_type:
+        return x
+    if pool_type == "token":
+        return x[:, 0]
+    if pool_type not in ("avg", "max", "avgmax"):
+        raise ValueError(f"global_pool={pool_type!r} has no masked form; mixed-resolution batches take 'token', 'avg', 'max', 'avgmax' or ''")
+    token_valid = patch_valid.bool()
+    if include_prefix:
+        token_valid = torch.cat([token_valid.new_ones(x.shape[0], num_prefix_tokens), token_valid], dim=1)
+    else:
+        x = x[:, num_prefix_tokens:]
+    w = token_valid.to(x.dtype).unsqueeze(-1)
+    avg = (x * w).sum(1) / w.sum(1).clamp(min=1)
+    if pool_type == "avg":
+        return avg
+    mx = x.masked_fill(~token_valid.unsqueeze(-1), torch.finfo(x.dtype).min).amax(1)
+    return mx if pool_type == "max" else 0.5 * (avg + mx)
