@@ -454,7 +454,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     import vispe.data  # noqa: F401
     import vispe.tasks  # noqa: F401
 
-    argv = expand_recipe_args(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:  # --recipe is vispe's, LightningCLI's help does not list it
+        from vispe.recipes import list_recipes
+
+        print(f"--recipe NAME          a shipped recipe, the same as -c vispe/recipes/NAME.yaml in its place: {', '.join(list_recipes())}\n")
+    argv = expand_recipe_args(argv)
     _check_config_files(argv)
     with warnings.catch_warnings():
         # vispe always passes the arguments explicitly (`vispe fit ...` re-dispatches sys.argv)
