@@ -24,9 +24,10 @@ import vispe  # noqa: F401  (registers models)
 from bad_input import expect_clear_error
 from vispe.files import DamagedFileError, UnsafeCheckpointError, check_idx, read_checkpoint, read_idx, read_json, read_safetensors
 from vispe.encodings import EncodingContext, create_encoding
+from vispe.recipes import recipe_path
 
 REPO = Path(__file__).resolve().parents[1]
-SMOKE = REPO / "configs" / "smoke.yaml"
+SMOKE = recipe_path("smoke")
 TINY_VIT = dict(embed_dim=32, depth=2, num_heads=2, img_size=16, num_classes=4)
 
 

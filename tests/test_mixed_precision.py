@@ -147,7 +147,10 @@ class RecordTraining(Callback):
 def _fit_bf16(tmp_path: Path, config: str, *args: str) -> dict[str, Any]:
     from vispe.train_cli import main
 
-    main(["fit", "-c", str(REPO / "configs" / config), "--trainer.logger.init_args.save_dir", str(tmp_path),
+    from vispe.recipes import list_recipes, recipe_path
+
+    path = recipe_path(config) if config in list_recipes() else REPO / "configs" / config  # a shipped recipe or an example config
+    main(["fit", "-c", str(path), "--trainer.logger.init_args.save_dir", str(tmp_path),
           "--trainer.max_steps", str(STEPS), "--trainer.max_epochs", "-1", "--trainer.enable_progress_bar", "false",
           "--trainer.enable_model_summary", "false", "--trainer.limit_val_batches", "0", "--trainer.precision", "bf16-mixed",
           "--trainer.callbacks+=test_mixed_precision.RecordTraining", *args])
@@ -164,7 +167,7 @@ def _fit_bf16(tmp_path: Path, config: str, *args: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize("name", IMAGE_2D)
 def test_cli_bf16_mixed_image_classification(tmp_path, name):
-    _fit_bf16(tmp_path, "smoke.yaml", "--model.init_args.pos_encoding", name)
+    _fit_bf16(tmp_path, "smoke", "--model.init_args.pos_encoding", name)
 
 
 @pytest.mark.parametrize("name", VIDEO_3D)
@@ -175,7 +178,7 @@ def test_cli_bf16_mixed_video_retrieval(tmp_path, name):
 @pytest.mark.parametrize("name", MULTIMODAL)
 def test_cli_bf16_mixed_video_llm_niah(tmp_path, name):
     _fit_bf16(
-        tmp_path, "smoke.yaml",
+        tmp_path, "smoke",
         "--model", "vispe.tasks.niah.VideoNIAH", "--model.init_args.pos_scheme", name, "--model.init_args.dim", "64",
         "--model.init_args.depth", "1", "--model.init_args.num_heads", "4", "--model.init_args.warmup_steps", "1",
         "--data", "vispe.data.niah.NIAHDataModule", "--data.init_args.train_frames", "4", "--data.init_args.train_episodes", "8",

@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from vispe.recipes import recipe_path
 from vispe.tasks import ImageClassification, param_groups_no_decay, warmup_cosine
 from vispe.train_cli import AtomicCheckpointIO, find_last_checkpoint, launcher_trainer_settings, main
 
 REPO = Path(__file__).resolve().parents[1]
-SMOKE = REPO / "configs" / "smoke.yaml"
+SMOKE = recipe_path("smoke")
 BIN = Path(sys.executable).parent
 
 
@@ -301,21 +302,3 @@ def test_mixing_gives_soft_labels(backend):
 def test_pos_encoding_on_plain_timm_model_is_rejected():
     with pytest.raises(ValueError, match="pos_encoding is an option of vispe_\\* models"):
         ImageClassification("vit_tiny_patch16_224", pos_encoding="rope_axial")
-
-
-@pytest.mark.parametrize("config", sorted((REPO / "configs" / "cifar10").glob("*.yaml")), ids=lambda p: p.stem)
-def test_cifar10_configs_build_their_model(config):
-    import yaml
-
-    from vispe.tasks import build_model
-
-    cfg = yaml.safe_load(config.read_text())
-    init = cfg["model"]["init_args"]
-    from vispe.encodings.spec import parse_pos_encoding
-
-    # the encoding the file is named after (a name, or a spec with options such as seqpe's CPU-scale regularisers)
-    assert parse_pos_encoding(init["pos_encoding"])[0] == config.stem and init["model"].startswith("vispe_")
-    assert cfg["data"]["class_path"] == "vispe.data.CIFAR10JpegDataModule"
-    model = build_model(init["model"], init.get("model_kwargs"), init["pos_encoding"], num_classes=10, img_size=32)
-    assert model.patch_embed.patch_size == (4, 4) and model.embed_dim == 192  # ViT-Tiny class, patch 4
-    assert model(torch.randn(1, 3, 32, 32)).shape == (1, 10)

@@ -1,8 +1,9 @@
-"""Train with a YAML config: ``python train/fit.py -c configs/smoke.yaml`` (same as ``vispe fit -c ...``).
+"""Train with a recipe or a YAML config: ``python train/fit.py --recipe smoke`` (same as ``vispe fit --recipe smoke``;
+``-c FILE`` and overrides as with ``vispe fit``).
 
-Also runs under ``fabric run --accelerator cpu --devices 2 train/fit.py -c ...`` (one DDP job) and
-``torchrun``. A first argument of ``fit|validate|test|predict`` selects another subcommand. Errors are one
-sentence, as with ``vispe`` (``--debug`` or ``VISPE_DEBUG=1`` for the traceback).
+Also runs under ``fabric run --accelerator cpu --devices 2 train/fit.py --recipe smoke`` (one DDP job) and
+``torchrun``, which need a script path. A first argument of ``fit|validate|test|predict`` selects another
+subcommand. Errors are one sentence, as with ``vispe`` (``--debug`` or ``VISPE_DEBUG=1`` for the traceback).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The ``vispe`` console script: one entry point, subcommands imported lazily.
 
-``vispe fit|validate|test|predict -c configs/...`` is LightningCLI; the other subcommands are
-benchmark commands that print tables and write JSON / Markdown / PNG.
+``vispe fit|validate|test|predict --recipe NAME`` (a recipe shipped in ``vispe/recipes/``) or ``-c FILE`` is
+LightningCLI; the other subcommands are benchmark commands that print tables and write JSON / Markdown / PNG.
 
 Errors (a bad option in YAML or on the command line, a launcher conflict, a missing file) end the command
 with one sentence on stderr and exit code 2, not a traceback; ``--debug`` (anywhere on the command line) or
@@ -16,16 +16,19 @@ from typing import Callable, Sequence
 
 # subcommand -> (module:function taking argv, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "fit": ("vispe.train_cli:main", "train a model (LightningCLI)"),
+    "fit": ("vispe.train_cli:main", "train a model (LightningCLI: --recipe NAME or -c FILE, then overrides)"),
     "validate": ("vispe.train_cli:main", "validate a checkpoint (LightningCLI)"),
     "test": ("vispe.train_cli:main", "test a checkpoint (LightningCLI)"),
     "predict": ("vispe.train_cli:main", "predict with a checkpoint (LightningCLI)"),
+    "recipes": ("vispe.recipes:main", "list the shipped training recipes and where their files are"),
     "resolution": ("vispe.benchmarks.resolution_sweep:main", "accuracy of checkpoints across input resolutions"),
     "resolution-benchmark": ("vispe.benchmarks.resolution_benchmark:main", "train every 2D encoding, sweep 0.5x-2x (seeds, spreads)"),
     "three-cell": ("vispe.benchmarks.three_cell:main", "the Three Cell Experiment leaderboard (--quick for a first run)"),
     "bench": ("vispe.benchmarks.speed:main", "speed and memory of every encoding vs timm ('vispe bench speed')"),
     "retrieval": ("vispe.benchmarks.retrieval:main", "text-video retrieval benchmark"),
     "niah": ("vispe.benchmarks.niah:main", "video needle-in-a-haystack benchmark for the video-LLM"),
+    "hf-niah": ("vispe.benchmarks.hf_niah:main", "video NIAH inside a tiny Hugging Face Qwen2-VL / Qwen3-VL with a vispe scheme"),
+    "hf-figures": ("vispe.benchmarks.hf_figures:main", "figures of the HF integration's checks (needs a checkout's tests/)"),
 }
 
 _LIGHTNING = {"fit", "validate", "test", "predict"}

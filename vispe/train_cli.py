@@ -1,4 +1,11 @@
-"""``vispe fit|validate|test|predict -c config.yaml``: LightningCLI with vispe's defaults.
+"""``vispe fit|validate|test|predict --recipe NAME | -c config.yaml``: LightningCLI with vispe's defaults.
+
+* Recipes: ``--recipe NAME`` is ``-c`` with the shipped recipe ``vispe/recipes/NAME.yaml`` (:mod:`vispe.recipes`;
+  a path to a YAML file works too), so it works from an installed wheel and layers like any ``-c``:
+  ``vispe fit --recipe cifar10 -c my_data.yaml --model.init_args.pos_encoding comrope_ld``.
+* Run names: a logger whose ``name`` is left at its default (the recipes set none) is named after the model's
+  positional encoding, so one recipe serves every encoding: ``--model.init_args.pos_encoding rope_axial`` writes
+  ``runs/cifar10/rope_axial/version_N`` (the default logger too, when the config has none).
 
 * Launchers: plain ``python`` (Lightning starts the processes itself), ``torchrun`` and
   ``fabric run`` all work. ``fabric run`` only exports ``LT_*`` variables and starts the processes
@@ -27,9 +34,11 @@
 """
 from __future__ import annotations
 
+import argparse
 import importlib
 import inspect
 import os
+import re
 import sys
 import tempfile
 import warnings
@@ -47,7 +56,7 @@ from vispe._checks import check_choice
 from vispe.files import read_checkpoint
 
 __all__ = ["CKPT_HPARAMS", "AtomicCheckpointIO", "FinalLastCheckpoint", "ResumeTrainLoaderState", "VispeCLI",
-           "find_last_checkpoint", "launcher_trainer_settings", "main"]
+           "expand_recipe_args", "find_last_checkpoint", "launcher_trainer_settings", "main", "run_name"]
 
 _TRAINER_DEFAULTS = {"accelerator": "auto", "devices": "auto", "num_nodes": 1, "strategy": "auto", "precision": None}
 _DATA_TO_MODEL = {"num_classes": "num_classes", "in_chans": "in_chans", "image_size": "img_size"}
@@ -201,10 +210,12 @@ class VispeCLI(LightningCLI):
         kwargs.setdefault("subclass_mode_data", True)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         # a misspelt flag that happens to be a prefix of a real one (--trainer.max_epoch) is an error, not that flag
+        # and a bad option raises (main() turns it into one sentence) instead of printing the whole usage
         parser_kwargs = dict(kwargs.get("parser_kwargs") or {})
         parser_kwargs.setdefault("allow_abbrev", False)
+        parser_kwargs.setdefault("exit_on_error", False)
         for sub in self.subcommands():
-            parser_kwargs[sub] = {"allow_abbrev": False, **dict(parser_kwargs.get(sub) or {})}
+            parser_kwargs[sub] = {"allow_abbrev": False, "exit_on_error": False, **dict(parser_kwargs.get(sub) or {})}
         kwargs["parser_kwargs"] = parser_kwargs
         kwargs.setdefault("trainer_defaults", {k: v for k, (v, _) in launcher_trainer_settings().items()})
         super().__init__(pl.LightningModule, pl.LightningDataModule, *args, **kwargs)
@@ -303,6 +314,22 @@ class VispeCLI(LightningCLI):
         cfg = self.config[self.subcommand] if self.subcommand else self.config
         self._apply_launcher(cfg)
         self._fill_model_from_data(cfg)
+        self._name_run_after_encoding(cfg)
+
+    def _name_run_after_encoding(self, cfg: Any) -> None:
+        """Loggers whose ``name`` is their class's default get the encoding's name (one recipe, every encoding)."""
+        self._encoding_run_name = run_name(cfg.get("model"))
+        trainer = cfg.get("trainer")
+        loggers = trainer.get("logger") if trainer is not None else None
+        if self._encoding_run_name is None or loggers in (None, True, False):
+            return
+        for logger in loggers if isinstance(loggers, list) else [loggers]:
+            class_path, init = _get(logger, "class_path"), _get(logger, "init_args")
+            if not class_path or init is None:
+                continue
+            param = inspect.signature(_import_class(class_path).__init__).parameters.get("name")
+            if param is not None and init.get("name") in (None, param.default):
+                init["name"] = self._encoding_run_name
 
     def _apply_launcher(self, cfg: Any) -> None:
         trainer = cfg.get("trainer")
@@ -337,11 +364,12 @@ class VispeCLI(LightningCLI):
         logger = tcfg.get("logger")
         if logger is None or logger is True:
             root = tcfg.get("default_root_dir") or "runs"
-            logger = [CSVLogger(save_dir=root, name="vispe")]
+            name = getattr(self, "_encoding_run_name", None) or "vispe"
+            logger = [CSVLogger(save_dir=root, name=name)]
             try:
                 from lightning.pytorch.loggers import TensorBoardLogger
 
-                logger.append(TensorBoardLogger(save_dir=root, name="vispe", version=logger[0].version))
+                logger.append(TensorBoardLogger(save_dir=root, name=name, version=logger[0].version))
             except ModuleNotFoundError:  # tensorboard is optional
                 pass
             kwargs["logger"] = logger
@@ -386,6 +414,24 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def run_name(model_cfg: Any) -> str | None:
+    """The folder name a run of this model config is given: its positional encoding's name (options dropped:
+    ``rope_axial[coord_shift=1.0]`` -> ``rope_axial``; a composition keeps its parts, ``learned+rope_axial``);
+    ``None`` when the model has no ``pos_encoding``."""
+    from vispe.encodings.spec import parse_pos_encoding
+
+    spec = _plain(_get(_get(model_cfg, "init_args"), "pos_encoding"))
+    if spec is None:
+        return None
+    try:
+        name = parse_pos_encoding(spec)[0]
+    except (ValueError, TypeError):
+        return None  # the model refuses it with the full message when it is built
+    name = re.sub(r"\[[^\]]*\]", "", str(name))  # per-part options of a composition
+    name = re.sub(r"[^\w.+-]+", "_", name).strip("_")
+    return name or None
+
+
 def _hparam_differences(model_cfg: Any, hparams: dict[str, Any]) -> list[str]:
     """``'key: config X, checkpoint Y'`` for every saved hyper-parameter the configured model sets differently."""
     model_cfg = _plain(model_cfg) or {}
@@ -409,12 +455,69 @@ def main(argv: Sequence[str] | None = None) -> int:
     import vispe.tasks  # noqa: F401
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:  # --recipe is vispe's, LightningCLI's help does not list it
+        from vispe.recipes import list_recipes
+
+        print(f"--recipe NAME          a shipped recipe, the same as -c vispe/recipes/NAME.yaml in its place: {', '.join(list_recipes())}\n")
+    argv = expand_recipe_args(argv)
     _check_config_files(argv)
     with warnings.catch_warnings():
         # vispe always passes the arguments explicitly (`vispe fit ...` re-dispatches sys.argv)
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
-        VispeCLI(args=argv)
+        try:
+            VispeCLI(args=argv)
+        except argparse.ArgumentError as err:
+            raise ValueError(argument_error_sentence(str(err))) from err
     return 0
+
+
+def argument_error_sentence(text: str) -> str:
+    """jsonargparse's report of a bad option as one line: ``'<key>: <reason>'``.
+
+    A class that failed to parse is reported as "Does not validate against any of the Union subtypes" with one item
+    per candidate type under ``Errors:``; the reason is the item that is not a bare type mismatch
+    (``Expected a <class 'NoneType'>``), with its indented continuation lines.
+    """
+    lines = text.splitlines()
+    key = re.match(r'Parser key "([^"]+)":', lines[0].strip()) if lines else None
+    head = f"{key.group(1)}: " if key else ""
+    body = lines[1:] if key else lines
+    errors_at = next((i for i, line in enumerate(body) if line.strip() == "Errors:"), None)
+    if errors_at is None:
+        return head + " ".join(line.strip() for line in body if line.strip() and not line.strip().startswith("Given value"))
+    indent = len(body[errors_at]) - len(body[errors_at].lstrip())
+    items: list[list[str]] = []
+    for line in body[errors_at + 1:]:
+        if len(line) - len(line.lstrip()) <= indent:
+            break
+        if line.strip().startswith("- "):
+            items.append([line.strip()[2:]])
+        elif items:
+            items[-1].append(line.strip())
+    reasons = [" ".join(item) for item in items if not item[0].startswith("Expected a <class 'NoneType'>")]
+    sentence = head + "; ".join(reasons or [" ".join(item) for item in items])
+    given = next((line.strip()[len("Given value:"):].strip() for line in body if line.strip().startswith("Given value:")), "")
+    if given and "NestedArg" not in given and given not in sentence:
+        sentence += f" (got {given})"
+    return sentence
+
+
+def expand_recipe_args(argv: Sequence[str]) -> list[str]:
+    """``--recipe NAME`` (or ``--recipe=NAME``) -> ``-c <vispe/recipes/NAME.yaml>`` in the same place, so options
+    after it override the recipe. Unknown names raise ``ValueError`` listing the shipped recipes."""
+    from vispe.recipes import list_recipes, recipe_path
+
+    out: list[str] = []
+    it = iter(argv)
+    for arg in it:
+        if arg == "--recipe" or arg.startswith("--recipe="):
+            name = arg.split("=", 1)[1] if "=" in arg else next(it, None)
+            if not name or name.startswith("-"):
+                raise ValueError(f"--recipe needs a recipe name or a YAML file; shipped recipes: {list_recipes()}")
+            out += ["-c", str(recipe_path(name))]
+        else:
+            out.append(arg)
+    return out
 
 
 def _check_config_files(argv: Sequence[str]) -> None:

@@ -3,6 +3,7 @@
 A recipe names a task, a model, a data module and a schedule; the positional encoding (and anything else) is an
 override on top of it, never a file of its own::
 
+    vispe recipes                                                    # the shipped recipes and their files
     vispe fit --recipe cifar10 --model.init_args.pos_encoding rope_mixed
     vispe fit -c "$(python -c 'import vispe.recipes as r; print(r.recipe_path("cifar10"))')"
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
-__all__ = ["list_recipes", "recipe_path"]
+__all__ = ["list_recipes", "main", "recipe_path"]
 
 
 def list_recipes() -> list[str]:
@@ -36,3 +37,14 @@ def recipe_path(name_or_path: str | Path) -> Path:
     if name not in shipped:
         raise ValueError(f"recipe={name!r} is neither a shipped recipe nor a YAML file; shipped recipes: {shipped}")
     return Path(str(resources.files(__package__).joinpath(f"{name}.yaml")))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``vispe recipes``: each shipped recipe's name, its first comment line and its file."""
+    if argv:
+        raise ValueError(f"vispe recipes takes no arguments, got {list(argv)}")
+    for name in list_recipes():
+        path = recipe_path(name)
+        first = next((line.lstrip("# ").strip() for line in path.read_text().splitlines() if line.startswith("#")), "")
+        print(f"{name:16s} {first}\n{'':16s} {path}")
+    return 0

@@ -1,7 +1,7 @@
 """V-NIAH on a tiny random Hugging Face Qwen2-VL or Qwen3-VL with any vispe position scheme (needs ``pip install "vispe[hf]"``).
 
-    python train/hf_niah.py --scheme vrope --steps 300 --eval-frames 8,32
-    python train/hf_niah.py --model qwen3_vl --scheme qwen3vl     # Qwen3-VL's own layout: timestamped (1, H, W) patches
+    vispe hf-niah --scheme vrope --steps 300 --eval-frames 8,32
+    vispe hf-niah --model qwen3_vl --scheme qwen3vl     # Qwen3-VL's own layout: timestamped (1, H, W) patches
 
 The haystacks are ``vispe niah``'s (``vispe.data.niah``: procedural frames, one coloured needle frame
 at a random depth, question "what color is the needle ?", one-token answer). Frames go through the HF
@@ -111,8 +111,15 @@ def forward_kwargs(model, kw):
     return kw
 
 
-def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    """``vispe hf-niah``: trains, evaluates and prints the result as one JSON line."""
+    run(argv)
+    return 0
+
+
+def run(argv: list[str] | None = None) -> dict:
+    """Fine-tune and score one scheme; returns the result that :func:`main` prints."""
+    ap = argparse.ArgumentParser(prog="vispe hf-niah", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen2_vl", choices=["qwen2_vl", "qwen3_vl"])
     ap.add_argument("--scheme", default="mrope")
     ap.add_argument("--steps", type=int, default=1200)
@@ -175,4 +182,6 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    sys.exit(main())
