@@ -245,7 +245,6 @@ def test_fit_three_steps_with_per_sample_resolutions(tmp_path, monkeypatch):
     """`vispe fit` on the synthetic set with `--data.init_args.resolutions ... --resolution_sampling sample`: the
     training batches reach the model as mixed-resolution patches and the run trains."""
     import csv
-    from pathlib import Path
 
     from vispe.models.vispe_vit import VispeVisionTransformer
     from vispe.train_cli import main
@@ -258,8 +257,7 @@ def test_fit_three_steps_with_per_sample_resolutions(tmp_path, monkeypatch):
         return original(self, patches, patch_coord, patch_valid)
 
     monkeypatch.setattr(VispeVisionTransformer, "forward_features_naflex", spy)
-    smoke = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
-    main(["fit", "-c", str(smoke), "--trainer.max_steps", "3", "--trainer.max_epochs", "1",
+    main(["fit", "--recipe", "smoke", "--trainer.max_steps", "3", "--trainer.max_epochs", "1",
           "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.enable_progress_bar", "false",
           "--trainer.enable_checkpointing", "false", "--model.init_args.pos_encoding", "cpe",
           "--data.init_args.resolutions", "[[16,16],[12,20],[20,12]]", "--data.init_args.resolution_sampling", "sample",
