@@ -17,6 +17,7 @@ The Trainer is built by :class:`vispe.train_cli.VispeCLI` (``run=False``), so a 
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,8 @@ import yaml
 from vispe.recipes import recipe_path
 
 __all__ = ["RunResult", "apply_overrides", "build", "load_recipe", "parse_overrides", "run"]
+
+_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 Overrides = Mapping[str, Any] | Iterable[str] | None
 
@@ -92,9 +95,12 @@ def parse_overrides(overrides: Overrides) -> dict[str, Any]:
         if not sep or not key.strip():
             raise ValueError(f"override {item!r} is not KEY=VALUE (e.g. model.init_args.lr=1e-3)")
         try:
-            out[key.strip()] = yaml.safe_load(text)
+            value = yaml.safe_load(text)
         except yaml.YAMLError:
             raise ValueError(f"override {item!r}: the value is not valid YAML") from None
+        if isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
+            value = float(value)  # YAML 1.1 reads 1e-3 (no dot) as a string
+        out[key.strip()] = value
     return out
 
 
@@ -130,6 +136,8 @@ def build(
     becomes ``trainer.default_root_dir`` and receives the resolved ``config.yaml``; ``callbacks`` are added to the
     recipe's own.
     """
+    from jsonargparse import ArgumentError
+
     from vispe.train_cli import VispeCLI, launcher_trainer_settings
 
     config = apply_overrides(load_recipe(recipe), overrides)
@@ -142,8 +150,11 @@ def build(
         trainer_defaults["callbacks"] = list(callbacks)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
-        cli = VispeCLI(args=config, run=False, trainer_defaults=trainer_defaults,
-                       save_config_callback=None if out_dir is None else _save_config_callback())
+        try:
+            cli = VispeCLI(args=config, run=False, trainer_defaults=trainer_defaults, parser_kwargs={"exit_on_error": False},
+                           save_config_callback=None if out_dir is None else _save_config_callback())
+        except ArgumentError as err:  # a misspelt key or a value of the wrong type: one line naming it, not the usage text
+            raise ValueError(f"recipe {recipe if not isinstance(recipe, Mapping) else '(dict)'}: {' '.join(str(err).split())}") from None
     run_dir = Path(cli.trainer.log_dir) if out_dir is not None and cli.trainer.log_dir else None
     return RunResult(trainer=cli.trainer, model=cli.model, datamodule=cli.datamodule, config=config, run_dir=run_dir)
 
