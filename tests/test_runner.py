@@ -107,7 +107,7 @@ def test_warmup_forms_and_cosine_end():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(lr=0.0), "lr must be a number > 0, got 0.0"),
+    (dict(lr=0.0), "lr must be > 0, got 0.0"),
     (dict(min_lr=1.0), "min_lr must be <= lr"),
     (dict(weight_decay=-1.0), "weight_decay must be a number >= 0, got -1.0"),
     (dict(warmup_epochs=1.0, warmup_steps=5), "warmup_epochs or warmup_steps, not both"),

@@ -55,7 +55,7 @@ def warmup_cosine(step: int, total: int, warmup: int, min_ratio: float,
 def check_schedule(lr: float, weight_decay: float, min_lr: float, warmup_epochs: float | None, warmup_steps: int | None) -> None:
     """``ValueError`` naming the bad value (raised when a task is built, before any training)."""
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
-        raise ValueError(f"lr must be a number > 0, got {lr!r}")
+        raise ValueError(f"lr must be > 0, got {lr!r}")
     for name, value in (("weight_decay", weight_decay), ("min_lr", min_lr)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:  # also refuses NaN
             raise ValueError(f"{name} must be a number >= 0, got {value!r}")
