@@ -144,7 +144,7 @@ class RecordTraining(Callback):
         rec["pe_params"] = {n for n, p in pl_module.named_parameters() if "pos_encoding" in n and p.requires_grad}
 
 
-def _fit_bf16(tmp_path: Path, config: str, *args: str) -> dict[str, Any]:
+def _fit_bf16(tmp_path: Path, config: str | Path, *args: str) -> dict[str, Any]:
     from vispe.train_cli import main
 
     from vispe.recipes import list_recipes, recipe_path
@@ -172,7 +172,9 @@ def test_cli_bf16_mixed_image_classification(tmp_path, name):
 
 @pytest.mark.parametrize("name", VIDEO_3D)
 def test_cli_bf16_mixed_video_retrieval(tmp_path, name):
-    _fit_bf16(tmp_path, "retrieval/smoke.yaml", "--model.init_args.pos_encoding", name)
+    from vispe.recipes import recipe_path
+
+    _fit_bf16(tmp_path, recipe_path("retrieval_smoke"), "--model.init_args.pos_encoding", name)  # an absolute path: configs/ is not prefixed
 
 
 @pytest.mark.parametrize("name", MULTIMODAL)
@@ -181,6 +183,7 @@ def test_cli_bf16_mixed_video_llm_niah(tmp_path, name):
         tmp_path, "smoke",
         "--model", "vispe.tasks.niah.VideoNIAH", "--model.init_args.pos_scheme", name, "--model.init_args.dim", "64",
         "--model.init_args.depth", "1", "--model.init_args.num_heads", "4", "--model.init_args.warmup_steps", "1",
+        "--model.init_args.warmup_epochs", "null",  # smoke.yaml warms up in epochs; one of the two is set
         "--data", "vispe.data.niah.NIAHDataModule", "--data.init_args.train_frames", "4", "--data.init_args.train_episodes", "8",
         "--data.init_args.eval_lengths", "[4]", "--data.init_args.episodes_per_cell", "1", "--data.init_args.batch_size", "4",
     )

@@ -118,7 +118,8 @@ def test_benchmark_command_writes_json_md_png(tmp_path: Path) -> None:
     from vispe.benchmarks.niah import extrapolation_ratio, main
 
     assert extrapolation_ratio({4: 100.0, 8: 100.0, 16: 95.0, 32: 50.0, 64: 99.0}, 8, 0.9) == 2.0
-    rc = main(["--quick", "--schemes", "mrope,rope_1d", "--out", str(tmp_path), "--dim", "32", "--depth", "1", "--num-heads", "2"])
+    rc = main(["--quick", "--schemes", "mrope,rope_1d", "--out", str(tmp_path), "--set", "model.init_args.dim=32",
+               "--set", "model.init_args.depth=1", "--set", "model.init_args.num_heads=2"])
     assert rc == 0
     res = json.loads((tmp_path / "results.json").read_text())
     assert [r["scheme"] for r in res["results"]] == ["mrope", "rope_1d"]
@@ -126,6 +127,19 @@ def test_benchmark_command_writes_json_md_png(tmp_path: Path) -> None:
     assert "kept up to" in (tmp_path / "results.md").read_text()
     for png in ("heatmaps.png", "accuracy_vs_length.png"):
         assert (tmp_path / png).stat().st_size > 1000
+    assert res["recipe"]["recipe"] == "niah" and res["recipe"]["overrides"]["model.init_args.dim"] == 32
+    assert res["results"][0]["steps"] == 3  # --quick's budget reached the run's Trainer
+
+
+def test_benchmark_refuses_bad_input_in_one_line(tmp_path: Path, capsys) -> None:
+    from vispe.benchmarks.niah import main
+
+    assert main(["--quick", "--schemes", "nope", "--out", str(tmp_path)]) == 2
+    assert "unknown scheme(s) ['nope']" in capsys.readouterr().err
+    # a bad recipe value: refused before any scheme trains
+    assert main(["--quick", "--schemes", "rope_1d,mrope", "--set", "model.init_args.visual_projector=nope", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "visual_projector='nope'; choose 'linear' or 'merger'" in err and not (tmp_path / "results.json").exists()
 
 
 def test_real_clips_as_haystack() -> None:

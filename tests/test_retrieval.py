@@ -175,10 +175,10 @@ def test_skipped_eval_clips_are_counted(tmp_path: Path) -> None:
 def test_benchmark_command_writes_json_md_png(tmp_path: Path) -> None:
     from vispe.benchmarks.retrieval import main
 
-    rc = main([
-        "--encodings", "rope_axial_3d,none", "--out", str(tmp_path / "out"), "--data-root", str(tmp_path / "data"),
-        "--num-train", "8", "--num-val", "4", "--frames", "4", "--size", "32", "--eval-views", "8x64", "--steps", "1",
-        "--batch-size", "4", "--embed-dim", "32", "--depth", "1", "--text-width", "32", "--text-layers", "1", "--joint-dim", "16",
+    rc = main([  # the smoke recipe (vispe/recipes/retrieval_smoke.yaml) shrunk further through --set
+        "--recipe", "retrieval_smoke", "--encodings", "rope_axial_3d,none", "--out", str(tmp_path / "out"), "--data-root", str(tmp_path / "data"),
+        "--set", "data.init_args.num_train=8", "--set", "data.init_args.num_val=4", "--set", "data.init_args.batch_size=4",
+        "--set", "trainer.max_steps=1",
     ])
     assert rc == 0
     res = json.loads((tmp_path / "out" / "results.json").read_text())
@@ -187,5 +187,14 @@ def test_benchmark_command_writes_json_md_png(tmp_path: Path) -> None:
     assert 0 < res["position_free_r1"] <= 100
     assert "t2v R@1" in (tmp_path / "out" / "results.md").read_text()
     assert (tmp_path / "out" / "results.png").stat().st_size > 1000
-    with pytest.raises(ValueError, match="sincos2d"):
-        main(["--encodings", "sincos2d", "--out", str(tmp_path / "x"), "--data-root", str(tmp_path / "data"), "--num-train", "4", "--num-val", "4", "--steps", "1"])
+    assert res["results"][0]["steps"] == 1 and res["recipe"]["recipe"] == "retrieval_smoke"
+
+
+def test_benchmark_refuses_bad_input_in_one_line(tmp_path: Path, capsys) -> None:
+    from vispe.benchmarks.retrieval import main
+
+    # a 2D encoding (or a misspelt one): one line naming it and the 3D choices, no traceback, nothing generated
+    assert main(["--encodings", "rope_mixed", "--out", str(tmp_path / "x"), "--data-root", str(tmp_path / "data")]) == 2
+    err = capsys.readouterr().err
+    assert "unknown or non-3D encoding(s) ['rope_mixed']" in err and "rope_mixed_3d" in err and "Traceback" not in err
+    assert not (tmp_path / "data").exists()

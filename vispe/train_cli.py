@@ -59,7 +59,7 @@ __all__ = ["CKPT_HPARAMS", "AtomicCheckpointIO", "FinalLastCheckpoint", "ResumeT
            "expand_recipe_args", "find_last_checkpoint", "launcher_trainer_settings", "main", "run_name"]
 
 _TRAINER_DEFAULTS = {"accelerator": "auto", "devices": "auto", "num_nodes": 1, "strategy": "auto", "precision": None}
-_DATA_TO_MODEL = {"num_classes": "num_classes", "in_chans": "in_chans", "image_size": "img_size"}
+_DATA_TO_MODEL = {"num_classes": "num_classes", "in_chans": "in_chans", "image_size": "img_size", "visual_dim": "visual_dim"}
 #: ``--ckpt_hparams``: what to do when ``--ckpt_path``'s model hyper-parameters differ from the configured model
 CKPT_HPARAMS = ("refuse", "checkpoint", "config")
 _LIGHTNING_CKPT_NAMES = ("last", "best", "hpc", "registry")

@@ -15,94 +15,64 @@ import argparse
 import json
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
 from vispe.positions import POSITION_SCHEMES, SCHEMES
 
-__all__ = ["main", "build_parser", "run_one", "run_benchmark", "format_table", "plot_heatmaps", "plot_lines", "extrapolation_ratio", "DEFAULTS", "DEFAULT_SCHEMES"]
+__all__ = ["main", "build_parser", "run_one", "run_benchmark", "format_table", "plot_heatmaps", "plot_lines", "extrapolation_ratio",
+           "DEFAULT_SCHEMES", "QUICK", "RECIPE"]
 
 DEFAULT_SCHEMES: tuple[str, ...] = POSITION_SCHEMES
 SCHEME_TITLES = {name: rec.label for name, rec in SCHEMES.items()}
 
-#: the default CPU recipe (see docs/video-retrieval.md)
-DEFAULTS: dict[str, Any] = dict(
-    train_frames=8,
-    eval_lengths="4,8,16,32,64,128",
-    depths="0,0.25,0.5,0.75,1",
-    episodes_per_cell=16,
-    frame_size=8,
-    patch=4,
-    dim=64,
-    depth=2,
-    num_heads=4,
-    theta=10000.0,
-    steps=200,
-    batch_size=32,
-    lr=2e-3,
-    weight_decay=0.05,
-    warmup=20,
-    seed=0,
-    keep=0.9,
-)
-
-
-def _floats(text: str, what: str) -> list[float]:
-    try:
-        return [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"--{what} must be comma-separated numbers, got {text!r}") from None
+#: the recipe (``vispe/recipes/niah.yaml``, the CPU recipe; see docs/video-retrieval.md)
+RECIPE = "niah"
+#: ``--quick``: a smoke run (numbers are meaningless)
+QUICK: dict[str, Any] = {"trainer.max_steps": 3, "data.init_args.train_episodes": 96, "data.init_args.episodes_per_cell": 2,
+                         "data.init_args.eval_lengths": [4, 16], "data.init_args.eval_depths": [0.0, 1.0], "model.init_args.warmup_steps": 1}
+#: how the benchmark runs a recipe: no logger, checkpoints, progress bar or validation while training (scored after)
+BENCHMARK_TRAINER: dict[str, Any] = {"trainer.logger": False, "trainer.enable_checkpointing": False, "trainer.enable_model_summary": False,
+                                     "trainer.enable_progress_bar": False, "trainer.limit_val_batches": 0}
+KEEP = 0.9
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="vispe niah",
-        description="Video needle-in-a-haystack: train a small video-LLM per position scheme at one length, score lengths x depths.",
+        description="Video needle-in-a-haystack: train a small video-LLM per position scheme at one length, score lengths x depths. "
+                    "The recipe (episodes, model, schedule) is vispe/recipes/niah.yaml; change it with --set.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    d = DEFAULTS
     p.add_argument("--schemes", default=",".join(DEFAULT_SCHEMES), help="comma-separated multimodal schemes")
     p.add_argument("--out", default="outputs/niah", help="output folder")
     p.add_argument("--quick", action="store_true", help="tiny smoke run (numbers are meaningless)")
-    g = p.add_argument_group("episodes")
-    g.add_argument("--train-frames", type=int, default=d["train_frames"], help="haystack frames at training")
-    g.add_argument("--eval-lengths", default=d["eval_lengths"], help="haystack frames at evaluation, comma-separated")
-    g.add_argument("--depths", default=d["depths"], help="needle depths in [0, 1], comma-separated")
-    g.add_argument("--episodes-per-cell", type=int, default=d["episodes_per_cell"])
-    g.add_argument("--frame-size", type=int, default=d["frame_size"])
-    g.add_argument("--patch", type=int, default=d["patch"], help="pixels per visual token side")
-    g.add_argument("--haystack-videos", default=None, help="comma-separated video files to use as haystack instead of generated frames")
-    m = p.add_argument_group("model")
-    for k in ("dim", "depth", "num_heads"):
-        m.add_argument(f"--{k.replace('_', '-')}", type=int, default=d[k])
-    m.add_argument("--theta", type=float, default=d["theta"], help="rotary base")
+    g = p.add_argument_group("recipe")
+    g.add_argument("--recipe", default=RECIPE, help="recipe name (vispe.recipes.list_recipes()) or LightningCLI YAML file")
+    g.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a recipe setting, repeatable: --set trainer.max_steps=400 --set data.init_args.train_episodes=12800 "
+                        "--set model.init_args.dim=32 --set data.init_args.haystack_videos=[a.mp4,b.mp4]")
+    g.add_argument("--seeds", default="0", help="comma-separated seeds; each scheme trains once per seed and the grids are averaged")
+    g.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave torch's default)")
+    s = p.add_argument_group("scoring")
     for name, rec in SCHEMES.items():  # each scheme's evaluation-time options, e.g. --hope-gamma, --v2pe-delta
         for opt, value in rec.eval_options.items():
-            m.add_argument(f"--{name}-{opt}", type=type(value), default=value, help=f"{rec.label}'s {opt} at evaluation")
-    o = p.add_argument_group("optimisation")
-    o.add_argument("--steps", type=int, default=d["steps"])
-    o.add_argument("--batch-size", type=int, default=d["batch_size"])
-    o.add_argument("--lr", type=float, default=d["lr"])
-    o.add_argument("--weight-decay", type=float, default=d["weight_decay"])
-    o.add_argument("--warmup", type=int, default=d["warmup"])
-    o.add_argument("--seeds", default=str(d["seed"]), help="comma-separated seeds; each scheme trains once per seed and the grids are averaged")
-    o.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave torch's default)")
-    o.add_argument("--accelerator", default="cpu")
-    o.add_argument("--keep", type=float, default=d["keep"], help="fraction of training-length accuracy that counts as 'kept'")
+            s.add_argument(f"--{name}-{opt}", type=type(value), default=value, help=f"{rec.label}'s {opt} at evaluation")
+    s.add_argument("--keep", type=float, default=KEEP, help="fraction of training-length accuracy that counts as 'kept'")
     return p
 
 
-def _datamodule(args: argparse.Namespace, seed: int = 0):
-    from vispe.data.niah import NIAHDataModule
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The grid's fixed overrides: benchmark mode, --quick, then the user's --set; the training length is always scored."""
+    from vispe.runner import apply_overrides, load_recipe, parse_overrides
 
-    lengths = sorted({int(x) for x in _floats(args.eval_lengths, "eval-lengths")} | {args.train_frames})
-    videos = [v for v in (args.haystack_videos or "").split(",") if v]
-    return NIAHDataModule(
-        train_frames=args.train_frames, train_episodes=args.steps * args.batch_size, eval_lengths=lengths,
-        eval_depths=_floats(args.depths, "depths"), episodes_per_cell=args.episodes_per_cell, frame_size=args.frame_size,
-        patch=args.patch, batch_size=args.batch_size, eval_batch_size=32, seed=seed, haystack_videos=videos or None,
-    )
+    out: dict[str, Any] = dict(BENCHMARK_TRAINER)
+    if args.quick:
+        out.update(QUICK)
+    out.update(parse_overrides(args.overrides))
+    data = apply_overrides(load_recipe(args.recipe), out)["data"]["init_args"]
+    out["data.init_args.eval_lengths"] = sorted({int(n) for n in data["eval_lengths"]} | {int(data["train_frames"])})
+    return out
 
 
 def extrapolation_ratio(by_length: dict[int, float], train_frames: int, keep: float) -> float:
@@ -117,43 +87,34 @@ def extrapolation_ratio(by_length: dict[int, float], train_frames: int, keep: fl
     return ratio
 
 
-def run_one(scheme: str, args: argparse.Namespace, datamodule: Any, seed: int = 0) -> dict[str, Any]:
+def run_one(scheme: str, args: argparse.Namespace, seed: int = 0) -> dict[str, Any]:
     """Train and score one scheme with one seed (model init and episodes both follow ``seed``)."""
-    import lightning.pytorch as pl
+    from vispe.runner import apply_overrides, load_recipe, run
 
-    from vispe.tasks.niah import VideoNIAH
-
-    pl.seed_everything(seed, workers=True, verbose=False)
+    overrides = _overrides(args)
     # the scheme's evaluation options, each settable as --<scheme>-<option> (e.g. --hope-gamma)
     pos_kwargs = {opt: getattr(args, f"{scheme}_{opt}") for opt in SCHEMES[scheme].eval_options}
-    task = VideoNIAH(
-        pos_scheme={"name": scheme, "theta": args.theta}, position_kwargs=pos_kwargs, visual_dim=datamodule.visual_dim,
-        dim=args.dim, depth=args.depth, num_heads=args.num_heads, lr=args.lr, weight_decay=args.weight_decay,
-        warmup_steps=args.warmup,
-    )
-    trainer = pl.Trainer(
-        accelerator=args.accelerator, devices=1, max_steps=args.steps, max_epochs=-1, logger=False, enable_checkpointing=False,
-        enable_model_summary=False, enable_progress_bar=False, num_sanity_val_steps=0, limit_val_batches=0,
-    )
+    recipe_scheme = apply_overrides(load_recipe(args.recipe), overrides)["model"]["init_args"].get("pos_scheme") or {}
+    pos_scheme = {**(recipe_scheme if isinstance(recipe_scheme, dict) else {}), "name": scheme}
     start = time.perf_counter()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", ".*does not have many workers.*")
-        trainer.fit(task, datamodule=datamodule)
-        train_s = time.perf_counter() - start
-        evaluator = pl.Trainer(accelerator=args.accelerator, devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False)
-        evaluator.validate(task, datamodule=datamodule, verbose=False)
+    result = run(args.recipe, {**overrides, "model.init_args.pos_scheme": pos_scheme, "model.init_args.position_kwargs": pos_kwargs,
+                               "data.init_args.seed": seed}, seed=seed)
+    train_s = time.perf_counter() - start
+    result.evaluate("validate")  # every length x depth loader, the run's own Trainer
     return {
         "scheme": scheme,
         "seed": seed,
         "position_kwargs": pos_kwargs,
-        "grid": task.last_grid,
-        "steps": int(trainer.global_step),
+        "grid": result.model.last_grid,
+        "steps": int(result.trainer.global_step),
         "train_s": round(train_s, 1),
         "wall_s": round(time.perf_counter() - start, 1),
+        "train_frames": int(result.datamodule.train_frames),
+        "tokens_per_frame": int(result.datamodule.tokens_per_frame),
     }
 
 
-def merge_runs(runs: Sequence[dict[str, Any]], args: argparse.Namespace, tokens_per_frame: int) -> dict[str, Any]:
+def merge_runs(runs: Sequence[dict[str, Any]], train_frames: int, keep: float, tokens_per_frame: int) -> dict[str, Any]:
     """Average the accuracy grids of one scheme's runs (one per seed) into its table row."""
     first = runs[0]
     lengths = sorted(first["grid"])
@@ -170,7 +131,7 @@ def merge_runs(runs: Sequence[dict[str, Any]], args: argparse.Namespace, tokens_
         "by_length_per_seed": per_seed,
         "tokens_by_length": {str(f): (f + 1) * tokens_per_frame + 1 + 6 for f in lengths},
         "mean": round(sum(by_length.values()) / len(by_length), 2),
-        "extrapolation_ratio": extrapolation_ratio(by_length, args.train_frames, args.keep),
+        "extrapolation_ratio": extrapolation_ratio(by_length, train_frames, keep),
         "steps": first["steps"],
         "train_s": round(sum(r["train_s"] for r in runs) / len(runs), 1),
         "wall_s": round(sum(r["wall_s"] for r in runs), 1),
@@ -256,6 +217,8 @@ def plot_lines(rows: Sequence[dict[str, Any]], path: str | Path, train_frames: i
 def run_benchmark(args: argparse.Namespace, partial: Any = None) -> list[dict[str, Any]]:
     import torch
 
+    from vispe.runner import build
+
     if args.threads:
         torch.set_num_threads(args.threads)
     names = [s.strip() for s in args.schemes.split(",") if s.strip()]
@@ -263,18 +226,13 @@ def run_benchmark(args: argparse.Namespace, partial: Any = None) -> list[dict[st
     if bad:
         raise ValueError(f"unknown scheme(s) {bad}; choose from {list(SCHEMES)}")
     seeds = [int(x) for x in str(args.seeds).split(",") if x.strip()]
-    dms = {seed: _datamodule(args, seed) for seed in seeds}
-    for dm in dms.values():
-        dm.setup("fit")
-    from vispe.tasks.niah import VideoNIAH
-
-    visual_dim = dms[seeds[0]].visual_dim
+    overrides = _overrides(args)
     for s in names:  # every model must build (e.g. mhrope needs >= 3 heads) before any training starts
-        VideoNIAH({"name": s, "theta": args.theta}, visual_dim=visual_dim, dim=args.dim, depth=args.depth, num_heads=args.num_heads)
+        build(args.recipe, {**overrides, "model.init_args.pos_scheme.name": s})
     rows = []
     for s in names:
-        runs = [run_one(s, args, dms[seed], seed) for seed in seeds]
-        row = merge_runs(runs, args, dms[seeds[0]].tokens_per_frame)
+        runs = [run_one(s, args, seed) for seed in seeds]
+        row = merge_runs(runs, runs[0]["train_frames"], args.keep, runs[0]["tokens_per_frame"])
         rows.append(row)
         if partial is not None:
             partial(rows)
@@ -284,33 +242,39 @@ def run_benchmark(args: argparse.Namespace, partial: Any = None) -> list[dict[st
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.quick:
-        args.steps, args.episodes_per_cell, args.eval_lengths, args.depths, args.warmup = 3, 2, "4,16", "0,1", 1
     try:
-        _floats(args.eval_lengths, "eval-lengths")
-        _floats(args.depths, "depths")
-    except ValueError as err:
+        from vispe.runner import apply_overrides, load_recipe
+
+        config = apply_overrides(load_recipe(args.recipe), _overrides(args))  # bad recipe / --set: one line, before training
+        train_frames = int(config["data"]["init_args"]["train_frames"])
+    except (ValueError, KeyError, TypeError) as err:
         print(f"vispe niah: {err}", file=sys.stderr)
         return 2
     start = time.perf_counter()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    recipe = {k: v for k, v in vars(args).items() if k not in ("out", "quick", "schemes")}
+    recipe = {"recipe": str(args.recipe), "overrides": {k: v for k, v in _overrides(args).items() if k not in BENCHMARK_TRAINER},
+              "seeds": args.seeds, "threads": args.threads, "keep": args.keep,
+              **{k: v for k, v in vars(args).items() if any(k == f"{n}_{o}" for n, r in SCHEMES.items() for o in r.eval_options)}}
 
     def write(rows: list[dict[str, Any]], total_s: float | None = None) -> str:
-        table = format_table(rows, args.train_frames, args.keep)
+        table = format_table(rows, train_frames, args.keep)
         total = {} if total_s is None else {"total_s": round(total_s, 1)}
         (out / "results.json").write_text(json.dumps({"recipe": recipe, "chance": 25.0, **total, "results": rows}, indent=2))
         tail = f"total wall time {total_s:.0f} s" if total_s is not None else "(partial: run in progress)"
         (out / "results.md").write_text(f"# Video needle-in-a-haystack\n\nrecipe: `{json.dumps(recipe)}`\n\n{table}\n\n{tail}\n")
         return table
 
-    rows = run_benchmark(args, partial=write)
+    try:
+        rows = run_benchmark(args, partial=write)
+    except ValueError as err:
+        print(f"vispe niah: {err}", file=sys.stderr)
+        return 2
     total_s = time.perf_counter() - start
     table = write(rows, total_s)
     print("\n" + table)
-    plot_heatmaps(rows, out / "heatmaps.png", args.train_frames)
-    plot_lines(rows, out / "accuracy_vs_length.png", args.train_frames)
+    plot_heatmaps(rows, out / "heatmaps.png", train_frames)
+    plot_lines(rows, out / "accuracy_vs_length.png", train_frames)
     print(f"\nwrote {out / 'results.json'}, results.md, heatmaps.png, accuracy_vs_length.png ({total_s:.0f} s)")
     return 0
 

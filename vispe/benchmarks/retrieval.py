@@ -12,142 +12,75 @@ import argparse
 import json
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
 from vispe.files import read_json
 
-__all__ = ["main", "build_parser", "run_one", "run_benchmark", "format_table", "plot_results", "DEFAULTS", "DEFAULT_ENCODINGS"]
+__all__ = ["main", "build_parser", "run_one", "run_benchmark", "format_table", "plot_results", "DEFAULT_ENCODINGS", "QUICK", "RECIPE"]
 
 DEFAULT_ENCODINGS: tuple[str, ...] = ("rope_axial_3d", "rope_mixed_3d", "sincos3d", "learned_3d", "none")
 
-#: the default CPU recipe (see docs/video-retrieval.md)
-DEFAULTS: dict[str, Any] = dict(
-    model="vispe_video_vit_nano_patch8_64",
-    frames=8,
-    size=32,
-    tubelet=2,
-    patch=8,
-    embed_dim=64,
-    depth=2,
-    num_heads=2,
-    text_width=64,
-    text_layers=2,
-    text_heads=2,
-    context_length=32,
-    joint_dim=64,
-    num_train=2048,
-    num_val=256,
-    num_events=2,
-    grid=2,
-    global_pool="avg",
-    steps=200,
-    batch_size=64,
-    lr=1e-3,
-    weight_decay=0.05,
-    warmup=20,
-    seed=0,
-    eval_views="16x32,8x64,16x64",
-)
-
-
-def _parse_views(text: str) -> list[tuple[int, int]]:
-    views = []
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        try:
-            t, s = item.lower().split("x")
-            views.append((int(t), int(s)))
-        except ValueError:
-            raise ValueError(f"--eval-views item {item!r} is not FRAMESxSIZE (e.g. 16x64)") from None
-    return views
+#: the recipe (``vispe/recipes/retrieval.yaml``, the CPU recipe; see docs/video-retrieval.md)
+RECIPE = "retrieval"
+#: ``--quick``: a smoke run (few clips and steps; numbers are meaningless)
+QUICK: dict[str, Any] = {"data.init_args.num_train": 64, "data.init_args.num_val": 32, "trainer.max_steps": 4, "model.init_args.warmup_steps": 1}
+#: how the benchmark runs a recipe: no logger, checkpoints, progress bar or validation while training (scored after)
+BENCHMARK_TRAINER: dict[str, Any] = {"trainer.logger": False, "trainer.enable_checkpointing": False, "trainer.enable_model_summary": False,
+                                     "trainer.enable_progress_bar": False, "trainer.limit_val_batches": 0, "trainer.deterministic": False}
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="vispe retrieval",
-        description="Text-video retrieval benchmark: one small video-text CLIP per 3D positional encoding, generated data.",
+        description="Text-video retrieval benchmark: one small video-text CLIP per 3D positional encoding, generated data. "
+                    "The recipe (clips, towers, schedule, evaluation views) is vispe/recipes/retrieval.yaml; change it with --set.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    d = DEFAULTS
     p.add_argument("--encodings", default=",".join(DEFAULT_ENCODINGS), help="comma-separated 3D encodings (vispe.list_encodings(grid_ndim=3))")
     p.add_argument("--out", default="outputs/retrieval", help="output folder for results.json/.md/.png")
     p.add_argument("--data-root", default=None, help="where generated clips are written (default $VISPE_DATA_ROOT/generated or the temp dir)")
     p.add_argument("--quick", action="store_true", help="tiny smoke run (few clips and steps; numbers are meaningless)")
-    g = p.add_argument_group("data")
-    g.add_argument("--num-train", type=int, default=d["num_train"])
-    g.add_argument("--num-val", type=int, default=d["num_val"])
-    g.add_argument("--frames", type=int, default=d["frames"], help="training frames")
-    g.add_argument("--size", type=int, default=d["size"], help="training resolution (px)")
-    g.add_argument("--eval-views", default=d["eval_views"], help="extra evaluation views FRAMESxSIZE, comma-separated")
-    g.add_argument("--num-events", type=int, default=d["num_events"])
-    g.add_argument("--grid", type=int, default=d["grid"], choices=(2, 3))
-    m = p.add_argument_group("model")
-    m.add_argument("--model", default=d["model"])
-    m.add_argument("--global-pool", default=d["global_pool"], choices=("avg", "token"),
-                   help="video tower pooling ('token' collapsed to a constant embedding in our CPU runs)")
-    for k in ("tubelet", "patch", "embed_dim", "depth", "num_heads", "text_width", "text_layers", "text_heads", "context_length", "joint_dim"):
-        m.add_argument(f"--{k.replace('_', '-')}", type=int, default=d[k])
-    o = p.add_argument_group("optimisation")
-    o.add_argument("--steps", type=int, default=d["steps"])
-    o.add_argument("--batch-size", type=int, default=d["batch_size"])
-    o.add_argument("--lr", type=float, default=d["lr"])
-    o.add_argument("--weight-decay", type=float, default=d["weight_decay"])
-    o.add_argument("--warmup", type=int, default=d["warmup"], help="warm-up steps")
-    o.add_argument("--seed", type=int, default=d["seed"])
-    o.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave torch's default)")
-    o.add_argument("--accelerator", default="cpu")
+    g = p.add_argument_group("recipe")
+    g.add_argument("--recipe", default=RECIPE, help="recipe name (vispe.recipes.list_recipes(), e.g. retrieval_smoke) or LightningCLI YAML file")
+    g.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a recipe setting, repeatable: --set trainer.max_steps=400 --set data.init_args.eval_settings=[[16,64]] "
+                        "--set model.init_args.lr=3e-4")
+    g.add_argument("--seed", type=int, default=0, help="data and initialisation seed (seed_everything and data.init_args.seed)")
+    g.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave torch's default)")
     return p
 
 
-def _datamodule(args: argparse.Namespace):
-    from vispe.data.video_text import SyntheticVideoTextDataModule
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The grid's fixed overrides: benchmark mode, --quick, the seed, --data-root, then the user's --set."""
+    from vispe.runner import parse_overrides
 
-    return SyntheticVideoTextDataModule(
-        root=args.data_root, num_train=args.num_train, num_val=args.num_val, num_frames=args.frames, size=args.size,
-        eval_settings=[(t, s) for t, s in _parse_views(args.eval_views)], num_events=args.num_events, grid=args.grid,
-        seed=args.seed, batch_size=args.batch_size, eval_batch_size=128,
-    )
+    out: dict[str, Any] = {**BENCHMARK_TRAINER, "data.init_args.seed": args.seed}
+    if args.quick:
+        out.update(QUICK)
+    if args.data_root is not None:
+        out["data.init_args.root"] = args.data_root
+    out.update(parse_overrides(args.overrides))
+    return out
 
 
-def run_one(name: str, args: argparse.Namespace, datamodule: Any) -> dict[str, Any]:
+def run_one(name: str, args: argparse.Namespace) -> dict[str, Any]:
     """Train one encoding and evaluate it on every view; returns its row (recalls in %)."""
-    import lightning.pytorch as pl
+    from vispe.runner import run
+    from vispe.tasks.retrieval import view_name
 
-    from vispe.tasks.retrieval import VideoTextRetrieval, view_name
-
-    pl.seed_everything(args.seed, workers=True, verbose=False)
-    task = VideoTextRetrieval(
-        video_model=args.model,
-        pos_encoding=name,
-        video_model_kwargs=dict(
-            img_size=args.size, num_frames=args.frames, tubelet_size=args.tubelet, patch_size=args.patch,
-            embed_dim=args.embed_dim, depth=args.depth, num_heads=args.num_heads, global_pool=args.global_pool,
-        ),
-        embed_dim=args.joint_dim,
-        text_cfg=dict(context_length=args.context_length, width=args.text_width, heads=args.text_heads, layers=args.text_layers),
-        lr=args.lr, weight_decay=args.weight_decay, warmup_steps=args.warmup,
-    )
-    trainer = pl.Trainer(
-        accelerator=args.accelerator, devices=1, max_steps=args.steps, max_epochs=-1, logger=False,
-        enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,
-        num_sanity_val_steps=0, limit_val_batches=0, deterministic=False,
-    )
     start = time.perf_counter()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", ".*does not have many workers.*")
-        trainer.fit(task, datamodule=datamodule)
-        train_s = time.perf_counter() - start
-        evaluator = pl.Trainer(accelerator=args.accelerator, devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False)
-        evaluator.validate(task, datamodule=datamodule, verbose=False)
+    result = run(args.recipe, {**_overrides(args), "model.init_args.pos_encoding": name}, seed=args.seed)
+    train_s = time.perf_counter() - start
+    result.evaluate("validate")  # every view's loader, the run's own Trainer
     wall_s = time.perf_counter() - start
-    views = datamodule.views
+    task, views = result.model, result.datamodule.views
     row: dict[str, Any] = {
         "encoding": name,
         "kind": task.visual.pos_encoding.kind,
         "pe_params": sum(p.numel() for p in task.visual.pos_encoding.parameters()),
         "video_params": sum(p.numel() for p in task.visual.parameters()),
-        "steps": int(trainer.global_step),
+        "steps": int(result.trainer.global_step),
         "train_s": round(train_s, 1),
         "wall_s": round(wall_s, 1),
         "views": {},
@@ -211,14 +144,16 @@ def plot_results(rows: Sequence[dict[str, Any]], path: str | Path, chance: float
 
 
 def _recipe(args: argparse.Namespace) -> dict[str, Any]:
-    skip = {"out", "data_root", "encodings", "quick"}
-    return {k: v for k, v in vars(args).items() if k not in skip}
+    overrides = {k: v for k, v in _overrides(args).items() if k not in BENCHMARK_TRAINER and k != "data.init_args.root"}
+    return {"recipe": str(args.recipe), "overrides": overrides, "seed": args.seed, "threads": args.threads}
 
 
 def run_benchmark(args: argparse.Namespace) -> tuple[list[dict[str, Any]], float, float, float]:
     import torch
 
     import vispe
+    from vispe.data.video_text import position_free_r1
+    from vispe.runner import build
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -227,18 +162,15 @@ def run_benchmark(args: argparse.Namespace) -> tuple[list[dict[str, Any]], float
     bad = [n for n in names if n not in valid]
     if bad:
         raise ValueError(f"unknown or non-3D encoding(s) {bad}; choose from {valid}")
-    _parse_views(args.eval_views)
-    dm = _datamodule(args)
+    dm = build(args.recipe, {**_overrides(args), "model.init_args.pos_encoding": names[0]}).datamodule
     t0 = time.perf_counter()
-    dm.prepare_data()
+    dm.prepare_data()  # the clips, written once; every run of the grid reads them
     gen_s = time.perf_counter() - t0
-    from vispe.data.video_text import position_free_r1
-
     ceiling = position_free_r1(read_json(Path(dm._manifests()[1]), "manifest"))
-    print(f"data: {args.num_train} train / {args.num_val} val clips under {dm.root} ({gen_s:.0f} s incl. generation)", flush=True)
+    print(f"data: {dm.train_spec.num_videos} train / {dm.val_spec.num_videos} val clips under {dm.root} ({gen_s:.0f} s incl. generation)", flush=True)
     rows = []
     for name in names:
-        row = run_one(name, args, dm)
+        row = run_one(name, args)
         rows.append(row)
         m = row["views"][next(iter(row["views"]))]
         print(f"{name:>15}: t2v R@1 {m.get('t2v_R@1', float('nan')):5.1f}  v2t R@1 {m.get('v2t_R@1', float('nan')):5.1f}  ({row['wall_s']:.0f} s)", flush=True)
@@ -247,15 +179,12 @@ def run_benchmark(args: argparse.Namespace) -> tuple[list[dict[str, Any]], float
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.quick:
-        args.num_train, args.num_val, args.steps, args.warmup = 64, 32, 4, 1
+    start = time.perf_counter()
     try:
-        _parse_views(args.eval_views)
+        rows, chance, gen_s, ceiling = run_benchmark(args)
     except ValueError as err:
         print(f"vispe retrieval: {err}", file=sys.stderr)
         return 2
-    start = time.perf_counter()
-    rows, chance, gen_s, ceiling = run_benchmark(args)
     total_s = time.perf_counter() - start
     table = format_table(rows, chance, ceiling)
     print("\n" + table)

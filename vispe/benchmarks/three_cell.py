@@ -19,47 +19,26 @@ from typing import Any, Sequence
 
 from vispe.files import read_json
 
-__all__ = ["main", "build_parser", "run_leaderboard", "format_table", "plot_results", "QUICK_ENCODINGS", "DEFAULTS"]
+__all__ = ["main", "build_parser", "run_leaderboard", "format_table", "plot_results", "QUICK_ENCODINGS", "QUICK", "RECIPE"]
 
 #: ``--quick``: no PE and the two RoPE-ViT baselines; they learn the task within the quick budget
 #: (the additive encodings, sin-cos and the learned table, leave the no-PE plateau later than RoPE)
 QUICK_ENCODINGS: tuple[str, ...] = ("none", "rope_axial", "rope_mixed")
 GROUP_TITLES: dict[str, str] = {"distance": "Distance", "orientation": "Orientation", "area": "Area", "vector_sum": "Vector Sum"}
 
-#: the default (CPU) recipe; see docs/three-cell.md for how it was chosen
-DEFAULTS: dict[str, Any] = dict(
-    model="vispe_vit_tiny_patch16_224",
-    grid=8,
-    cell_size=2,
-    embed_dim=64,
-    depth=2,
-    num_heads=4,
-    mlp_ratio=2.0,
-    # read the prediction from the mean of the patch tokens, not the cls token: with the cls readout the
-    # additive/bias encodings (learned, irpe) never leave the majority-answer plateau (docs/three-cell.md)
-    global_pool="avg",
-    num_samples=10_000,
-    epochs=10,
-    batch_size=32,
-    lr=3e-3,
-    min_lr=2.5e-5,
-    weight_decay=0.05,
-    warmup=0.05,
-    seed=0,
-    vector_sum="and",
-    # one thread: a run is bit-identical on every machine with the same PyTorch build and CPU kind, whatever
-    # its core count (torch's default, one thread per core, changes the float summation order and with it,
-    # after a few hundred steps, which run leaves the majority-answer plateau first)
-    threads=1,
-)
-#: ``--quick`` overrides (smaller budget; every other default unchanged)
-QUICK: dict[str, Any] = dict(epochs=4)
+#: the recipe (``vispe/recipes/three_cell.yaml``, the CPU recipe; see docs/three-cell.md for how it was chosen)
+RECIPE = "three_cell"
+#: ``--quick`` overrides (smaller budget, the same 5 % warm-up; every other setting unchanged)
+QUICK: dict[str, Any] = {"trainer.max_epochs": 4, "model.init_args.warmup_epochs": 0.2}
+#: how the benchmark runs a recipe: no logger, checkpoints or model summary (the table is the output)
+BENCHMARK_TRAINER: dict[str, Any] = {"trainer.logger": False, "trainer.enable_checkpointing": False, "trainer.enable_model_summary": False}
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="vispe three-cell",
-        description="Three Cell Experiment leaderboard: one tiny ViT per positional encoding, same recipe, generated data.",
+        description="Three Cell Experiment leaderboard: one tiny ViT per positional encoding, same recipe, generated data. "
+                    "The recipe (data, model, schedule) is vispe/recipes/three_cell.yaml; change it with --set.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--quick", action="store_true", help=f"a few-minute CPU run of {', '.join(QUICK_ENCODINGS)} (writes nothing unless --out)")
@@ -69,29 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--append", action="store_true", help="keep results already in --out/results.json for encodings not rerun")
     p.add_argument("--merge", nargs="+", default=None, metavar="DIR",
                    help="train nothing: merge the results.json of these folders (runs split over processes/machines) into --out")
-    g = p.add_argument_group("data")
-    g.add_argument("--grid", type=int, default=DEFAULTS["grid"], help="cells per side (14 in the paper; 8 keeps a CPU run to minutes)")
-    g.add_argument("--cell-size", type=int, default=DEFAULTS["cell_size"], help="pixels per cell = ViT patch size (16 in the paper)")
-    g.add_argument("--num-samples", type=int, default=DEFAULTS["num_samples"], help="whole dataset, split 80/10/10")
-    g.add_argument("--vector-sum", choices=("and", "or"), default=DEFAULTS["vector_sum"], help="reading of the vector-sum bit")
-    g = p.add_argument_group("model")
-    g.add_argument("--model", default=DEFAULTS["model"], help="timm model name taking pos_encoding=")
-    g.add_argument("--embed-dim", type=int, default=DEFAULTS["embed_dim"])
-    g.add_argument("--depth", type=int, default=DEFAULTS["depth"])
-    g.add_argument("--num-heads", type=int, default=DEFAULTS["num_heads"])
-    g.add_argument("--mlp-ratio", type=float, default=DEFAULTS["mlp_ratio"])
-    g.add_argument("--global-pool", choices=("avg", "token"), default=DEFAULTS["global_pool"],
-                   help="readout: mean of the patch tokens, or the cls token (DeiT, the paper's model)")
     g = p.add_argument_group("recipe")
-    g.add_argument("--epochs", type=int, default=None, help=f"default {DEFAULTS['epochs']} ({QUICK['epochs']} with --quick)")
-    g.add_argument("--max-steps", type=int, default=-1, help="stop after this many steps (overrides --epochs when > 0)")
-    g.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"])
-    g.add_argument("--lr", type=float, default=DEFAULTS["lr"])
-    g.add_argument("--min-lr", type=float, default=DEFAULTS["min_lr"])
-    g.add_argument("--weight-decay", type=float, default=DEFAULTS["weight_decay"])
-    g.add_argument("--warmup", type=float, default=DEFAULTS["warmup"], help="warm-up steps, or a fraction of all steps when < 1")
-    g.add_argument("--seed", type=int, default=DEFAULTS["seed"], help="data and initialisation seed")
-    g.add_argument("--threads", type=int, default=DEFAULTS["threads"],
+    g.add_argument("--recipe", default=RECIPE, help="recipe name (vispe.recipes.list_recipes()) or LightningCLI YAML file")
+    g.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a recipe setting, repeatable: --set trainer.max_epochs=40 --set data.init_args.grid_size=14 "
+                        "--set model.init_args.lr=1e-3")
+    g.add_argument("--seed", type=int, default=0, help="data and initialisation seed (seed_everything and data.init_args.seed)")
+    g.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads; part of the recipe: the reduction order of CPU kernels depends on it, so runs "
                         "are bit-identical only at the same thread count (and PyTorch build / CPU)")
     g.add_argument("--no-val", action="store_true", help="skip the per-epoch validation pass")
@@ -148,37 +111,23 @@ def _EpochPrinter(name: str):  # noqa: N802  (built lazily: Lightning is importe
     return _epoch_printer_cls()(name)
 
 
-def run_one(name: str, args: argparse.Namespace, pe_options: dict[str, Any], datamodule: Any) -> dict[str, Any]:
-    """Train and test one encoding; returns its row of the table (accuracies in percent)."""
-    import lightning.pytorch as pl
-
-    from vispe.tasks.three_cell import GROUPS, ThreeCellTask
-
-    pl.seed_everything(args.seed, workers=True, verbose=False)
+def run_one(name: str, args: argparse.Namespace, pe_options: dict[str, Any]) -> dict[str, Any]:
+    """Train and test one encoding (one run of the recipe); returns its row of the table (accuracies in percent)."""
     from vispe.encodings.spec import parse_pos_encoding
+    from vispe.runner import run
+    from vispe.tasks.three_cell import GROUPS
 
     base, options = parse_pos_encoding(name)  # ``name`` is a spec: 'learned' or 'learned[init=sincos2d]'
     options = {**pe_options.get(base, {}), **options}
     pos_encoding: Any = {"name": base, **options} if options else base
-    model_kwargs = dict(
-        patch_size=args.cell_size, embed_dim=args.embed_dim, depth=args.depth, num_heads=args.num_heads, mlp_ratio=args.mlp_ratio,
-        global_pool=args.global_pool,
-    )
-    task = ThreeCellTask(
-        args.model, model_kwargs, pos_encoding=pos_encoding, img_size=args.grid * args.cell_size, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay, warmup_steps=args.warmup,
-    )
-    trainer = pl.Trainer(
-        callbacks=[_EpochPrinter(name)],
-        accelerator="cpu", devices=1, max_epochs=args.epochs, max_steps=args.max_steps, logger=False,
-        enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=not args.no_progress,
-        num_sanity_val_steps=0, limit_val_batches=0 if args.no_val else None, deterministic=True,
-    )
     start, cpu_start = time.perf_counter(), time.process_time()
-    trainer.fit(task, datamodule=datamodule)
+    result = run(args.recipe, {**_overrides(args), "model.init_args.pos_encoding": pos_encoding}, seed=args.seed,
+                 callbacks=[_EpochPrinter(name)])
     train_s = time.perf_counter() - start
-    (metrics,) = trainer.test(task, datamodule=datamodule, verbose=False)
+    metrics = result.evaluate("test")  # the run's own Trainer, the recipe's test split
     wall_s = time.perf_counter() - start
     cpu_s = time.process_time() - cpu_start
+    task, trainer = result.model, result.trainer
     row: dict[str, Any] = {"encoding": name, "kind": task.model.pos_encoding.kind if hasattr(task.model, "pos_encoding") else "?"}
     row["options"] = options
     row["params"] = _count_params(task.model)
@@ -194,6 +143,19 @@ def run_one(name: str, args: argparse.Namespace, pe_options: dict[str, Any], dat
     # CPU seconds of this process (all threads): on a shared machine wall time depends on the load, this does not
     row["cpu_s"] = round(cpu_s, 3)
     return row
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The grid's fixed overrides: benchmark mode, --quick, the seed, --no-val/--no-progress, then the user's --set."""
+    from vispe.runner import parse_overrides
+
+    out: dict[str, Any] = {**BENCHMARK_TRAINER, "trainer.enable_progress_bar": not args.no_progress, "data.init_args.seed": args.seed}
+    if args.quick:
+        out.update(QUICK)
+    if args.no_val:
+        out["trainer.limit_val_batches"] = 0
+    out.update(parse_overrides(args.overrides))
+    return out
 
 
 def _pesi_of(model: Any, name: str, out: str | None) -> dict[str, float] | None:
@@ -266,14 +228,12 @@ def plot_results(rows: Sequence[dict[str, Any]], path: str | Path, title: str = 
 
 
 def _recipe(args: argparse.Namespace) -> dict[str, Any]:
-    keys = ["model", "grid", "cell_size", "embed_dim", "depth", "num_heads", "mlp_ratio", "global_pool", "num_samples", "epochs", "max_steps",
-            "batch_size", "lr", "min_lr", "weight_decay", "warmup", "seed", "vector_sum", "threads"]
-    return {k: getattr(args, k) for k in keys}
+    """What the table was trained with: the recipe, its overrides (benchmark mode excluded), seed and threads."""
+    overrides = {k: v for k, v in _overrides(args).items() if k not in BENCHMARK_TRAINER and k != "trainer.enable_progress_bar"}
+    return {"recipe": str(args.recipe), "overrides": overrides, "seed": args.seed, "threads": args.threads}
 
 
 def run_leaderboard(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from vispe.data.three_cell import ThreeCellDataModule
-
     encodings = _resolve_encodings(args.encodings, args.quick)
     try:
         pe_options = json.loads(args.pe_options)
@@ -285,18 +245,11 @@ def run_leaderboard(args: argparse.Namespace) -> list[dict[str, Any]]:
     previous: dict[str, dict[str, Any]] = {}
     if out is not None and args.append and (out / "results.json").exists():
         previous = {r["encoding"]: r for r in read_json(out / "results.json", "earlier results")["results"]}
-    datamodule = ThreeCellDataModule(
-        num_samples=args.num_samples, grid_size=args.grid, cell_size=args.cell_size, seed=args.seed,
-        vector_sum=args.vector_sum, batch_size=args.batch_size, eval_batch_size=max(256, args.batch_size),
-    )
-    t0 = time.perf_counter()
-    datamodule.setup()
-    print(f"generated {args.num_samples} Three Cell samples ({args.grid}x{args.grid} cells of {args.cell_size} px) "
-          f"in {time.perf_counter() - t0:.1f} s; training {len(encodings)} encodings: {', '.join(encodings)}", flush=True)
+    print(f"recipe {args.recipe} (seed {args.seed}); training {len(encodings)} encodings: {', '.join(encodings)}", flush=True)
     rows = dict(previous)
     for i, name in enumerate(encodings, 1):
         print(f"\n[{i}/{len(encodings)}] {name}", flush=True)
-        row = run_one(name, args, pe_options, datamodule)
+        row = run_one(name, args, pe_options)
         rows[name] = row
         print(f"[{i}/{len(encodings)}] {name}: avg {row['avg']:.1f}  (distance {row['distance']:.1f}, orientation "
               f"{row['orientation']:.1f}, area {row['area']:.1f}, vector sum {row['vector_sum']:.1f}; {row['wall_s']:.0f} s)", flush=True)
@@ -347,11 +300,6 @@ def merge_results(args: argparse.Namespace) -> list[dict[str, Any]]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    if args.epochs is None:
-        args.epochs = QUICK["epochs"] if args.quick else DEFAULTS["epochs"]
-    for name in ("grid", "cell_size", "num_samples", "embed_dim", "depth", "num_heads", "batch_size", "epochs"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.out is None and not args.quick:
         args.out = os.path.join("outputs", "three-cell")
     if args.threads < 1:
@@ -363,6 +311,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
     warnings.filterwarnings("ignore", message=".*GPU available but not used.*")
     try:
+        if not args.merge:
+            from vispe.recipes import recipe_path
+            from vispe.runner import parse_overrides
+
+            recipe_path(args.recipe)  # unknown recipe / bad --set: one line, before anything trains
+            parse_overrides(args.overrides)
         rows = merge_results(args) if args.merge else run_leaderboard(args)
     except ValueError as e:
         print(f"vispe three-cell: {e}", file=sys.stderr)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import difflib
-import math
 import os
 import random
 from typing import Any, Mapping
@@ -14,6 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torchmetrics import Accuracy, MetricCollection
+
+from vispe.tasks.optim import adamw_warmup_cosine, check_schedule, param_groups_no_decay, warmup_cosine
 
 __all__ = ["ImageClassification", "build_model", "param_groups_no_decay", "warmup_cosine"]
 
@@ -54,24 +55,6 @@ def build_model(
     return timm.create_model(model, **kwargs)
 
 
-def param_groups_no_decay(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Two AdamW groups: decay for weight matrices; none for biases, norms (any 1-D parameter) and
-    whatever the model lists in ``no_weight_decay()`` (position tables, cls token, RoPE freqs ...)."""
-    skip = set(module.no_weight_decay()) if hasattr(module, "no_weight_decay") else set()
-    decay, no_decay = [], []
-    for name, p in module.named_parameters():
-        if not p.requires_grad:
-            continue
-        if p.ndim <= 1 or name.endswith(".bias") or name in skip or any(name.startswith(s + ".") for s in skip):
-            no_decay.append(p)
-        else:
-            decay.append(p)
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-
-
 def add_auxiliary_loss(task: pl.LightningModule, model: nn.Module, loss: torch.Tensor, weight: float,
                        batch_size: int | None = None) -> torch.Tensor:
     """``loss + weight * model.auxiliary_loss()`` (the positional encoding's own regulariser, e.g. SeqPE's), logged
@@ -92,14 +75,6 @@ def check_aux_loss_weight(weight: float) -> float:
     return float(weight)
 
 
-def warmup_cosine(step: int, total: int, warmup: int, min_ratio: float) -> float:
-    """LR multiplier: linear warm-up from ~0 over ``warmup`` steps, then cosine to ``min_ratio``."""
-    if warmup > 0 and step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
 class ImageClassification(pl.LightningModule):
     """Supervised image classification.
 
@@ -109,7 +84,8 @@ class ImageClassification(pl.LightningModule):
         pos_encoding: encoding name or ``{'name': ..., **options}`` (vispe models only).
         num_classes, in_chans, img_size: usually linked from the DataModule by the CLI.
         lr, weight_decay, betas: AdamW (no decay on biases, norms and ``no_weight_decay()``).
-        warmup_epochs: linear warm-up length (fraction of an epoch allowed); then cosine to ``min_lr``.
+        warmup_epochs, warmup_steps: linear warm-up length, in epochs (fractions allowed) or optimiser steps (one of
+            the two, the other None); then cosine to ``min_lr`` (:mod:`vispe.tasks.optim`, shared by every task).
         label_smoothing: cross-entropy smoothing (hard labels only; mixed labels are already soft).
         mixup_alpha, cutmix_alpha, mix_prob: batch mixing (0 disables); ``mix_backend`` 'timm' or 'torchvision'.
         aux_loss_weight: weight of the positional encoding's auxiliary loss (``auxiliary_loss()``, e.g. SeqPE's
@@ -130,7 +106,7 @@ class ImageClassification(pl.LightningModule):
         lr: float = 1e-3,
         weight_decay: float = 0.05,
         betas: tuple[float, float] = (0.9, 0.999),
-        warmup_epochs: float = 1.0,
+        warmup_epochs: float | None = 1.0,
         min_lr: float = 1e-5,
         label_smoothing: float = 0.1,
         mixup_alpha: float = 0.0,
@@ -139,6 +115,7 @@ class ImageClassification(pl.LightningModule):
         mix_backend: str = "timm",
         deterministic_resume: bool = True,
         aux_loss_weight: float = 1.0,
+        warmup_steps: int | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -147,11 +124,7 @@ class ImageClassification(pl.LightningModule):
             raise ValueError(f"mix_backend={mix_backend!r} is not valid; choose one of {list(MIX_BACKENDS)}")
         if not 0.0 <= label_smoothing < 1.0:
             raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
-        if lr <= 0:
-            raise ValueError(f"lr must be > 0, got {lr}")
-        for name, value in (("warmup_epochs", warmup_epochs), ("min_lr", min_lr), ("weight_decay", weight_decay)):
-            if not value >= 0:  # also refuses NaN
-                raise ValueError(f"{name} must be >= 0, got {value}")
+        check_schedule(lr, weight_decay, min_lr, warmup_epochs, warmup_steps)
         overrides: dict[str, Any] = dict(num_classes=num_classes, in_chans=in_chans)
         if img_size is not None:
             overrides["img_size"] = img_size
@@ -275,16 +248,8 @@ class ImageClassification(pl.LightningModule):
     # -- optimisation -----------------------------------------------------------------------
     def configure_optimizers(self) -> Any:
         hp = self.hparams
-        groups = param_groups_no_decay(self.model, hp.weight_decay)
-        opt = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas))
-        total = max(1, int(self.trainer.estimated_stepping_batches))  # also loads the train loader
-        batches = self.trainer.num_training_batches
-        steps_per_epoch = total if math.isinf(batches) else math.ceil(batches / self.trainer.accumulate_grad_batches)
-        warmup = int(round(hp.warmup_epochs * steps_per_epoch))
-        warmup = min(warmup, max(0, total - 1))
-        min_ratio = min(1.0, hp.min_lr / hp.lr)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: warmup_cosine(step, total, warmup, min_ratio))
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        return adamw_warmup_cosine(self.trainer, param_groups_no_decay(self.model, hp.weight_decay), lr=hp.lr, min_lr=hp.min_lr,
+                                   warmup_epochs=hp.warmup_epochs, warmup_steps=hp.warmup_steps, betas=hp.betas)
 
     # -- checkpoint metadata for the resolution sweep ------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

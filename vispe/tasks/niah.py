@@ -17,6 +17,7 @@ import torch
 
 from vispe.data.niah import NIAHVocab
 from vispe.positions import SCHEMES
+from vispe.tasks.optim import adamw_warmup_cosine, check_schedule, param_groups_no_decay
 
 __all__ = ["VideoNIAH", "accuracy_grid", "EVAL_POSITION_DEFAULTS"]
 
@@ -47,7 +48,8 @@ class VideoNIAH(pl.LightningModule):
             LayerNorm -> MLP projector; its per-token LayerNorm amplifies the small colour casts
             of near-grey haystack patches, which makes the needle harder to learn from raw pixels).
         dim, depth, num_heads, mlp_ratio: decoder size.
-        lr, weight_decay, warmup_steps, min_lr_ratio: AdamW with warm-up + cosine (per step).
+        lr, weight_decay, min_lr, warmup_epochs | warmup_steps: AdamW, linear warm-up, cosine to ``min_lr`` (per step;
+            :mod:`vispe.tasks.optim`, shared by every task).
     """
 
     def __init__(
@@ -62,14 +64,16 @@ class VideoNIAH(pl.LightningModule):
         mlp_ratio: float = 4.0,
         lr: float = 1e-3,
         weight_decay: float = 0.05,
-        warmup_steps: int = 20,
-        min_lr_ratio: float = 0.01,
+        min_lr: float = 1e-5,
+        warmup_steps: int | None = 20,
+        warmup_epochs: float | None = None,
     ) -> None:
         super().__init__()
         from vispe.models.video_llm import VideoLLM
         from vispe.encodings.spec import parse_pos_encoding
 
         self.save_hyperparameters()
+        check_schedule(lr, weight_decay, min_lr, warmup_epochs, warmup_steps)
         if visual_projector not in ("linear", "merger"):
             raise ValueError(f"visual_projector={visual_projector!r}; choose 'linear' or 'merger'")
         self.vocab = NIAHVocab()
@@ -149,11 +153,6 @@ class VideoNIAH(pl.LightningModule):
         self._eval_epoch_end("test")
 
     def configure_optimizers(self) -> Any:
-        from vispe.tasks.classification import param_groups_no_decay, warmup_cosine
-
         hp = self.hparams
-        opt = torch.optim.AdamW(param_groups_no_decay(self, hp.weight_decay), lr=hp.lr)
-        total = max(1, int(self.trainer.estimated_stepping_batches))
-        warmup = min(hp.warmup_steps, max(0, total - 1))
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(s, total, warmup, hp.min_lr_ratio))
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        return adamw_warmup_cosine(self.trainer, param_groups_no_decay(self, hp.weight_decay), lr=hp.lr, min_lr=hp.min_lr,
+                                   warmup_epochs=hp.warmup_epochs, warmup_steps=hp.warmup_steps)

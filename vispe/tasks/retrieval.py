@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from vispe.tasks.classification import add_auxiliary_loss, check_aux_loss_weight
+from vispe.tasks.optim import adamw_warmup_cosine, check_schedule, param_groups_no_decay
 
 __all__ = [
     "VideoTextRetrieval",
@@ -180,7 +181,8 @@ class VideoTextRetrieval(pl.LightningModule):
         text_checkpoint: optional open_clip checkpoint file initialising the text tower
             (and the logit scale when present).
         lock_text: freeze the text tower (useful with a pretrained checkpoint).
-        lr, weight_decay, warmup_steps, min_lr_ratio: AdamW + linear warm-up + cosine (per step).
+        lr, weight_decay, min_lr, warmup_epochs | warmup_steps: AdamW, linear warm-up, cosine to ``min_lr`` (per step;
+            :mod:`vispe.tasks.optim`, shared by every task).
         init_logit_scale: initial ``log(1/temperature)`` (CLIP: ``log(1/0.07)``).
         aux_loss_weight: weight of the video model's positional-encoding auxiliary loss (``train/aux_loss``; 0 = off).
     """
@@ -197,13 +199,15 @@ class VideoTextRetrieval(pl.LightningModule):
         lock_text: bool = False,
         lr: float = 1e-3,
         weight_decay: float = 0.05,
-        warmup_steps: int = 50,
-        min_lr_ratio: float = 0.01,
+        min_lr: float = 1e-5,
+        warmup_steps: int | None = 50,
+        warmup_epochs: float | None = None,
         init_logit_scale: float = math.log(1 / 0.07),
         aux_loss_weight: float = 1.0,
     ) -> None:
         super().__init__()
         check_aux_loss_weight(aux_loss_weight)
+        check_schedule(lr, weight_decay, min_lr, warmup_epochs, warmup_steps)
         import open_clip
 
         self.save_hyperparameters()
@@ -332,15 +336,10 @@ class VideoTextRetrieval(pl.LightningModule):
 
     # -- optimisation --------------------------------------------------------------------
     def configure_optimizers(self) -> Any:
-        from vispe.tasks.classification import param_groups_no_decay, warmup_cosine
-
         hp = self.hparams
         groups = param_groups_no_decay(self.visual, hp.weight_decay)
         text_groups = param_groups_no_decay(self.text, hp.weight_decay)
         groups[0]["params"] += text_groups[0]["params"]
         groups[1]["params"] += text_groups[1]["params"] + [self.logit_scale]
-        opt = torch.optim.AdamW(groups, lr=hp.lr)
-        total = max(1, int(self.trainer.estimated_stepping_batches))
-        warmup = min(hp.warmup_steps, max(0, total - 1))
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(s, total, warmup, hp.min_lr_ratio))
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        return adamw_warmup_cosine(self.trainer, groups, lr=hp.lr, min_lr=hp.min_lr, warmup_epochs=hp.warmup_epochs,
+                                   warmup_steps=hp.warmup_steps)

@@ -14,7 +14,6 @@ four group accuracies. Values are fractions in [0, 1] (the benchmark prints perc
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Mapping
 
 import timm
@@ -26,7 +25,8 @@ from torchmetrics import MetricCollection
 from torchmetrics.classification import BinaryAccuracy, MultilabelAccuracy
 
 from vispe.data.three_cell import LABEL_GROUPS, LABEL_NAMES
-from vispe.tasks.classification import add_auxiliary_loss, check_aux_loss_weight, param_groups_no_decay
+from vispe.tasks.classification import add_auxiliary_loss, check_aux_loss_weight
+from vispe.tasks.optim import adamw_warmup_cosine, check_schedule, param_groups_no_decay
 
 __all__ = ["ThreeCellTask", "GROUPS"]
 
@@ -57,7 +57,9 @@ class ThreeCellTask(LightningModule):
         min_lr: final learning rate of the cosine schedule.
         weight_decay: AdamW weight decay (not applied to biases, norms, the model's
             ``no_weight_decay()`` names).
-        warmup_steps: linear warm-up steps, or a fraction of all steps when < 1.
+        warmup_epochs, warmup_steps: linear warm-up length in epochs (fractions allowed) or optimiser steps (one of the
+            two, the other None); the ramp reaches ``lr`` on the first cosine step (:func:`vispe.tasks.optim.warmup_cosine`,
+            ``peak_step='first_cosine'``: the published Three Cell tables were trained with it).
         betas: AdamW betas.
         aux_loss_weight: weight of the positional encoding's auxiliary loss (``train/aux_loss``; 0 = off).
     """
@@ -71,7 +73,8 @@ class ThreeCellTask(LightningModule):
         lr: float = 1e-3,
         min_lr: float = 2.5e-5,
         weight_decay: float = 0.05,
-        warmup_steps: float = 0.05,
+        warmup_epochs: float | None = 0.5,
+        warmup_steps: int | None = None,
         betas: tuple[float, float] = (0.9, 0.999),
         aux_loss_weight: float = 1.0,
     ) -> None:
@@ -81,10 +84,7 @@ class ThreeCellTask(LightningModule):
             raise ValueError(
                 f"model={model!r} is not a timm model; see timm.list_models() (vispe's: timm.list_models('vispe_*'))"
             )
-        if lr <= 0 or min_lr < 0 or min_lr > lr:
-            raise ValueError(f"need 0 <= min_lr <= lr and lr > 0, got lr={lr!r}, min_lr={min_lr!r}")
-        if warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps!r}")
+        check_schedule(lr, weight_decay, min_lr, warmup_epochs, warmup_steps)
         model_kwargs = dict(model_kwargs or {})
         if "num_classes" in model_kwargs and model_kwargs["num_classes"] != len(LABEL_NAMES):
             raise ValueError(f"the Three Cell target has {len(LABEL_NAMES)} bits; got num_classes={model_kwargs['num_classes']}")
@@ -143,16 +143,5 @@ class ThreeCellTask(LightningModule):
         hp = self.hparams
         # shared with the other tasks: no decay on biases, norms and the model's no_weight_decay() names
         # (position tables such as pos_encoding.pos_embed, iRPE tables, RoPE frequencies, the cls token)
-        optimizer = torch.optim.AdamW(param_groups_no_decay(self.model, hp.weight_decay), lr=hp.lr, betas=tuple(hp.betas))
-        total = max(1, int(self.trainer.estimated_stepping_batches))
-        warmup = int(hp.warmup_steps * total) if hp.warmup_steps < 1 else int(hp.warmup_steps)
-        floor = hp.min_lr / hp.lr
-
-        def factor(step: int) -> float:
-            if step < warmup:
-                return (step + 1) / (warmup + 1)
-            t = min(1.0, (step - warmup) / max(1, total - warmup))
-            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * t))
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return adamw_warmup_cosine(self.trainer, param_groups_no_decay(self.model, hp.weight_decay), lr=hp.lr, min_lr=hp.min_lr,
+                                   warmup_epochs=hp.warmup_epochs, warmup_steps=hp.warmup_steps, betas=hp.betas, peak_step="first_cosine")
