@@ -111,6 +111,19 @@ def policy_hooks() -> tuple[Callable[[nn.Module], tuple[str, ...]], Callable[[nn
     return policies, set_policy, active
 
 
+def extrapolation_modes(encoding: str | None) -> tuple[str, ...]:
+    """The ``extrapolation`` values a registered encoding class accepts (empty: it has a single, fixed policy)."""
+    if encoding is None:
+        return ()
+    import vispe
+    from vispe.encodings.spec import EXTRAPOLATION_MODES
+
+    cls = vispe.get_encoding_class(encoding)
+    if "extrapolation" not in inspect.signature(cls.__init__).parameters:
+        return ()
+    return tuple(getattr(cls, "extrapolation_modes", EXTRAPOLATION_MODES))
+
+
 # ------------------------------------------------------------------------------------------
 # shapes
 # ------------------------------------------------------------------------------------------
@@ -503,19 +516,6 @@ def weights_sources(model_name: str, weights: str | Path, encodings: Sequence[st
 # ------------------------------------------------------------------------------------------
 # the sweep
 # ------------------------------------------------------------------------------------------
-def extrapolation_modes(encoding: str | None) -> tuple[str, ...]:
-    """The ``extrapolation`` values a registered encoding class accepts (empty: it has a single, fixed policy)."""
-    if encoding is None:
-        return ()
-    import vispe
-    from vispe.encodings.spec import EXTRAPOLATION_MODES
-
-    cls = vispe.get_encoding_class(encoding)
-    if "extrapolation" not in inspect.signature(cls.__init__).parameters:
-        return ()
-    return tuple(getattr(cls, "extrapolation_modes", EXTRAPOLATION_MODES))
-
-
 def _policies_for(source: ModelSource, extrapolation: str) -> list[str | None]:
     policies, _, active = policy_hooks()
     declared = policies(source.model)
@@ -870,7 +870,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             kwargs = json.loads(args.model_kwargs) if args.model_kwargs else None
             if kwargs is not None and not isinstance(kwargs, dict):
                 raise ValueError(f"--model-kwargs must be a JSON object, got {args.model_kwargs!r}")
-            encs = parse_encoding_list(args.pos_encoding) if args.pos_encoding else ["learned"]
+            encs = [label for label, _, _ in parse_encoding_list(args.pos_encoding)] if args.pos_encoding else ["learned"]
             sources = weights_sources(args.model, args.weights, encs, kwargs,
                                       _parse_floats(args.mean, "--mean") if args.mean else None,
                                       _parse_floats(args.std, "--std") if args.std else None, classes)
