@@ -403,12 +403,24 @@ def _recorded(dm_info: dict[str, Any], data_dir: str | None) -> tuple[Callable[[
     if data_dir is not None and "data_dir" in accepted:
         init["data_dir"] = data_dir
     init["eval_subset"] = None  # the sweep draws its own stratified sample
-    dm = cls(**{k: v for k, v in init.items() if k in accepted})
-    classes = tuple(dm.classes) if getattr(dm, "classes", None) else None
+    built: list[Any] = []
+
+    def datamodule() -> Any:  # built when needed: with --data and a recorded mean/std, its files are never read
+        if not built:
+            built.append(cls(**{k: v for k, v in init.items() if k in accepted}))
+        return built[0]
+
+    if "mean" in init and "std" in init and short != "ImageFolderDataModule":
+        classes, mean, std = None, tuple(init["mean"]), tuple(init["std"])
+    else:
+        dm = datamodule()
+        classes = tuple(dm.classes) if getattr(dm, "classes", None) else None
+        mean, std = tuple(dm.mean), tuple(dm.std)
 
     def own_set():
         from vispe.data.image_datamodule import _labels_of
 
+        dm = datamodule()
         dm.setup("test")
         ds = dm.test_set
         labels = _labels_of(ds)
@@ -416,7 +428,7 @@ def _recorded(dm_info: dict[str, Any], data_dir: str | None) -> tuple[Callable[[
             labels = torch.tensor([int(ds[i][1]) for i in range(len(ds))])
         return eval_sets.EvalSet(f"{name} test split ({len(ds)} images)", labels.long(), lambda i: ds[i][0], classes)
 
-    return own_set, classes, tuple(dm.mean), tuple(dm.std)
+    return own_set, classes, mean, std
 
 
 def checkpoint_source(path: str | Path, data_dir: str | None = None, label: str | None = None) -> ModelSource:
