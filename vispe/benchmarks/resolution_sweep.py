@@ -768,7 +768,10 @@ def plot(report: dict[str, Any], path: str | Path, title: str | None = None) -> 
 
     results = report["results"]
     has_aspect = any(e["sweep"] == "aspect" for r in results for e in r["evaluations"])
-    fig, axes = plt.subplots(1, 2 if has_aspect else 1, figsize=(15 if has_aspect else 10, 5.2), squeeze=False)
+    entries = len(results) + len({r["train_shape"] for r in results})
+    ncol = 1 if entries <= 4 else 2 if entries <= 12 else 3
+    legend_in = 0.2 * math.ceil(entries / ncol) + 0.45  # inches below the axes for the legend
+    fig, axes = plt.subplots(1, 2 if has_aspect else 1, figsize=(15 if has_aspect else 10, 5.0 + legend_in), squeeze=False)
     sources = list(dict.fromkeys(r["source"] for r in results))
     colours = plt.get_cmap("tab10" if len(sources) <= 10 else "tab20").colors
     styles = {"extend": "-", "interpolate": "--", "ntk": "-.", "yarn": ":"}
@@ -802,10 +805,10 @@ def plot(report: dict[str, Any], path: str | Path, title: str | None = None) -> 
         ax.set_ylabel("top-1 accuracy (%)")
         ax.grid(alpha=0.3)
     handles, names = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, names, fontsize=8, loc="center right", frameon=False,
-               title="model (extrapolation policy)\nline: - extend, -- interpolate, -. ntk, : yarn\nmarker: o resize, s crop, ^ pad",
-               title_fontsize=7)
-    fig.tight_layout(rect=(0, 0, 0.84 if has_aspect else 0.74, 1))
+    fig.legend(handles, names, fontsize=8, loc="lower center", ncol=ncol, frameon=False,
+               title="model (extrapolation policy) -- line: solid extend or the encoding's own, dashed interpolate, "
+                     "dash-dot ntk, dotted yarn; marker: o resize, s crop, ^ pad", title_fontsize=8)
+    fig.tight_layout(rect=(0, legend_in / (5.0 + legend_in), 1, 1))
     fig.savefig(path, dpi=130)
     plt.close(fig)
 
