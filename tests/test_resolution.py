@@ -302,3 +302,29 @@ def test_cifar10_test_zip_alone_lists_and_samples(tmp_path):
     assert torch.bincount(es.labels[keep]).tolist() == [5] * 10
     images = es.load(keep[:3].tolist())
     assert all(im.dtype == torch.uint8 and im.shape == (3, 32, 32) for im in images)
+
+
+def _write_idx(path: Path, array: np.ndarray) -> None:
+    """An unsigned-byte IDX file (the MNIST layout): magic 0x0000 08 <ndim>, big-endian sizes, the bytes."""
+    header = bytes([0, 0, 8, array.ndim]) + b"".join(int(n).to_bytes(4, "big") for n in array.shape)
+    path.write_bytes(header + array.astype(np.uint8).tobytes())
+
+
+def test_torchvision_dataset_by_name_is_read_from_disk_and_never_downloaded(tmp_path):
+    raw = tmp_path / "FashionMNIST" / "raw"
+    raw.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    labels = np.arange(30) % 10
+    _write_idx(raw / "t10k-images-idx3-ubyte", rng.integers(0, 256, (30, 28, 28)))
+    _write_idx(raw / "t10k-labels-idx1-ubyte", labels)
+    _write_idx(raw / "train-images-idx3-ubyte", rng.integers(0, 256, (2, 28, 28)))  # torchvision checks every file is there
+    _write_idx(raw / "train-labels-idx1-ubyte", labels[:2])
+    es = open_eval_set("torchvision:FashionMNIST", str(tmp_path))
+    assert len(es) == 30 and es.num_classes == 10 and es.classes[0].startswith("T-shirt")
+    assert torch.equal(es.labels, torch.from_numpy(labels))
+    im = es.load([3])[0]
+    assert im.dtype == torch.uint8 and im.shape == (1, 28, 28)
+    with pytest.raises(FileNotFoundError, match="nothing is downloaded"):
+        open_eval_set("torchvision:MNIST", str(tmp_path))
+    with pytest.raises(ValueError, match="unknown torchvision dataset 'Nope'"):
+        open_eval_set("torchvision:Nope", str(tmp_path))
