@@ -12,7 +12,14 @@ import torch
 
 import vispe.benchmarks.resolution_sweep as sweep_mod
 from vispe.benchmarks.resolution_sweep import (
-    _checkpoint, aspect_shapes, load_classifier, main, parse_shapes, prepare_batch, run_sweep, weights_sources,
+    _checkpoint,
+    aspect_shapes,
+    load_classifier,
+    main,
+    parse_shapes,
+    prepare_batch,
+    run_sweep,
+    weights_sources,
 )
 from vispe.data import SyntheticDataModule
 from vispe.data.eval_sets import class_index_map, open_eval_set, stratified_indices

@@ -282,7 +282,7 @@ def evaluate_shapes(model: nn.Module, images: Sequence[torch.Tensor], labels: to
             x = prepare_batch(images[i:i + batch_size], shape, resize, mean, std, in_chans).to(device)
             y = labels[i:i + batch_size].to(device)
             if i == 0 and device.type == "cpu":
-                logits, memory["tensor_peak_mib"] = _tensor_peak(lambda: model(x), model)
+                logits, memory["tensor_peak_mib"] = _tensor_peak(lambda x=x: model(x), model)
             else:
                 logits = model(x)
             k = min(5, logits.shape[-1])
@@ -494,7 +494,9 @@ def weights_sources(model_name: str, weights: str | Path, encodings: Sequence[st
     kwargs = dict(model_kwargs or {}, num_classes=int(head.shape[0]))
     if model_name.startswith("vispe_"):
         cfg = timm.models.get_pretrained_cfg(model_name) or {}
-        build = lambda enc: timm.create_model(model_name, pretrained=False, pos_encoding=enc, **kwargs)  # noqa: E731
+
+        def build(enc: str) -> nn.Module:
+            return timm.create_model(model_name, pretrained=False, pos_encoding=enc, **kwargs)
     else:
         args, ref = _timm_vit_args(model_name, kwargs)
         cfg = ref.pretrained_cfg or {}
