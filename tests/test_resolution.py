@@ -233,6 +233,11 @@ def test_timm_weights_under_learned_reproduce_timm_and_swap_zero_shot(timm_weigh
         for hw in ((32, 32), (48, 48), (32, 64)):  # timm (dynamic_img_size) is the oracle, off the training size too
             x = torch.randn(2, 3, *hw)
             torch.testing.assert_close(srcs[0].model(x), ref(x), atol=1e-5, rtol=1e-5)
+        # a vispe_* model name with the same architecture takes the same file
+        (vispe_learned,) = weights_sources("vispe_vit_tiny_patch4_32", path, ["learned"], {**TIMM_KW, "img_size": 32})
+        x = torch.randn(2, 3, 40, 40)
+        torch.testing.assert_close(vispe_learned.model(x), ref(x), atol=1e-5, rtol=1e-5)
+        assert vispe_learned.mean == (0.4914, 0.4822, 0.4465)  # the vispe model's own default normalisation
         # the swapped encodings keep every block weight of the file
         for s in srcs[1:]:
             assert torch.equal(s.model.blocks[1].mlp.fc2.weight, ref.blocks[1].mlp.fc2.weight)
