@@ -238,6 +238,9 @@ def test_timm_weights_under_learned_reproduce_timm_and_swap_zero_shot(timm_weigh
         x = torch.randn(2, 3, 40, 40)
         torch.testing.assert_close(vispe_learned.model(x), ref(x), atol=1e-5, rtol=1e-5)
         assert vispe_learned.mean == (0.4914, 0.4822, 0.4465)  # the vispe model's own default normalisation
+        # the swapped encoding's new parameters are seeded: the same command gives the same model
+        (again,) = weights_sources("vit_small_patch16_224", path, ["cpe"], TIMM_KW)
+        torch.testing.assert_close(again.model(x), srcs[2].model(x))
         # the swapped encodings keep every block weight of the file
         for s in srcs[1:]:
             assert torch.equal(s.model.blocks[1].mlp.fc2.weight, ref.blocks[1].mlp.fc2.weight)

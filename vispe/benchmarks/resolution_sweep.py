@@ -477,11 +477,12 @@ def _timm_vit_args(name: str, kwargs: dict[str, Any]) -> tuple[dict[str, Any], n
 
 def weights_sources(model_name: str, weights: str | Path, encodings: Sequence[str] = ("learned",),
                     model_kwargs: dict[str, Any] | None = None, mean: Sequence[float] | None = None,
-                    std: Sequence[float] | None = None, classes: Sequence[str] | None = None) -> list[ModelSource]:
+                    std: Sequence[float] | None = None, classes: Sequence[str] | None = None, init_seed: int = 0) -> list[ModelSource]:
     """One :class:`ModelSource` per encoding: the weights of ``weights`` (a timm ViT state dict, ``.pth`` /
     ``.safetensors``) in the vispe model of ``model_name`` (a timm ViT name or a ``vispe_*`` model) with that
     encoding, loaded through :func:`vispe.models.checkpoint.load_timm_checkpoint`. ``learned`` keeps timm's APE;
-    other encodings are a zero-shot swap (the APE table is dropped, the encoding's own parameters are new)."""
+    other encodings are a zero-shot swap (the APE table is dropped, the encoding's own parameters are new, drawn
+    from ``init_seed`` so that the same command gives the same numbers)."""
     import timm
 
     from vispe.models import VispeVisionTransformer
@@ -515,7 +516,9 @@ def weights_sources(model_name: str, weights: str | Path, encodings: Sequence[st
     std = tuple(std) if std is not None else tuple(cfg.get("std", (0.229, 0.224, 0.225)))
     out = []
     for enc in encodings:
-        model = build(enc)
+        with torch.random.fork_rng(devices=[]):  # the new parameters of a swapped encoding: seeded, the caller's RNG untouched
+            torch.manual_seed(init_seed)
+            model = build(enc)
         report = load_timm_checkpoint(model, state)
         model.eval()
         out.append(ModelSource(
@@ -523,7 +526,7 @@ def weights_sources(model_name: str, weights: str | Path, encodings: Sequence[st
             tuple(model.patch_embed.img_size), tuple(model.patch_embed.patch_size), int(model.num_classes),
             tuple(classes) if classes is not None else None, mean, std,
             f"{model_name} + {Path(weights).name} ({len(report.kept)} kept, {len(report.resampled)} resampled, "
-            f"{len(report.new)} new, {len(report.dropped)} dropped)", None, bool(model.patch_embed.dynamic_img_pad)))
+            f"{len(report.new)} new (seed {init_seed}), {len(report.dropped)} dropped)", None, bool(model.patch_embed.dynamic_img_pad)))
     return out
 
 
@@ -852,7 +855,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     d.add_argument("--allow-class-subset", action="store_true", help="score a set holding only some of the model's classes")
     d.add_argument("--num-images", "--eval-subset", dest="num_images", type=int, default=None,
                    help="evaluate a fixed class-stratified sample of this many images (seeded by --seed)")
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--seed", type=int, default=0, help="seed of the image sample and of a swapped encoding's new parameters")
     d.add_argument("--mean", default=None, help="normalisation mean for --model (default: timm's pretrained_cfg)")
     d.add_argument("--std", default=None, help="normalisation std for --model")
     s = p.add_argument_group("sizes, shapes, policies")
@@ -890,7 +893,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             encs = [label for label, _, _ in parse_encoding_list(args.pos_encoding)] if args.pos_encoding else ["learned"]
             sources = weights_sources(args.model, args.weights, encs, kwargs,
                                       _parse_floats(args.mean, "--mean") if args.mean else None,
-                                      _parse_floats(args.std, "--std") if args.std else None, classes)
+                                      _parse_floats(args.std, "--std") if args.std else None, classes, init_seed=args.seed)
         report = run_sweep(
             args.checkpoints, parse_shapes(args.sizes) if args.sizes else None, args.extrapolation, args.out,
             labels=args.labels.split(",") if args.labels else None, eval_subset=args.num_images, data_dir=args.data_dir,
