@@ -35,6 +35,7 @@ __all__ = [
 CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+FASHION_MNIST_MEAN, FASHION_MNIST_STD = (0.2860,), (0.3530,)
 
 
 def _image_shape(num_classes: int, in_chans: int, image_size: int) -> tuple[int, int, int]:
@@ -332,7 +333,7 @@ class FashionMNISTDataModule(ImageDataModule):
                 raise DamagedFileError(self.files[f"{prefix}-labels-idx1-ubyte"], f"holds labels of shape {labels} for images of shape {images}",
                                        "use the images and labels files of the same split")
         self.num_classes, self.in_chans, self.image_size = _image_shape(10, in_chans, image_size)
-        self.mean, self.std = (0.2860,), (0.3530,)
+        self.mean, self.std = FASHION_MNIST_MEAN, FASHION_MNIST_STD
 
     def _find(self, stem: str) -> Path:
         for name in (stem + ".gz", stem):
