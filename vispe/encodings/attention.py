@@ -249,6 +249,11 @@ ATTENTION_BACKENDS = ("auto", "dense", "blocked", "flex")
 #: dense): 2^19 floats = 2 MiB, so the few block-sized temporaries of the backward stay within a few percent of a
 #: ViT-S training step's activations at 1,024 tokens (and near the CPU's cache).
 BLOCK_ELEMENTS = 1 << 19
+#: Elements of one block's term where a block runs on PyTorch's fused CPU flash-attention kernels (forward, and the
+#: backward when no gradient reaches the term): 8 MiB. Their cost per call is high (they set up ``dK`` / ``dV``
+#: accumulators of the whole key length), so fewer, larger blocks are faster; the recompute backward, whose
+#: temporaries are several ``(B, H, rows, Lk)`` tensors, keeps :data:`BLOCK_ELEMENTS`.
+FUSED_BLOCK_ELEMENTS = 1 << 21
 
 
 @dataclass(frozen=True)
@@ -305,11 +310,12 @@ def _mask_rows(attn_mask: torch.Tensor | None, is_causal: bool, lq: int, lk: int
     return attn_mask.masked_fill(~causal, float("-inf"))
 
 
-def _row_blocks(q: torch.Tensor, k: torch.Tensor, per_sample: bool, block_rows: int | None) -> int:
+def _row_blocks(q: torch.Tensor, k: torch.Tensor, per_sample: bool, block_rows: int | None,
+                elements: int = BLOCK_ELEMENTS) -> int:
     if block_rows is not None:
         return max(1, int(block_rows))
     per_row = (q.shape[0] if per_sample else 1) * q.shape[1] * k.shape[-2]
-    return max(16, BLOCK_ELEMENTS // max(per_row, 1))
+    return max(16, elements // max(per_row, 1))
 
 
 def _cpu_flash_blocks(q: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool) -> bool:
@@ -336,11 +342,12 @@ class _BlockedBiasAttention(torch.autograd.Function):
         bsz, heads, lq, _ = q.shape
         lk = k.shape[-2]
         fused = _cpu_flash_blocks(q, attn_mask, is_causal)
+        step = rows[1] if fused else rows[0]
         outs, lses = [], []
         with torch.no_grad():
             tensors = spec.tensors(inputs)
-            for start in range(0, lq, rows):
-                stop = min(lq, start + rows)
+            for start in range(0, lq, step):
+                stop = min(lq, start + step)
                 mask = merge_attn_mask(_mask_rows(attn_mask, is_causal, lq, lk, start, stop, q.device),
                                        spec.rows(tensors, bsz, heads, start, stop, lk, q.device), q.dtype)
                 if fused:
@@ -373,36 +380,43 @@ class _BlockedBiasAttention(torch.autograd.Function):
         d_leaves = [t.detach().requires_grad_(t.requires_grad) for t in derived]
         d_grads: list[torch.Tensor | None] = [None] * len(derived)
         if lse is not None and not any_grad:
-            return _fused_blocks_backward(spec, s, rows, q, k, v, out, lse, dout.contiguous(), d_leaves, len(inputs))
+            return _fused_blocks_backward(spec, s, rows[1], q, k, v, out, lse, dout.contiguous(), d_leaves, len(inputs))
         dt = torch.promote_types(q.dtype, torch.float32)  # bf16/fp16 inputs: recompute in float32
         # contiguous once: q, k, v are views of the qkv projection, and a per-block matmul against a strided k^T
         # would copy it in every block
+        dh = q.shape[-1]
         qs = (q.to(dt) * s).contiguous()
-        kf, kt = k.to(dt).contiguous(), k.to(dt).transpose(-1, -2).contiguous()
+        ks, kt = k.to(dt) * s, k.to(dt).transpose(-1, -2).contiguous()
         vt = v.to(dt).transpose(-1, -2).contiguous()
         dof = dout.to(dt).contiguous()
         delta = (dof * out.to(dt)).sum(-1, keepdim=True)  # rowsum(dO * O)
-        dq = torch.empty_like(qs)
-        dk = torch.zeros_like(kf)
+        if lse is not None:
+            # one extra column folds the row constants into the matmuls: [q s, -lse] [k, 1]^T = q k^T s - lse and
+            # [dO, -delta] [v, 1]^T = dP - delta, two passes over each block fewer
+            qs = torch.cat([qs, -lse.to(dt).unsqueeze(-1)], -1)
+            kt = torch.cat([kt, kt.new_ones(*kt.shape[:-2], 1, lk)], -2)
+            dof = torch.cat([dof, -delta], -1)
+            vt = torch.cat([vt, vt.new_ones(*vt.shape[:-2], 1, lk)], -2)
+        dq = torch.empty(q.shape, dtype=dt, device=q.device)
+        dk = torch.zeros(k.shape, dtype=dt, device=k.device)
         dv = torch.zeros(v.shape, dtype=dt, device=v.device)
-        for start in range(0, lq, rows):
-            stop = min(lq, start + rows)
+        for start in range(0, lq, rows[0]):
+            stop = min(lq, start + rows[0])
             with torch.enable_grad():
                 bias = spec.rows(d_leaves, bsz, heads, start, stop, lk, q.device)
-            q_b = qs[:, :, start:stop]
+            q_b, do_b = qs[:, :, start:stop], dof[:, :, start:stop]
             p = torch.matmul(q_b, kt)
             p.add_(bias.detach())
             if lse is not None:  # P = exp(logits - lse): the forward's normaliser, no max/sum passes
-                p.sub_(lse[:, :, start:stop, None].to(dt)).exp_()
+                p.exp_()
             else:
                 _masked_softmax_(p, _mask_rows(attn_mask, ctx.is_causal, lq, lk, start, stop, q.device))
-            do_b = dof[:, :, start:stop]
-            dv += torch.matmul(p.transpose(-1, -2), do_b).sum_to_size(dv.shape)
+            dv += torch.matmul(p.transpose(-1, -2), do_b[..., :dh]).sum_to_size(dv.shape)
             dp = torch.matmul(do_b, vt)
-            ds = p.mul_(dp.sub_(delta[:, :, start:stop]))
+            ds = p.mul_(dp if lse is not None else dp.sub_(delta[:, :, start:stop]))  # dS = P * (dP - delta)
             del dp
-            dq[:, :, start:stop] = torch.matmul(ds, kf).mul_(s)
-            dk += torch.matmul(ds.transpose(-1, -2), q_b).sum_to_size(dk.shape)  # q_b carries s
+            dq[:, :, start:stop] = torch.matmul(ds, ks)
+            dk += torch.matmul(ds.transpose(-1, -2), q_b[..., :dh]).sum_to_size(dk.shape)  # q_b carries s
             if any_grad and bias.requires_grad:
                 _accumulate_term_grads(bias, ds, d_leaves, d_grads)
         grads = _term_input_grads(leaves, derived, d_grads, len(inputs))
@@ -565,5 +579,6 @@ def attend_indexed_bias(
         return sdpa(q, k, v, merge_attn_mask(attn_mask, spec.dense(bsz, heads, lq, lk, q.device), q.dtype), dropout_p, is_causal, scale)
     rows = _row_blocks(q, k, spec.per_sample, block_rows)
     if training and dropout_p == 0.0 and not torch.compiler.is_compiling():
-        return _BlockedBiasAttention.apply(spec, scale, rows, attn_mask, is_causal, q, k, v, *spec.inputs)
+        fused_rows = _row_blocks(q, k, spec.per_sample, block_rows, FUSED_BLOCK_ELEMENTS)
+        return _BlockedBiasAttention.apply(spec, scale, (rows, fused_rows), attn_mask, is_causal, q, k, v, *spec.inputs)
     return _blocked_traceable(q, k, v, spec, attn_mask, dropout_p, is_causal, scale, rows)
