@@ -453,7 +453,9 @@ def _accumulate_term_grads(bias: torch.Tensor, ds: torch.Tensor, d_leaves: list[
         if t.requires_grad:
             g = next(it)
             if g is not None:
-                d_grads[n] = g if d_grads[n] is None else d_grads[n] + g
+                prev = d_grads[n]
+                # in place where the first block's gradient owns its memory: a full-size sum per block, no new tensor
+                d_grads[n] = g if prev is None else prev.add_(g) if prev.is_contiguous() else prev + g
 
 
 def _term_input_grads(leaves: list[torch.Tensor], derived: Sequence[torch.Tensor], d_grads: list[torch.Tensor | None],
