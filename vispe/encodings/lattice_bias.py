@@ -185,8 +185,11 @@ def _pair_term(b: torch.Tensor, h: torch.Tensor, i: torch.Tensor, j: torch.Tenso
     """``table[h, id(i, j)]`` for a ``(H, U + 1)`` table (the :class:`IndexedBias` form of the lattice pair bias)."""
     if h.dim() == 0:  # FlexAttention's score_mod: one pair at a time
         return table[h, LatticePairCodes(codes, center, num_offsets).pair_ids(b, i, j)]
-    # a block of rows: int32 ids (tables have far fewer than 2^31 columns), which index_select reads ~3x faster
-    return take_columns(table, LatticePairCodes(codes.int(), center, num_offsets).pair_ids(b, i, j))
+    # a block of rows in eager: int32 ids (tables have far fewer than 2^31 columns), which index_select reads ~3x
+    # faster; compiled graphs keep int64 (inductor's code for the int64 read measured faster than for int32)
+    if not torch.compiler.is_compiling():
+        codes = codes.int()
+    return take_columns(table, LatticePairCodes(codes, center, num_offsets).pair_ids(b, i, j))
 
 
 def take_columns(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
