@@ -250,10 +250,12 @@ ATTENTION_BACKENDS = ("auto", "dense", "blocked", "flex")
 #: ViT-S training step's activations at 1,024 tokens (and near the CPU's cache).
 BLOCK_ELEMENTS = 1 << 19
 #: Elements of one block's term where a block runs on PyTorch's fused CPU flash-attention kernels (forward, and the
-#: backward when no gradient reaches the term): 8 MiB. Their cost per call is high (they set up ``dK`` / ``dV``
-#: accumulators of the whole key length), so fewer, larger blocks are faster; the recompute backward, whose
-#: temporaries are several ``(B, H, rows, Lk)`` tensors, keeps :data:`BLOCK_ELEMENTS`.
-FUSED_BLOCK_ELEMENTS = 1 << 21
+#: backward when no gradient reaches the term): 32 MiB, one block for a 6-head term up to ~1,180 tokens. Their cost
+#: per call is high (they set up ``dK`` / ``dV`` accumulators of the whole key length), so fewer, larger blocks are
+#: faster; the block is transient (built, used, freed; never kept for backward), and a ViT-S training step's peak
+#: at 1,024 tokens lies elsewhere. The recompute backward, whose temporaries are several ``(B, H, rows, Lk)``
+#: tensors, keeps :data:`BLOCK_ELEMENTS`.
+FUSED_BLOCK_ELEMENTS = 1 << 23
 
 
 @dataclass(frozen=True)
@@ -357,6 +359,7 @@ class _BlockedBiasAttention(torch.autograd.Function):
                 else:
                     out_b = F.scaled_dot_product_attention(q[:, :, start:stop], k, v, attn_mask=mask, scale=scale)
                 outs.append(out_b)
+                del mask  # one block's term alive at a time
             out = torch.cat(outs, dim=-2) if len(outs) > 1 else outs[0]
             lse = (torch.cat(lses, dim=-1) if len(lses) > 1 else lses[0]) if fused else None
         ctx.spec, ctx.scale, ctx.rows, ctx.is_causal = spec, scale, rows, is_causal
@@ -440,6 +443,7 @@ def _fused_blocks_backward(spec, s, rows, q, k, v, out, lse, dout, d_leaves, n_i
         dq[:, :, start:stop] = dq_b
         dk += dk_b
         dv += dv_b
+        del mask, dq_b, dk_b, dv_b  # one block's term alive at a time
     return (None, None, None, None, None, dq, dk, dv, *([None] * n_inputs))
 
 
