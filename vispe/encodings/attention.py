@@ -249,6 +249,13 @@ ATTENTION_BACKENDS = ("auto", "dense", "blocked", "flex")
 #: dense): 2^19 floats = 2 MiB, so the few block-sized temporaries of the backward stay within a few percent of a
 #: ViT-S training step's activations at 1,024 tokens (and near the CPU's cache).
 BLOCK_ELEMENTS = 1 << 19
+#: Elements of one block's term where a block runs on PyTorch's fused CPU flash-attention kernels (forward, and the
+#: backward when no gradient reaches the term): 32 MiB, one block for a 6-head term up to ~1,180 tokens. Their cost
+#: per call is high (they set up ``dK`` / ``dV`` accumulators of the whole key length), so fewer, larger blocks are
+#: faster; the block is transient (built, used, freed; never kept for backward), and a ViT-S training step's peak
+#: at 1,024 tokens lies elsewhere. The recompute backward, whose temporaries are several ``(B, H, rows, Lk)``
+#: tensors, keeps :data:`BLOCK_ELEMENTS`.
+FUSED_BLOCK_ELEMENTS = 1 << 23
 
 
 @dataclass(frozen=True)
@@ -305,11 +312,19 @@ def _mask_rows(attn_mask: torch.Tensor | None, is_causal: bool, lq: int, lk: int
     return attn_mask.masked_fill(~causal, float("-inf"))
 
 
-def _row_blocks(q: torch.Tensor, k: torch.Tensor, per_sample: bool, block_rows: int | None) -> int:
+def _row_blocks(q: torch.Tensor, k: torch.Tensor, per_sample: bool, block_rows: int | None,
+                elements: int = BLOCK_ELEMENTS) -> int:
     if block_rows is not None:
         return max(1, int(block_rows))
     per_row = (q.shape[0] if per_sample else 1) * q.shape[1] * k.shape[-2]
-    return max(16, BLOCK_ELEMENTS // max(per_row, 1))
+    return max(16, elements // max(per_row, 1))
+
+
+def _cpu_flash_blocks(q: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool) -> bool:
+    """Whether the blocked path can run on PyTorch's fused CPU flash-attention kernels directly (forward with the
+    block's log-sum-exp, and the fused backward): CPU, float32/float64, no caller mask and not causal (the ViT case;
+    the rest keeps the generic recompute, which handles fully masked rows)."""
+    return q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and attn_mask is None and not is_causal
 
 
 class _BlockedBiasAttention(torch.autograd.Function):
@@ -317,40 +332,49 @@ class _BlockedBiasAttention(torch.autograd.Function):
     :class:`IndexedBias` in forward (SDPA's fused kernel, no grad) and again in backward: nothing of size
     ``Lq x Lk`` is kept, the largest temporary is one block's ``(B, H, rows, Lk)``. The backward is the
     flash-attention one (probabilities recomputed, ``dS = P * (dP - rowsum(dO * O))``); the term's gradient goes
-    back to its inputs through ``fn`` and ``prepare``."""
+    back to its inputs through ``fn`` and ``prepare``.
+
+    On CPU without a caller's mask (:func:`_cpu_flash_blocks`) the forward keeps each row's log-sum-exp, so the
+    backward recomputes ``P = exp(q k^T s + bias - lse)`` in three passes instead of a softmax's six; when no
+    gradient reaches the term (ALiBi: no parameters) each block's backward is PyTorch's fused CPU flash-attention
+    backward with the rebuilt block term as its mask."""
 
     @staticmethod
     def forward(ctx, spec, scale, rows, attn_mask, is_causal, q, k, v, *inputs):  # type: ignore[override]
         bsz, heads, lq, _ = q.shape
         lk = k.shape[-2]
-        outs = []
+        fused = _cpu_flash_blocks(q, attn_mask, is_causal)
+        step = rows[1] if fused else rows[0]
+        outs, lses = [], []
         with torch.no_grad():
             tensors = spec.tensors(inputs)
-            for start in range(0, lq, rows):
-                stop = min(lq, start + rows)
+            for start in range(0, lq, step):
+                stop = min(lq, start + step)
                 mask = merge_attn_mask(_mask_rows(attn_mask, is_causal, lq, lk, start, stop, q.device),
                                        spec.rows(tensors, bsz, heads, start, stop, lk, q.device), q.dtype)
-                outs.append(F.scaled_dot_product_attention(q[:, :, start:stop], k, v, attn_mask=mask, scale=scale))
+                if fused:
+                    out_b, lse_b = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                        q[:, :, start:stop], k, v, 0.0, False, attn_mask=mask, scale=scale)
+                    lses.append(lse_b)
+                else:
+                    out_b = F.scaled_dot_product_attention(q[:, :, start:stop], k, v, attn_mask=mask, scale=scale)
+                outs.append(out_b)
+                del mask  # one block's term alive at a time
             out = torch.cat(outs, dim=-2) if len(outs) > 1 else outs[0]
+            lse = (torch.cat(lses, dim=-1) if len(lses) > 1 else lses[0]) if fused else None
         ctx.spec, ctx.scale, ctx.rows, ctx.is_causal = spec, scale, rows, is_causal
-        ctx.save_for_backward(q, k, v, out, attn_mask, *inputs)
+        ctx.save_for_backward(q, k, v, out, lse, attn_mask, *inputs)
         return out
 
     @staticmethod
     @autocast_off_in_backward
     @once_differentiable
     def backward(ctx, dout):  # type: ignore[override]
-        q, k, v, out, attn_mask, *inputs = ctx.saved_tensors
+        q, k, v, out, lse, attn_mask, *inputs = ctx.saved_tensors
         spec, s, rows = ctx.spec, ctx.scale, ctx.rows
         bsz, heads, lq, _ = q.shape
         lk = k.shape[-2]
         want = ctx.needs_input_grad[8:]
-        dt = torch.promote_types(q.dtype, torch.float32)  # bf16/fp16 inputs: recompute in float32
-        qf, kf, vf, dof, of = q.to(dt), k.to(dt), v.to(dt), dout.to(dt), out.to(dt)
-        delta = (dof * of).sum(-1, keepdim=True)  # rowsum(dO * O)
-        dq = torch.empty_like(qf)
-        dk = torch.zeros_like(kf)
-        dv = torch.zeros_like(vf)
         leaves = [t.detach().requires_grad_(w and t.is_floating_point()) for t, w in zip(inputs, want)]
         any_grad = any(t.requires_grad for t in leaves)
         with torch.enable_grad():
@@ -358,40 +382,99 @@ class _BlockedBiasAttention(torch.autograd.Function):
         # the term's own leaves: gradients per block land here, then go back through prepare once
         d_leaves = [t.detach().requires_grad_(t.requires_grad) for t in derived]
         d_grads: list[torch.Tensor | None] = [None] * len(derived)
-        for start in range(0, lq, rows):
-            stop = min(lq, start + rows)
-            mask = _mask_rows(attn_mask, ctx.is_causal, lq, lk, start, stop, q.device)
+        if lse is not None and not any_grad:
+            return _fused_blocks_backward(spec, s, rows[1], q, k, v, out, lse, dout.contiguous(), d_leaves, len(inputs))
+        dt = torch.promote_types(q.dtype, torch.float32)  # bf16/fp16 inputs: recompute in float32
+        # contiguous once: q, k, v are views of the qkv projection, and a per-block matmul against a strided k^T
+        # would copy it in every block
+        dh = q.shape[-1]
+        qs = (q.to(dt) * s).contiguous()
+        ks, kt = k.to(dt) * s, k.to(dt).transpose(-1, -2).contiguous()
+        vt = v.to(dt).transpose(-1, -2).contiguous()
+        dof = dout.to(dt).contiguous()
+        delta = (dof * out.to(dt)).sum(-1, keepdim=True)  # rowsum(dO * O)
+        if lse is not None:
+            # one extra column folds the row constants into the matmuls: [q s, -lse] [k, 1]^T = q k^T s - lse and
+            # [dO, -delta] [v, 1]^T = dP - delta, two passes over each block fewer
+            qs = torch.cat([qs, -lse.to(dt).unsqueeze(-1)], -1)
+            kt = torch.cat([kt, kt.new_ones(*kt.shape[:-2], 1, lk)], -2)
+            dof = torch.cat([dof, -delta], -1)
+            vt = torch.cat([vt, vt.new_ones(*vt.shape[:-2], 1, lk)], -2)
+        dq = torch.empty(q.shape, dtype=dt, device=q.device)
+        dk = torch.zeros(k.shape, dtype=dt, device=k.device)
+        dv = torch.zeros(v.shape, dtype=dt, device=v.device)
+        for start in range(0, lq, rows[0]):
+            stop = min(lq, start + rows[0])
             with torch.enable_grad():
                 bias = spec.rows(d_leaves, bsz, heads, start, stop, lk, q.device)
-            p = torch.matmul(qf[:, :, start:stop], kf.transpose(-1, -2)).mul_(s)
+            q_b, do_b = qs[:, :, start:stop], dof[:, :, start:stop]
+            p = torch.matmul(q_b, kt)
             p.add_(bias.detach())
-            _masked_softmax_(p, mask)
-            do_b = dof[:, :, start:stop]
-            dv += torch.matmul(p.transpose(-1, -2), do_b).sum_to_size(dv.shape)
-            dp = torch.matmul(do_b, vf.transpose(-1, -2))
-            ds = p.mul_(dp.sub_(delta[:, :, start:stop]))
+            if lse is not None:  # P = exp(logits - lse): the forward's normaliser, no max/sum passes
+                p.exp_()
+            else:
+                _masked_softmax_(p, _mask_rows(attn_mask, ctx.is_causal, lq, lk, start, stop, q.device))
+            dv += torch.matmul(p.transpose(-1, -2), do_b[..., :dh]).sum_to_size(dv.shape)
+            dp = torch.matmul(do_b, vt)
+            ds = p.mul_(dp if lse is not None else dp.sub_(delta[:, :, start:stop]))  # dS = P * (dP - delta)
             del dp
-            dq[:, :, start:stop] = torch.matmul(ds, kf).mul_(s)
-            dk += torch.matmul(ds.transpose(-1, -2), qf[:, :, start:stop]).mul_(s).sum_to_size(dk.shape)
+            dq[:, :, start:stop] = torch.matmul(ds, ks)
+            dk += torch.matmul(ds.transpose(-1, -2), q_b[..., :dh]).sum_to_size(dk.shape)  # q_b carries s
             if any_grad and bias.requires_grad:
-                need = [t for t in d_leaves if t.requires_grad]
-                got = torch.autograd.grad(bias, need, ds.sum_to_size(bias.shape).to(bias.dtype), allow_unused=True)
-                it = iter(got)
-                for n, t in enumerate(d_leaves):
-                    if t.requires_grad:
-                        g = next(it)
-                        if g is not None:
-                            d_grads[n] = g if d_grads[n] is None else d_grads[n] + g
-        grads: list[torch.Tensor | None] = [None] * len(inputs)
-        need = [n for n, t in enumerate(leaves) if t.requires_grad]
-        if need:
-            outs = [d for d, g in zip(derived, d_grads) if g is not None and d.requires_grad]
-            gs = [g for d, g in zip(derived, d_grads) if g is not None and d.requires_grad]
-            if outs:
-                got = torch.autograd.grad(outs, [leaves[n] for n in need], gs, allow_unused=True)
-                for n, g in zip(need, got):
-                    grads[n] = g
+                _accumulate_term_grads(bias, ds, d_leaves, d_grads)
+        grads = _term_input_grads(leaves, derived, d_grads, len(inputs))
         return (None, None, None, None, None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *grads)
+
+
+def _fused_blocks_backward(spec, s, rows, q, k, v, out, lse, dout, d_leaves, n_inputs):
+    """The blocked backward when no gradient reaches the term: per block, PyTorch's fused CPU flash-attention
+    backward with the rebuilt block term as its mask (``dK``, ``dV`` summed over blocks)."""
+    bsz, heads, lq, _ = q.shape
+    lk = k.shape[-2]
+    dq = torch.empty_like(q)
+    dk = torch.zeros_like(k)
+    dv = torch.zeros_like(v)
+    for start in range(0, lq, rows):
+        stop = min(lq, start + rows)
+        mask = spec.rows(d_leaves, bsz, heads, start, stop, lk, q.device).to(q.dtype)
+        dq_b, dk_b, dv_b = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout[:, :, start:stop], q[:, :, start:stop], k, v, out[:, :, start:stop], lse[:, :, start:stop],
+            0.0, False, attn_mask=mask, scale=s)
+        dq[:, :, start:stop] = dq_b
+        dk += dk_b
+        dv += dv_b
+        del mask, dq_b, dk_b, dv_b  # one block's term alive at a time
+    return (None, None, None, None, None, dq, dk, dv, *([None] * n_inputs))
+
+
+def _accumulate_term_grads(bias: torch.Tensor, ds: torch.Tensor, d_leaves: list[torch.Tensor],
+                           d_grads: list[torch.Tensor | None]) -> None:
+    """``dS`` of one block through the block's term to the term's leaves (a gather's backward is one index_add)."""
+    need = [t for t in d_leaves if t.requires_grad]
+    got = torch.autograd.grad(bias, need, ds.sum_to_size(bias.shape).to(bias.dtype), allow_unused=True)
+    it = iter(got)
+    for n, t in enumerate(d_leaves):
+        if t.requires_grad:
+            g = next(it)
+            if g is not None:
+                prev = d_grads[n]
+                # in place where the first block's gradient owns its memory: a full-size sum per block, no new tensor
+                d_grads[n] = g if prev is None else prev.add_(g) if prev.is_contiguous() else prev + g
+
+
+def _term_input_grads(leaves: list[torch.Tensor], derived: Sequence[torch.Tensor], d_grads: list[torch.Tensor | None],
+                      n_inputs: int) -> list[torch.Tensor | None]:
+    """The term's leaf gradients back through ``prepare`` to the :class:`IndexedBias` inputs, once per backward."""
+    grads: list[torch.Tensor | None] = [None] * n_inputs
+    need = [n for n, t in enumerate(leaves) if t.requires_grad]
+    if need:
+        outs = [d for d, g in zip(derived, d_grads) if g is not None and d.requires_grad]
+        gs = [g for d, g in zip(derived, d_grads) if g is not None and d.requires_grad]
+        if outs:
+            got = torch.autograd.grad(outs, [leaves[n] for n in need], gs, allow_unused=True)
+            for n, g in zip(need, got):
+                grads[n] = g
+    return grads
 
 
 def _blocked_traceable(q, k, v, spec: IndexedBias, attn_mask, dropout_p, is_causal, scale, rows) -> torch.Tensor:
@@ -502,5 +585,6 @@ def attend_indexed_bias(
         return sdpa(q, k, v, merge_attn_mask(attn_mask, spec.dense(bsz, heads, lq, lk, q.device), q.dtype), dropout_p, is_causal, scale)
     rows = _row_blocks(q, k, spec.per_sample, block_rows)
     if training and dropout_p == 0.0 and not torch.compiler.is_compiling():
-        return _BlockedBiasAttention.apply(spec, scale, rows, attn_mask, is_causal, q, k, v, *spec.inputs)
+        fused_rows = _row_blocks(q, k, spec.per_sample, block_rows, FUSED_BLOCK_ELEMENTS)
+        return _BlockedBiasAttention.apply(spec, scale, (rows, fused_rows), attn_mask, is_causal, q, k, v, *spec.inputs)
     return _blocked_traceable(q, k, v, spec, attn_mask, dropout_p, is_causal, scale, rows)

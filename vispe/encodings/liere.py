@@ -118,6 +118,13 @@ def _generator_sum(coords: torch.Tensor, generators: torch.Tensor) -> torch.Tens
     return gen.movedim(0, -4).contiguous()
 
 
+def _matrix_exp(x: torch.Tensor) -> torch.Tensor:
+    """``torch.linalg.matrix_exp`` over one flat batch axis: inductor (torch 2.15) may hand a fallback op a permuted
+    layout of a many-axis batch, on which matrix_exp's internal ``view`` fails; a 3D batch has no such layout."""
+    b = x.shape[-1]
+    return torch.linalg.matrix_exp(x.reshape(-1, b, b)).view(x.shape)
+
+
 class _ExpOfGeneratorSum(torch.autograd.Function):
     """``matrix_exp(sum_i x_i A_i)`` that keeps only ``coords`` and the generators for backward.
 
@@ -130,7 +137,7 @@ class _ExpOfGeneratorSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, coords: torch.Tensor, generators: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(coords, generators)
-        return torch.linalg.matrix_exp(_generator_sum(coords, generators))
+        return _matrix_exp(_generator_sum(coords, generators))
 
     @staticmethod
     @autocast_off_in_backward
@@ -144,7 +151,7 @@ class _ExpOfGeneratorSum(torch.autograd.Function):
         big[..., :b, :b] = m_t
         big[..., b:, b:] = m_t
         big[..., :b, b:] = grad
-        grad_sum = torch.linalg.matrix_exp(big)[..., :b, b:]  # (*lead, L, m, b, b)
+        grad_sum = _matrix_exp(big)[..., :b, b:]  # (*lead, L, m, b, b)
         del big
         # d/dA_i of sum_l x_li A_i: contract the token axis with the coordinates
         grad_gen = torch.tensordot(coords, grad_sum.movedim(-4, 0), dims=([0], [0]))  # (N, *lead, m, b, b)
