@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from vispe.benchmarks import grid
 from vispe.positions import POSITION_SCHEMES, SCHEMES
 
 __all__ = ["main", "build_parser", "run_one", "run_benchmark", "format_table", "plot_heatmaps", "plot_lines", "extrapolation_ratio",
@@ -32,8 +33,7 @@ RECIPE = "niah"
 QUICK: dict[str, Any] = {"trainer.max_steps": 3, "data.init_args.train_episodes": 96, "data.init_args.episodes_per_cell": 2,
                          "data.init_args.eval_lengths": [4, 16], "data.init_args.eval_depths": [0.0, 1.0], "model.init_args.warmup_steps": 1}
 #: how the benchmark runs a recipe: no logger, checkpoints, progress bar or validation while training (scored after)
-BENCHMARK_TRAINER: dict[str, Any] = {"trainer.logger": False, "trainer.enable_checkpointing": False, "trainer.enable_model_summary": False,
-                                     "trainer.enable_progress_bar": False, "trainer.limit_val_batches": 0}
+BENCHMARK_TRAINER: dict[str, Any] = {**grid.BENCHMARK_TRAINER, "trainer.enable_progress_bar": False, "trainer.limit_val_batches": 0}
 KEEP = 0.9
 
 
@@ -47,11 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--schemes", default=",".join(DEFAULT_SCHEMES), help="comma-separated multimodal schemes")
     p.add_argument("--out", default="outputs/niah", help="output folder")
     p.add_argument("--quick", action="store_true", help="tiny smoke run (numbers are meaningless)")
-    g = p.add_argument_group("recipe")
-    g.add_argument("--recipe", default=RECIPE, help="recipe name (vispe.recipes.list_recipes()) or LightningCLI YAML file")
-    g.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a recipe setting, repeatable: --set trainer.max_steps=400 --set data.init_args.train_episodes=12800 "
-                        "--set model.init_args.dim=32 --set data.init_args.haystack_videos=[a.mp4,b.mp4]")
+    g = grid.add_recipe_arguments(p, RECIPE, "--set trainer.max_steps=400 --set data.init_args.train_episodes=12800 "
+                                  "--set model.init_args.dim=32 --set data.init_args.haystack_videos=[a.mp4,b.mp4]")
     g.add_argument("--seeds", default="0", help="comma-separated seeds; each scheme trains once per seed and the grids are averaged")
     g.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave torch's default)")
     s = p.add_argument_group("scoring")
@@ -184,10 +181,7 @@ def plot_heatmaps(rows: Sequence[dict[str, Any]], path: str | Path, train_frames
     axes[-1, 0].set_xlabel("haystack frames (black box: training length)")
     fig.colorbar(im, ax=axes[:, 0].tolist(), shrink=0.6, label="accuracy (%)")
     fig.suptitle("Video NIAH accuracy", fontsize=10)
-    path = Path(path)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return grid.save_figure(fig, path, bbox_inches="tight")
 
 
 def plot_lines(rows: Sequence[dict[str, Any]], path: str | Path, train_frames: int) -> Path:
@@ -208,10 +202,7 @@ def plot_lines(rows: Sequence[dict[str, Any]], path: str | Path, train_frames: i
     ax.set_ylim(0, 102)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return grid.save_figure(fig, path)
 
 
 def run_benchmark(args: argparse.Namespace, partial: Any = None) -> list[dict[str, Any]]:

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from vispe.benchmarks import grid
 from vispe.files import read_json
 
 __all__ = ["main", "build_parser", "run_one", "run_benchmark", "format_table", "plot_results", "DEFAULT_ENCODINGS", "QUICK", "RECIPE"]
@@ -26,8 +27,8 @@ RECIPE = "retrieval"
 #: ``--quick``: a smoke run (few clips and steps; numbers are meaningless)
 QUICK: dict[str, Any] = {"data.init_args.num_train": 64, "data.init_args.num_val": 32, "trainer.max_steps": 4, "model.init_args.warmup_steps": 1}
 #: how the benchmark runs a recipe: no logger, checkpoints, progress bar or validation while training (scored after)
-BENCHMARK_TRAINER: dict[str, Any] = {"trainer.logger": False, "trainer.enable_checkpointing": False, "trainer.enable_model_summary": False,
-                                     "trainer.enable_progress_bar": False, "trainer.limit_val_batches": 0, "trainer.deterministic": False}
+BENCHMARK_TRAINER: dict[str, Any] = {**grid.BENCHMARK_TRAINER, "trainer.enable_progress_bar": False, "trainer.limit_val_batches": 0,
+                                     "trainer.deterministic": False}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,11 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="outputs/retrieval", help="output folder for results.json/.md/.png")
     p.add_argument("--data-root", default=None, help="where generated clips are written (default $VISPE_DATA_ROOT/generated or the temp dir)")
     p.add_argument("--quick", action="store_true", help="tiny smoke run (few clips and steps; numbers are meaningless)")
-    g = p.add_argument_group("recipe")
-    g.add_argument("--recipe", default=RECIPE, help="recipe name (vispe.recipes.list_recipes(), e.g. retrieval_smoke) or LightningCLI YAML file")
-    g.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a recipe setting, repeatable: --set trainer.max_steps=400 --set data.init_args.eval_settings=[[16,64]] "
-                        "--set model.init_args.lr=3e-4")
+    g = grid.add_recipe_arguments(p, RECIPE, "--recipe retrieval_smoke --set trainer.max_steps=400 "
+                                  "--set data.init_args.eval_settings=[[16,64]] --set model.init_args.lr=3e-4")
     g.add_argument("--seed", type=int, default=0, help="data and initialisation seed (seed_everything and data.init_args.seed)")
     g.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave torch's default)")
     return p
@@ -137,10 +135,7 @@ def plot_results(rows: Sequence[dict[str, Any]], path: str | Path, chance: float
     ax.set_title("Text-video retrieval on generated 'where and when' clips")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return grid.save_figure(fig, path)
 
 
 def _recipe(args: argparse.Namespace) -> dict[str, Any]:

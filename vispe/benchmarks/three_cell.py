@@ -17,6 +17,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
+from vispe.benchmarks import grid
 from vispe.files import read_json
 
 __all__ = ["main", "build_parser", "run_leaderboard", "format_table", "plot_results", "QUICK_ENCODINGS", "QUICK", "RECIPE"]
@@ -31,7 +32,7 @@ RECIPE = "three_cell"
 #: ``--quick`` overrides (smaller budget, the same 5 % warm-up; every other setting unchanged)
 QUICK: dict[str, Any] = {"trainer.max_epochs": 4, "model.init_args.warmup_epochs": 0.2}
 #: how the benchmark runs a recipe: no logger, checkpoints or model summary (the table is the output)
-BENCHMARK_TRAINER: dict[str, Any] = {"trainer.logger": False, "trainer.enable_checkpointing": False, "trainer.enable_model_summary": False}
+BENCHMARK_TRAINER: dict[str, Any] = dict(grid.BENCHMARK_TRAINER)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,11 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--append", action="store_true", help="keep results already in --out/results.json for encodings not rerun")
     p.add_argument("--merge", nargs="+", default=None, metavar="DIR",
                    help="train nothing: merge the results.json of these folders (runs split over processes/machines) into --out")
-    g = p.add_argument_group("recipe")
-    g.add_argument("--recipe", default=RECIPE, help="recipe name (vispe.recipes.list_recipes()) or LightningCLI YAML file")
-    g.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a recipe setting, repeatable: --set trainer.max_epochs=40 --set data.init_args.grid_size=14 "
-                        "--set model.init_args.lr=1e-3")
+    g = grid.add_recipe_arguments(p, RECIPE, "--set trainer.max_epochs=40 --set data.init_args.grid_size=14 --set model.init_args.lr=1e-3")
     g.add_argument("--seed", type=int, default=0, help="data and initialisation seed (seed_everything and data.init_args.seed)")
     g.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads; part of the recipe: the reduction order of CPU kernels depends on it, so runs "
@@ -220,11 +217,7 @@ def plot_results(rows: Sequence[dict[str, Any]], path: str | Path, title: str = 
     ax.set_title(title)
     ax.legend(ncol=5, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.28))
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return grid.save_figure(fig, path)
 
 
 def _recipe(args: argparse.Namespace) -> dict[str, Any]:
