@@ -390,6 +390,40 @@ def test_auto_falls_back_to_block_rotations_where_the_spectral_path_does_not_app
         _enc("comrope_ld", rotation="dense")
 
 
+def _compiled_train_step_matches_eager(model: torch.nn.Module, x: torch.Tensor) -> None:
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    want = model(x).square().mean()
+    want.backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    got = compiled(x).square().mean()
+    got.backward()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref[n], atol=1e-5, rtol=1e-5, msg=lambda m, n=n: f"gradient of {n}: {m}")
+
+
+def test_compiled_paths_follow_the_generators():
+    """Under torch.compile the eigenvalue gap cannot choose the path (a data-dependent branch): random generators
+    compile the spectral path (equal to eager's, which takes it too), zero_init compiles the line tables (equal to
+    eager's line tables), and generators that become degenerate stop the compiled step with a clear error instead
+    of giving the spectral path's unreliable gradient."""
+    x = torch.randn(2, 3, 32, 32)
+    for zero_init in (False, True):
+        torch.manual_seed(0)
+        model = timm.create_model(MODEL, pos_encoding={"name": "comrope_ld", "zero_init": zero_init}, embed_dim=48, depth=1,
+                                  num_heads=3, num_classes=5).train()
+        _compiled_train_step_matches_eager(model, x)
+    torch.manual_seed(0)
+    model = timm.create_model(MODEL, pos_encoding="comrope_ap", embed_dim=48, depth=1, num_heads=3, num_classes=5).train()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    compiled(x).sum().backward()
+    with torch.no_grad():
+        model.pos_encoding.base.zero_()  # every eigenvalue 0
+    with pytest.raises(RuntimeError, match="closer than SPECTRAL_MIN_GAP.*rotation='blocks'"):
+        compiled(x).sum().backward()
+
+
 @pytest.mark.parametrize("name", ["comrope_ap", "comrope_ld"])
 def test_spectral_path_under_patch_dropout_equals_full_rows(name):
     """keep_tokens narrows the phase table; kept tokens see the logits they have in the full sequence."""

@@ -120,6 +120,29 @@ def test_rotation_table_gradients():
     assert torch.autograd.gradcheck(lambda e: rotations_from_generators(coords, skew_from_entries(e, 3)), (entries,))
 
 
+
+@pytest.mark.parametrize("block_size", [2, 3, 4])
+def test_rotation_table_equals_matrix_exp_with_equal_eigenvalues(block_size):
+    """The eigenbasis exponential and its backward against torch.linalg.matrix_exp and its autograd (the oracle),
+    where eigenvalues coincide: a token at the origin (zero generator sum), a generator with a repeated pair
+    (+-w twice), and odd blocks (a zero eigenvalue)."""
+    torch.manual_seed(0)
+    coords = torch.cat([torch.zeros(1, 2), torch.rand(3, 2)]).double()
+    gens = torch.randn(2, 1, 2, 2, block_size, block_size, dtype=torch.float64)
+    gens = gens - gens.transpose(-1, -2)
+    if block_size == 4:
+        gens[:, 0, 0, 0] = 0.0
+        gens[:, 0, 0, 0, 0, 1], gens[:, 0, 0, 0, 2, 3] = 0.7, 0.7
+        gens[:, 0, 0, 0, 1, 0], gens[:, 0, 0, 0, 3, 2] = -0.7, -0.7
+    gens.requires_grad_(True)
+    weight = torch.randn(1, 2, 4, 2, block_size, block_size, dtype=torch.float64)
+    got = rotations_from_generators(coords, gens)
+    (g_got,) = torch.autograd.grad((got * weight).sum(), gens)
+    want = torch.linalg.matrix_exp(torch.einsum("ln,n...ij->...lij", coords, gens).movedim(-3, -4).contiguous())
+    (g_want,) = torch.autograd.grad((want * weight).sum(), gens)
+    torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(g_got, g_want, atol=1e-10, rtol=1e-10)
+
 # -- special cases: ComRoPE and RoPE-Mixed are LieRE ---------------------------------------------
 
 

@@ -27,6 +27,14 @@ __all__ = ["ROTATION_METHODS", "COMROPE_TIME_SCALES", "ComRopeBase", "ComRopeAPB
 ROTATION_METHODS = ("auto", "blocks")
 
 
+#: Raised inside a compiled graph when the generators' eigenvalues come closer than :data:`SPECTRAL_MIN_GAP`.
+SPECTRAL_GAP_ERROR = (
+    f"ComRoPE: two eigenvalues of a generator block are closer than SPECTRAL_MIN_GAP={SPECTRAL_MIN_GAP}, so the "
+    "compiled spectral path's gradient is not reliable; run this model eager (it switches to the line tables by "
+    "itself) or build the encoding with rotation='blocks' or zero_init=True (compiled on the line tables)"
+)
+
+
 class ComRopeBase(CoordinateAugmentation, RotaryEncoding):
     """Shared machinery of the ComRoPE variants; subclasses define :meth:`coefficients`.
 
@@ -196,7 +204,9 @@ class ComRopeBase(CoordinateAugmentation, RotaryEncoding):
     def spectral_state(self, grid: PositionGrid, device: torch.device | None) -> ComRopeSpectralState | None:
         """The rotations in the generators' eigenbasis, or ``None`` where that path does not apply
         (``rotation='blocks'``, an odd block size, or eigenvalues closer than :data:`SPECTRAL_MIN_GAP`,
-        e.g. ``zero_init``'s zero generators).
+        e.g. ``zero_init``'s zero generators). Under ``torch.compile`` the gap cannot pick the path (a
+        data-dependent branch): ``zero_init`` compiles the line tables, the rest the spectral path with the
+        gap asserted in the graph (:data:`SPECTRAL_GAP_ERROR`).
 
         Each block generator is ``c S_j`` (AP: ``c`` the block's axis coordinate; LD: ``c = sum_i theta_ij x_i``)
         with one skew-symmetric ``S_j = Q_j J_j Q_j^T`` per (layer, head, block), so the token's block
@@ -204,14 +214,24 @@ class ComRopeBase(CoordinateAugmentation, RotaryEncoding):
         outer ``Q_j`` cancels in ``q'^T k'``, so attention sees exactly ComRoPE's logits from one dense
         ``(dh x dh)`` product per head and RoPE's elementwise rotation, instead of per-token ``b x b`` products.
         """
-        if self.rotation != "auto" or self.block_size % 2 or torch.compiler.is_compiling():
-            # compiled: the eigenvalue-gap test below is a data-dependent branch a graph cannot take, so a compiled
-            # model always uses the line-table path (exact for any generators; the spectral one is a speed-up)
+        if self.rotation != "auto" or self.block_size % 2:
+            return None
+        compiling = torch.compiler.is_compiling()
+        if compiling and self.zero_init:
+            # compiled: the eigenvalue-gap test below is a data-dependent branch a graph cannot take. Zero-initialised
+            # generators start degenerate (eager takes the line tables until they move), so their compiled graph
+            # keeps the line-table path (exact for any generators, slower); the others keep the spectral path and
+            # check the gap inside the graph (below)
             return None
         dev = device if device is not None else self.base.device
         with torch.autocast(device_type=torch.device(dev).type, enabled=False):
             blocks, omega, evals = spectral_decomposition(self.skew_blocks())  # (depth, H, m, b, b), (depth, H, m, b/2)
-            if bool(evals.detach().diff(dim=-1).min() <= SPECTRAL_MIN_GAP):
+            gap_ok = evals.detach().diff(dim=-1).min() > SPECTRAL_MIN_GAP
+            if compiling:
+                # random generators are never this close; should training bring two eigenvalues together, the
+                # spectral gradient would be wrong, so the compiled step stops instead of going on silently
+                torch._assert_async(gap_ok, SPECTRAL_GAP_ERROR)
+            elif not bool(gap_ok):
                 return None
             coef = self.coefficients(self.coordinates(grid, dev, self.line_offsets(grid, dev)))  # (depth, H or 1, L, m)
             angles = (coef[..., None] * omega[:, :, None]).flatten(-2)  # (depth, H, L, m * b/2)
