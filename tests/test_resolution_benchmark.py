@@ -204,3 +204,48 @@ def test_gpu_recipe_trains_on_cpu_with_a_tiny_budget(tmp_path):
     run = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     assert list(tmp_path.glob("rope_mixed-s0/**/checkpoints/last.ckpt")) or list(tmp_path.glob("rope_mixed-s0/checkpoints/last.ckpt"))
+
+
+def test_aspect_ratio_part_on_trained_runs_and_sweep_only(tmp_path, capsys):
+    import shutil
+
+    ratios = "1:2,1:1,2:1"
+    assert main(["--recipe", "tiny", "--out", str(tmp_path), "--aspect-ratios", ratios]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    aspect = json.loads((tmp_path / "synthetic" / "aspect" / "resolution.json").read_text())
+    rows = {(r["encoding"], r["extrapolation"]): r for r in summary["aspect_rows"]}
+    assert set(rows) == {("none", "own (no option)"), ("rope_axial", "extend"), ("rope_axial", "interpolate")}
+    assert rows[("rope_axial", "extend")]["seeds"] == 2 and rows[("none", "own (no option)")]["seeds"] == 1
+    # shapes at the training grid's token budget (16 px, patch 4: 4x4 = 16 tokens): 1:1 is the training shape,
+    # the others have the ratio's width:height and about 16 tokens
+    shapes = {a["label"]: a for a in rows[("rope_axial", "extend")]["aspects"]}
+    assert [a["label"] for a in rows[("rope_axial", "extend")]["aspects"]] == ["1:2", "1:1", "2:1"]
+    assert shapes["1:1"]["shape"] == "16x16" and shapes["1:1"]["tokens"] == 16
+    for label, ratio in (("1:2", 0.5), ("2:1", 2.0)):
+        h, w = (int(v) for v in shapes[label]["shape"].split("x"))
+        assert w / h == pytest.approx(ratio) and 12 <= shapes[label]["tokens"] <= 20
+    # the table is the per-checkpoint aspect sweep regrouped over seeds
+    per_seed = [r for r in aspect["results"] if r["encoding"] == "rope_axial" and r["extrapolation"] == "interpolate"]
+    assert len(per_seed) == 2 and all(e["sweep"] == "aspect" for r in per_seed for e in r["evaluations"])
+    for label in ("1:2", "1:1", "2:1"):
+        vals = [next(e["top1"] for e in r["evaluations"] if e["aspect_label"] == label) for r in per_seed]
+        assert rows[("rope_axial", "interpolate")]["mean"][label] == pytest.approx(statistics.fmean(vals))
+        assert rows[("rope_axial", "interpolate")]["spread"][label] == pytest.approx(statistics.stdev(vals))
+    # at the training shape the aspect sweep and the size sweep evaluate the same images the same way
+    size_rows = {(r["encoding"], r["extrapolation"]): r for r in summary["rows"]}
+    assert rows[("rope_axial", "extend")]["mean"]["1:1"] == pytest.approx(size_rows[("rope_axial", "extend")]["mean"]["16"])
+    md = (tmp_path / "summary.md").read_text()
+    assert "aspect ratio width:height" in md and "1:1 16x16 (16 tok)*" in md and "| rope_axial (interpolate) | 2 |" in md
+    assert (tmp_path / "aspect.png").stat().st_size > 0 and (tmp_path / "synthetic" / "aspect.png").stat().st_size > 0
+    # --sweep-only trains nothing and leaves out the runs without a checkpoint
+    shutil.rmtree(tmp_path / "synthetic" / "rope_axial-s1")
+    capsys.readouterr()
+    assert main(["--recipe", "tiny", "--out", str(tmp_path), "--aspect-ratios", ratios, "--sweep-only"]) == 0
+    err = capsys.readouterr().err
+    assert "start" not in err and "no last.ckpt for rope_axial-s1" in err
+    again = {(r["encoding"], r["extrapolation"]): r for r in json.loads((tmp_path / "summary.json").read_text())["aspect_rows"]}
+    assert again[("rope_axial", "extend")]["seeds"] == 1
+    assert not (tmp_path / "synthetic" / "rope_axial-s1").exists()
+    assert main(["--recipe", "tiny", "--out", str(tmp_path), "--aspect-ratios", "1:0"]) == 2
+    assert "--aspect-ratios takes width:height" in capsys.readouterr().err
+    assert main(["--recipe", "tiny", "--out", str(tmp_path / "empty"), "--sweep-only"]) == 2
