@@ -335,6 +335,8 @@ def plot_aspect(rows: list[dict[str, Any]], path: Path, policies: Sequence[str] 
 
     rows = [r for r in rows if _shown(r, policies)]
     parts = list(dict.fromkeys(r["part"] for r in rows))
+    if not parts:
+        return
     fig, axes = plt.subplots(1, len(parts), figsize=(6.5 * len(parts), 4.8), squeeze=False)
     tab20 = plt.get_cmap("tab20").colors
     colours = tab20[0::2] + tab20[1::2]
@@ -527,6 +529,8 @@ def plot(rows: list[dict[str, Any]], path: Path, policies: Sequence[str] = ("ext
 
     rows = [r for r in rows if not r.get("technique") and _shown(r, policies)]
     parts = list(dict.fromkeys(r["part"] for r in rows))
+    if not parts:  # an --aspect-only call with no earlier size table
+        return
     fig, axes = plt.subplots(1, len(parts), figsize=(6.5 * len(parts), 4.5), squeeze=False)
     tab20 = plt.get_cmap("tab20").colors
     colours = tab20[0::2] + tab20[1::2]  # ten distinct hues first, then their light shades (more than ten encodings)
@@ -591,6 +595,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--aspect-ratios", default=None,
                    help="also sweep every run at these aspect ratios width:height (e.g. 1:2,2:3,1:1,3:2,2:1) at the training "
                         "grid's token budget; adds an aspect-ratio table and aspect.png to the summary")
+    p.add_argument("--aspect-only", action="store_true",
+                   help="with --aspect-ratios: run only the aspect-ratio sweep (the part's size table from an earlier call into "
+                        "the same --out is kept in the summary)")
     p.add_argument("--sweep-only", action="store_true",
                    help="train nothing: sweep the part's runs that have a last.ckpt under --out (the others are listed and left out)")
     args = p.parse_args(list(argv) if argv is not None else None)
@@ -637,6 +644,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as err:
             print(f"vispe resolution-benchmark: {err}", file=sys.stderr)
             return 2
+    if args.aspect_only and not aspect_ratios:
+        print("vispe resolution-benchmark: --aspect-only needs --aspect-ratios", file=sys.stderr)
+        return 2
     data_dir = args.data_dir or os.environ.get("VISPE_DATA_ROOT")
     for pt in parts:
         if pt.needs_data and not (data_dir and (Path(data_dir) / pt.needs_data).exists()):
@@ -669,9 +679,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         ckpts = [str(_trained_checkpoint(part_out / f"{e}-s{s}")) for e, s in runs]
         labels = [f"{e}-s{s}" for e, s in runs]
         part_data = str(Path(data_dir) / pt.needs_data) if pt.needs_data else None
-        sweep = run_sweep(ckpts, pt.sizes(), args.policies, part_out / "resolution", labels=labels,
-                          eval_subset=pt.eval_subset, data_dir=part_data)
-        part_rows = summarise(sweep, pt)
+        if args.aspect_only:  # keep the size rows an earlier call wrote for this part
+            earlier_part = part_out / "summary.json"
+            part_rows = [_int_sizes(r) for r in read_json(earlier_part, "benchmark cache")["rows"]] if earlier_part.is_file() else []
+        else:
+            sweep = run_sweep(ckpts, pt.sizes(), args.policies, part_out / "resolution", labels=labels,
+                              eval_subset=pt.eval_subset, data_dir=part_data)
+            part_rows = summarise(sweep, pt)
         rows += part_rows
         part_aspect: list[dict[str, Any]] = []
         if aspect_ratios:  # a sweep of its own (its cache apart from the size sweep's), at the training grid's token budget

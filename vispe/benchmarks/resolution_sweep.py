@@ -422,7 +422,7 @@ def _timm_vit_args(name: str, kwargs: dict[str, Any]) -> tuple[dict[str, Any], n
         raise ValueError(f"--model {name!r}: {err}") from None
     if not isinstance(ref, VisionTransformer):
         raise ValueError(f"--model {name!r} is a timm {type(ref).__name__}; vispe rebuilds timm VisionTransformer models "
-                         "(vit_*, deit_*) and its own vispe_* models")
+                         "(vit_*, deit_*) and its own vispe_* models" + _rope_vit_hint(name, ref))
     blk = ref.blocks[0]
     args = dict(
         img_size=tuple(ref.patch_embed.img_size), patch_size=tuple(ref.patch_embed.patch_size),
@@ -435,6 +435,30 @@ def _timm_vit_args(name: str, kwargs: dict[str, Any]) -> tuple[dict[str, Any], n
         dynamic_img_size=True,
     )
     return args, ref
+
+
+def _rope_vit_hint(name: str, ref: nn.Module) -> str:
+    """For timm's RoPE ViTs (``vit_*_patch16_rope[_mixed]_224``, timm's ``Eva`` class): the vispe command that loads
+    their weights (the block weights map one to one; the rotary frequencies of ``rope_mixed`` are kept)."""
+    if getattr(ref, "rope", None) is None or "_rope" not in name:
+        return ""
+    pe = "rope_mixed" if "rope_mixed" in name else "rope_axial"
+    sizes = {192: "tiny", 384: "small", 768: "base"}
+    size = sizes.get(int(getattr(ref, "embed_dim", 0)))
+    patch = tuple(ref.patch_embed.patch_size)
+    img = tuple(ref.patch_embed.img_size)
+    vispe_name = f"vispe_vit_{size}_patch16_224" if size else "vispe_vit_base_patch16_224"
+    extra = {}
+    if size is None:
+        extra.update(embed_dim=int(ref.embed_dim), depth=len(ref.blocks), num_heads=int(ref.blocks[0].attn.num_heads))
+    if patch != (16, 16):
+        extra["patch_size"] = patch[0]
+    if img != (224, 224):
+        extra["img_size"] = img[0]
+    kw = f" --model-kwargs '{json.dumps(extra)}'" if extra else ""
+    return (f". Its weights are a RoPE ViT's: load them into the vispe model with the same encoding, "
+            f"--model {vispe_name} --pos-encoding {pe}{kw} --weights FILE (several --pos-encoding values compare encodings "
+            "on the same block weights)")
 
 
 def weights_sources(model_name: str, weights: str | Path, encodings: Sequence[str] = ("learned",),
