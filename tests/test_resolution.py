@@ -317,6 +317,11 @@ def test_aspect_shapes_keep_the_ratio_near_the_token_budget():
     for (h, w), r in zip(aspect_shapes([0.5, 2 / 3, 1.0, 1.5, 2.0], 256, (16, 16)), (0.5, 2 / 3, 1.0, 1.5, 2.0)):
         assert h % 16 == 0 and w % 16 == 0
         assert abs(np.log((w / h) / r)) < 0.05 and 0.85 < (h // 16) * (w // 16) / 256 < 1.15
+    # a ratio and its inverse get transposed grids, also at small budgets (Fashion-MNIST: 4x4 tokens, patch 7)
+    for tokens, patch in ((16, (7, 7)), (64, (4, 4)), (196, (16, 16)), (256, (16, 16))):
+        shapes = aspect_shapes([0.5, 2 / 3, 1.0, 1.5, 2.0], tokens, patch)
+        assert shapes == [(w, h) for h, w in shapes[::-1]], (tokens, shapes)
+    assert aspect_shapes([2 / 3, 1.5], 16, (7, 7)) == [(35, 21), (21, 35)]  # 5x3 and 3x5 patches, 15 tokens each
     assert parse_shapes("16, 24x48,16") == [(16, 16), (24, 48)]
 
 

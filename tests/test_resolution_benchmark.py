@@ -237,15 +237,38 @@ def test_aspect_ratio_part_on_trained_runs_and_sweep_only(tmp_path, capsys):
     md = (tmp_path / "summary.md").read_text()
     assert "aspect ratio width:height" in md and "1:1 16x16 (16 tok)*" in md and "| rope_axial (interpolate) | 2 |" in md
     assert (tmp_path / "aspect.png").stat().st_size > 0 and (tmp_path / "synthetic" / "aspect.png").stat().st_size > 0
-    # --sweep-only trains nothing and leaves out the runs without a checkpoint
+    # --sweep-only trains nothing and leaves out the runs without a checkpoint; --aspect-only re-runs the aspect
+    # sweep alone and keeps the part's size table of the earlier call
     shutil.rmtree(tmp_path / "synthetic" / "rope_axial-s1")
+    size_sweep = tmp_path / "synthetic" / "resolution" / "resolution.json"
+    stamp = size_sweep.stat().st_mtime_ns
     capsys.readouterr()
-    assert main(["--recipe", "tiny", "--out", str(tmp_path), "--aspect-ratios", ratios, "--sweep-only"]) == 0
+    assert main(["--recipe", "tiny", "--out", str(tmp_path), "--aspect-ratios", ratios, "--sweep-only", "--aspect-only"]) == 0
     err = capsys.readouterr().err
     assert "start" not in err and "no last.ckpt for rope_axial-s1" in err
-    again = {(r["encoding"], r["extrapolation"]): r for r in json.loads((tmp_path / "summary.json").read_text())["aspect_rows"]}
+    again_summary = json.loads((tmp_path / "summary.json").read_text())
+    again = {(r["encoding"], r["extrapolation"]): r for r in again_summary["aspect_rows"]}
     assert again[("rope_axial", "extend")]["seeds"] == 1
+    assert again_summary["rows"] == summary["rows"] and size_sweep.stat().st_mtime_ns == stamp
     assert not (tmp_path / "synthetic" / "rope_axial-s1").exists()
     assert main(["--recipe", "tiny", "--out", str(tmp_path), "--aspect-ratios", "1:0"]) == 2
     assert "--aspect-ratios takes width:height" in capsys.readouterr().err
     assert main(["--recipe", "tiny", "--out", str(tmp_path / "empty"), "--sweep-only"]) == 2
+    assert main(["--recipe", "tiny", "--out", str(tmp_path), "--aspect-only"]) == 2  # needs --aspect-ratios
+
+
+def test_mixed_resolution_part_trains_the_fashion_mnist_recipe_on_mixed_grids(tmp_path):
+    from vispe.benchmarks.resolution_benchmark import HEADLINE, MIXED_FASHION_MNIST, _fit_command
+    from vispe.data.image_datamodule import parse_resolutions
+
+    parts = {p.name: p for p in RECIPES["cpu"]}
+    mixed, plain = parts["fashion_mnist_mixed"], parts["fashion_mnist"]
+    assert mixed.recipe == plain.recipe and (mixed.train_size, mixed.patch) == (plain.train_size, plain.patch)
+    assert mixed.encodings == HEADLINE and mixed.seeds == (0, 1, 2)
+    grids = {(h // 7, w // 7) for h, w in parse_resolutions(MIXED_FASHION_MNIST["data.init_args.resolutions"], 7)}
+    assert (4, 4) in grids and {(3, 5), (5, 3)} <= grids  # the training grid and both orientations
+    cmd = _fit_command(mixed, "rope_mixed", 1, tmp_path, str(tmp_path / "data"))
+    at = {cmd[i]: cmd[i + 1] for i in range(len(cmd) - 1) if cmd[i].startswith("--")}
+    assert json.loads(at["--data.init_args.resolutions"]) == MIXED_FASHION_MNIST["data.init_args.resolutions"]
+    assert at["--data.init_args.resolution_sampling"] == "sample" and at["--data.init_args.patch_size"] == "7"
+    assert at["--recipe"] == "fashion_mnist" and at["--seed_everything"] == "1"

@@ -137,8 +137,16 @@ def aspect_shapes(ratios: Sequence[float], tokens: int, patch: tuple[int, int]) 
     ph, pw = patch
     out = []
     for r in ratios:
-        best = min(((gh, max(1, round(gh * r))) for gh in range(1, 4 * tokens + 1)),
-                   key=lambda g: 2 * abs(math.log(g[1] / g[0] / r)) + abs(math.log(g[0] * g[1] / tokens)))
+        # the grids next to the ratio line from both axes (floor and ceil), so that a ratio and its inverse get
+        # transposed grids (rounding one axis only gave 2:3 -> 5x3 but 3:2 -> 4x6, 15 vs 24 tokens)
+        grids = set()
+        for n in range(1, 4 * tokens + 1):
+            for m in (math.floor(n * r), math.ceil(n * r)):
+                grids.add((n, max(1, m)))
+            for m in (math.floor(n / r), math.ceil(n / r)):
+                grids.add((max(1, m), n))
+        best = min(sorted(grids), key=lambda g: (2 * abs(math.log(g[1] / g[0] / r)) + abs(math.log(g[0] * g[1] / tokens)),
+                                                 g[0] * g[1]))
         out.append((best[0] * ph, best[1] * pw))
     return out
 
