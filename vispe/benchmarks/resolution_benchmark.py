@@ -20,6 +20,14 @@ part's own ``summary.json`` / ``summary.png``; at the top, ``summary.json``, ``s
 in the summary, each technique's difference from its encoding's plain runs at 0.5x, the training size and 2x.
 
     vispe resolution-benchmark --recipe cpu --parts fashion_mnist --techniques all --policies all   # + RPE-2D, DINOv3 aug
+
+``--aspect-ratios 1:2,2:3,1:1,3:2,2:1`` also sweeps every run at those aspect ratios (width:height) at the training
+grid's token budget (a second ``run_sweep`` into ``<part>/aspect/``) and adds an aspect-ratio table (``aspect_rows`` in
+``summary.json``) and ``aspect.png``. ``--sweep-only`` trains nothing (existing checkpoints only); ``--aspect-only``
+skips the size sweep. The ``cpu`` recipe's ``fashion_mnist_mixed`` part is the ``fashion_mnist`` part trained on
+mixed grids (one resolution per sample, NaFlex batches).
+
+    vispe resolution-benchmark --recipe cpu --parts fashion_mnist --sweep-only --aspect-only --aspect-ratios 1:2,1:1,2:1
 """
 from __future__ import annotations
 
@@ -251,27 +259,37 @@ def _run_folder(checkpoint: str) -> str:
     return folder.parent.name if folder.name.startswith("version_") else folder.name
 
 
-def summarise(sweep: dict[str, Any], part: Part) -> list[dict[str, Any]]:
-    """Group the sweep's per-checkpoint rows by (encoding, technique, policy): mean and spread per size over seeds."""
+def _group_runs(sweep: dict[str, Any]) -> list[tuple[tuple[str, str, str], list[dict[str, Any]]]]:
+    """The sweep's per-checkpoint rows grouped by (encoding, technique, policy): the seeds of one table row."""
     groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     for r in sweep["results"]:
         technique = split_run_encoding(_run_folder(r["checkpoint"]).rsplit("-s", 1)[0])[1]
         groups.setdefault((r["encoding"], technique or "", r["extrapolation"]), []).append(r)
+    return sorted(groups.items())
+
+
+def _mean_spread(vals: list[float], num_samples: int) -> tuple[float, float]:
+    """Mean over seeds and its spread: the std over seeds, or for one seed the binomial s.e. of its accuracy."""
+    if len(vals) > 1:
+        return statistics.fmean(vals), statistics.stdev(vals)
+    p = vals[0] / 100.0
+    return vals[0], 100.0 * math.sqrt(max(p * (1 - p), 0.0) / num_samples)
+
+
+def _row(part: Part, key: tuple[str, str, str], rs: list[dict[str, Any]]) -> dict[str, Any]:
+    enc, technique, policy = key
+    return {"part": part.name, "encoding": enc, "technique": technique or None, "extrapolation": policy, "seeds": len(rs),
+            "train_size": part.train_size, "num_samples": rs[0]["num_samples"], "mean": {}, "spread": {},
+            "spread_kind": "std over seeds" if len(rs) > 1 else "binomial s.e. (1 seed)"}
+
+
+def summarise(sweep: dict[str, Any], part: Part) -> list[dict[str, Any]]:
+    """Group the sweep's per-checkpoint rows by (encoding, technique, policy): mean and spread per size over seeds."""
     rows = []
-    for (enc, technique, policy), rs in sorted(groups.items()):
-        sizes = sorted({int(s) for r in rs for s in r["accuracy"]})
-        row: dict[str, Any] = {"part": part.name, "encoding": enc, "technique": technique or None, "extrapolation": policy,
-                               "seeds": len(rs), "train_size": part.train_size, "num_samples": rs[0]["num_samples"],
-                               "mean": {}, "spread": {}}
-        for s in sizes:
-            vals = [r["accuracy"][str(s)]["top1"] for r in rs]
-            row["mean"][s] = statistics.fmean(vals)
-            if len(vals) > 1:
-                row["spread"][s] = statistics.stdev(vals)
-            else:
-                p = vals[0] / 100.0
-                row["spread"][s] = 100.0 * math.sqrt(max(p * (1 - p), 0.0) / rs[0]["num_samples"])
-        row["spread_kind"] = "std over seeds" if len(rs) > 1 else "binomial s.e. (1 seed)"
+    for key, rs in _group_runs(sweep):
+        row = _row(part, key, rs)
+        for s in sorted({int(s) for r in rs for s in r["accuracy"]}):
+            row["mean"][s], row["spread"][s] = _mean_spread([r["accuracy"][str(s)]["top1"] for r in rs], rs[0]["num_samples"])
         rows.append(row)
     return rows
 
@@ -279,27 +297,15 @@ def summarise(sweep: dict[str, Any], part: Part) -> list[dict[str, Any]]:
 def summarise_aspect(sweep: dict[str, Any], part: Part) -> list[dict[str, Any]]:
     """The aspect-ratio sweep grouped like :func:`summarise`: per (encoding, technique, policy), mean and spread over
     seeds of the top-1 at each aspect ratio (keyed by its ``w:h`` label), with the evaluated shape and token count."""
-    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
-    for r in sweep["results"]:
-        technique = split_run_encoding(_run_folder(r["checkpoint"]).rsplit("-s", 1)[0])[1]
-        groups.setdefault((r["encoding"], technique or "", r["extrapolation"]), []).append(r)
     rows = []
-    for (enc, technique, policy), rs in sorted(groups.items()):
+    for key, rs in _group_runs(sweep):
         points = {e["aspect_label"]: e for e in rs[0]["evaluations"] if e["sweep"] == "aspect"}
-        row: dict[str, Any] = {"part": part.name, "encoding": enc, "technique": technique or None, "extrapolation": policy,
-                               "seeds": len(rs), "train_size": part.train_size, "num_samples": rs[0]["num_samples"],
-                               "aspects": [{"label": k, "aspect": e["aspect"], "shape": e["shape"], "tokens": e["tokens"]}
-                                           for k, e in sorted(points.items(), key=lambda kv: kv[1]["aspect"])],
-                               "mean": {}, "spread": {}}
+        row = _row(part, key, rs)
+        row["aspects"] = [{"label": k, "aspect": e["aspect"], "shape": e["shape"], "tokens": e["tokens"]}
+                          for k, e in sorted(points.items(), key=lambda kv: kv[1]["aspect"])]
         for label in points:
             vals = [next(e["top1"] for e in r["evaluations"] if e["sweep"] == "aspect" and e["aspect_label"] == label) for r in rs]
-            row["mean"][label] = statistics.fmean(vals)
-            if len(vals) > 1:
-                row["spread"][label] = statistics.stdev(vals)
-            else:
-                p = vals[0] / 100.0
-                row["spread"][label] = 100.0 * math.sqrt(max(p * (1 - p), 0.0) / rs[0]["num_samples"])
-        row["spread_kind"] = "std over seeds" if len(rs) > 1 else "binomial s.e. (1 seed)"
+            row["mean"][label], row["spread"][label] = _mean_spread(vals, rs[0]["num_samples"])
         rows.append(row)
     return rows
 
