@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from vispe.data.image_datamodule import ImageDataModule, TensorImageDataset, class_interleaved_order
 from vispe.data import (
     CIFAR10JpegDataModule,
     DigitsDataModule,
@@ -166,3 +167,84 @@ def test_fashion_mnist_idx_and_digits():
     assert dm.train_set.images.max() == 255  # 0..16 counts scaled to 0..255
     x, _ = next(iter(dm.val_dataloader()))
     assert dm.normalize(x).shape[-2:] == (16, 16)
+
+
+# -- evaluation order: any prefix of the val/test loader is class-stratified ----------------------------
+class _SortedLabels(ImageDataModule):
+    """Images stored sorted by class (as CIFAR-10's and Fashion-MNIST's test files are), unequal class sizes;
+    each image's first pixel encodes its label so a fixed 'model' can score it."""
+
+    def __init__(self, counts, **kw):
+        super().__init__(**kw)
+        self.num_classes, self.in_chans, self.image_size = len(counts), 1, 4
+        self.counts = counts
+
+    def build_datasets(self):
+        y = torch.cat([torch.full((n,), c) for c, n in enumerate(self.counts)])
+        x = torch.zeros(len(y), 1, 4, 4, dtype=torch.uint8)
+        x[:, 0, 0, 0] = y.to(torch.uint8)
+        x[:, 0, 1, 1] = torch.arange(len(y)) % 7  # a varying pixel: the 'model' below errs on some images
+        ds = TensorImageDataset(x, y)
+        return ds, ds, ds
+
+
+def test_first_eval_batches_cover_every_class_in_proportion():
+    counts = [100, 100, 100, 100, 100, 100, 100, 100, 100, 100]
+    dm = _SortedLabels(counts, batch_size=64, seed=0)
+    dm.setup()
+    assert torch.equal(dm.val_set.labels, dm.val_set.labels.sort().values)  # the stored order is class-sorted
+    for loader in (dm.val_dataloader(), dm.test_dataloader()):
+        seen = []
+        for k, (_, y) in enumerate(loader, start=1):
+            seen.append(y)
+            got = torch.bincount(torch.cat(seen), minlength=10)
+            want = torch.tensor(counts) * len(torch.cat(seen)) / sum(counts)
+            assert (got - want).abs().max() <= 2, (k, got.tolist())
+            if k == 1:  # "the first 64 in class order" would be class 0 only
+                assert (got > 0).all(), got.tolist()
+    # unequal classes: every prefix of the order still holds each class in proportion
+    labels = torch.cat([torch.full((n,), c) for c, n in enumerate([500, 50, 250, 200])])
+    order = class_interleaved_order(labels, seed=3)
+    assert sorted(order.tolist()) == list(range(len(labels)))
+    for k in (8, 40, 100, 333, 999):
+        got = torch.bincount(labels[order[:k]], minlength=4).double()
+        want = torch.tensor([500, 50, 250, 200]).double() * k / len(labels)
+        assert (got - want).abs().max() <= 2, (k, got.tolist(), want.tolist())
+    assert torch.equal(order, class_interleaved_order(labels, seed=3))
+    assert not torch.equal(order, class_interleaved_order(labels, seed=4))
+    # predictions keep the stored order (row i is image i)
+    assert torch.equal(torch.cat([y for _, y in dm.predict_dataloader()]), dm.test_set.labels)
+
+
+def test_full_set_accuracy_unchanged_by_the_eval_order():
+    import lightning.pytorch as pl
+
+    class FirstPixel(pl.LightningModule):  # right unless pixel (1, 1) of the image is 0 (normalised: below -0.99)
+        def __init__(self):
+            super().__init__()
+            self.dummy = torch.nn.Parameter(torch.zeros(()))
+            self.correct, self.count, self.first = 0, 0, []
+
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            pred = torch.where(x[:, 0, 1, 1] > -0.99, y, (y + 1) % 10)
+            self.correct += int((pred == y).sum())
+            self.count += len(y)
+
+    dm = _SortedLabels([120, 80, 100, 100, 60, 140, 100, 100, 90, 110], batch_size=64, eval_batch_size=64, augment="none")
+    dm.setup()
+    x, y = dm.val_set.images, dm.val_set.labels
+    want = int((dm.normalize(x)[:, 0, 1, 1] > -0.99).sum())  # correct images, in the stored order, all at once
+    assert 0.5 * len(y) < want < len(y)
+    task = FirstPixel()
+    trainer = pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    trainer.validate(task, datamodule=dm, verbose=False)
+    assert task.count == len(y) and task.correct == want
+    # limit_val_batches sees a class-mixed part of the set, not the first classes
+    task2 = FirstPixel()
+    seen = []
+    task2.validation_step = lambda batch, *rest: seen.append(batch[1])
+    pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+               enable_model_summary=False, limit_val_batches=2).validate(task2, datamodule=dm, verbose=False)
+    assert len(torch.cat(seen)) == 128 and torch.cat(seen).unique().numel() == 10

@@ -269,6 +269,47 @@ def test_timm_weights_sweep_on_a_folder_with_both_policies(timm_weights, tmp_pat
     assert "1:2 48x24 (18 tok)" in md and "32x64" in md
 
 
+def test_timm_rope_vit_weights_load_into_the_vispe_model_with_its_encoding(tmp_path, capsys):
+    """timm's RoPE ViT (``vit_small_patch16_rope_mixed_224``, an ``Eva``) state dict under ``--model
+    vispe_vit_small_patch16_224 --pos-encoding rope_mixed``: loaded through ``load_timm_checkpoint``, the logits
+    are timm's at 224 px; naming the timm model itself is refused with the command that works."""
+    import timm
+
+    torch.manual_seed(0)
+    eva = timm.create_model("vit_small_patch16_rope_mixed_224", pretrained=False, num_classes=4, depth=2).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # random init has layer scale 1e-5 and a tiny head: make the blocks and the logits count
+        for n, p in eva.named_parameters():
+            if n.endswith(("gamma_1", "gamma_2", "ls1.gamma", "ls2.gamma")):
+                p.copy_(0.5 + torch.rand(p.shape, generator=g))
+        eva.head.weight.copy_(torch.randn(eva.head.weight.shape, generator=g) / 8)
+    path = tmp_path / "eva.pth"
+    torch.save(eva.state_dict(), path)
+    mixed, axial = weights_sources("vispe_vit_small_patch16_224", path, ["rope_mixed", "rope_axial"], {"depth": 2})
+    assert "0 new" in mixed.origin and "0 dropped" in mixed.origin, mixed.origin
+    assert torch.equal(mixed.model.pos_encoding.freqs, eva.rope.freqs)  # the learned mixed frequencies are the file's
+    x = torch.randn(2, 3, 224, 224, generator=g)
+    with torch.no_grad():
+        want, got, other = eva(x), mixed.model(x), axial.model(x)
+    assert want.abs().max() > 0.5 and (want[0] - want[1]).abs().max() > 1e-2
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert (other - want).abs().max() > 1e-3  # the same blocks under axial RoPE: the frequencies matter
+    # through the command line, on a folder of images
+    root = _write_folder(tmp_path / "imgs", ["c0", "c1", "c2", "c3"], per_class=2)
+    out = tmp_path / "o"
+    assert main(["--model", "vispe_vit_small_patch16_224", "--pos-encoding", "rope_mixed", "--weights", str(path),
+                 "--model-kwargs", '{"depth": 2}', "--data", str(root), "--sizes", "224", "--out", str(out)]) == 0
+    report = json.loads((out / "resolution.json").read_text())
+    (r,) = report["results"]
+    assert r["encoding"] == "rope_mixed" and r["train_shape"] == "224x224" and "0 dropped" in r["source"]
+    capsys.readouterr()
+    assert main(["--model", "vit_small_patch16_rope_mixed_224", "--weights", str(path), "--model-kwargs", '{"depth": 2}',
+                 "--data", str(root), "--sizes", "224", "--out", str(tmp_path / "refused")]) == 2
+    err = capsys.readouterr().err
+    assert "is a timm Eva" in err and "--model vispe_vit_small_patch16_224 --pos-encoding rope_mixed" in err, err
+    assert not (tmp_path / "refused" / "resolution.json").exists()
+
+
 # ------------------------------------------------------------------------------------------
 # shapes and resize policies
 # ------------------------------------------------------------------------------------------
@@ -276,6 +317,11 @@ def test_aspect_shapes_keep_the_ratio_near_the_token_budget():
     for (h, w), r in zip(aspect_shapes([0.5, 2 / 3, 1.0, 1.5, 2.0], 256, (16, 16)), (0.5, 2 / 3, 1.0, 1.5, 2.0)):
         assert h % 16 == 0 and w % 16 == 0
         assert abs(np.log((w / h) / r)) < 0.05 and 0.85 < (h // 16) * (w // 16) / 256 < 1.15
+    # a ratio and its inverse get transposed grids, also at small budgets (Fashion-MNIST: 4x4 tokens, patch 7)
+    for tokens, patch in ((16, (7, 7)), (64, (4, 4)), (196, (16, 16)), (256, (16, 16))):
+        shapes = aspect_shapes([0.5, 2 / 3, 1.0, 1.5, 2.0], tokens, patch)
+        assert shapes == [(w, h) for h, w in shapes[::-1]], (tokens, shapes)
+    assert aspect_shapes([2 / 3, 1.5], 16, (7, 7)) == [(35, 21), (21, 35)]  # 5x3 and 3x5 patches, 15 tokens each
     assert parse_shapes("16, 24x48,16") == [(16, 16), (24, 48)]
 
 

@@ -204,3 +204,71 @@ def test_gpu_recipe_trains_on_cpu_with_a_tiny_budget(tmp_path):
     run = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     assert list(tmp_path.glob("rope_mixed-s0/**/checkpoints/last.ckpt")) or list(tmp_path.glob("rope_mixed-s0/checkpoints/last.ckpt"))
+
+
+def test_aspect_ratio_part_on_trained_runs_and_sweep_only(tmp_path, capsys):
+    import shutil
+
+    ratios = "1:2,1:1,2:1"
+    assert main(["--recipe", "tiny", "--out", str(tmp_path), "--aspect-ratios", ratios]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    aspect = json.loads((tmp_path / "synthetic" / "aspect" / "resolution.json").read_text())
+    rows = {(r["encoding"], r["extrapolation"]): r for r in summary["aspect_rows"]}
+    assert set(rows) == {("none", "own (no option)"), ("rope_axial", "extend"), ("rope_axial", "interpolate")}
+    assert rows[("rope_axial", "extend")]["seeds"] == 2 and rows[("none", "own (no option)")]["seeds"] == 1
+    # shapes at the training grid's token budget (16 px, patch 4: 4x4 = 16 tokens): 1:1 is the training shape,
+    # the others have the ratio's width:height and about 16 tokens
+    shapes = {a["label"]: a for a in rows[("rope_axial", "extend")]["aspects"]}
+    assert [a["label"] for a in rows[("rope_axial", "extend")]["aspects"]] == ["1:2", "1:1", "2:1"]
+    assert shapes["1:1"]["shape"] == "16x16" and shapes["1:1"]["tokens"] == 16
+    for label, ratio in (("1:2", 0.5), ("2:1", 2.0)):
+        h, w = (int(v) for v in shapes[label]["shape"].split("x"))
+        assert w / h == pytest.approx(ratio) and 12 <= shapes[label]["tokens"] <= 20
+    # the table is the per-checkpoint aspect sweep regrouped over seeds
+    per_seed = [r for r in aspect["results"] if r["encoding"] == "rope_axial" and r["extrapolation"] == "interpolate"]
+    assert len(per_seed) == 2 and all(e["sweep"] == "aspect" for r in per_seed for e in r["evaluations"])
+    for label in ("1:2", "1:1", "2:1"):
+        vals = [next(e["top1"] for e in r["evaluations"] if e["aspect_label"] == label) for r in per_seed]
+        assert rows[("rope_axial", "interpolate")]["mean"][label] == pytest.approx(statistics.fmean(vals))
+        assert rows[("rope_axial", "interpolate")]["spread"][label] == pytest.approx(statistics.stdev(vals))
+    # at the training shape the aspect sweep and the size sweep evaluate the same images the same way
+    size_rows = {(r["encoding"], r["extrapolation"]): r for r in summary["rows"]}
+    assert rows[("rope_axial", "extend")]["mean"]["1:1"] == pytest.approx(size_rows[("rope_axial", "extend")]["mean"]["16"])
+    md = (tmp_path / "summary.md").read_text()
+    assert "aspect ratio width:height" in md and "1:1 16x16 (16 tok)*" in md and "| rope_axial (interpolate) | 2 |" in md
+    assert (tmp_path / "aspect.png").stat().st_size > 0 and (tmp_path / "synthetic" / "aspect.png").stat().st_size > 0
+    # --sweep-only trains nothing and leaves out the runs without a checkpoint; --aspect-only re-runs the aspect
+    # sweep alone and keeps the part's size table of the earlier call
+    shutil.rmtree(tmp_path / "synthetic" / "rope_axial-s1")
+    size_sweep = tmp_path / "synthetic" / "resolution" / "resolution.json"
+    stamp = size_sweep.stat().st_mtime_ns
+    capsys.readouterr()
+    assert main(["--recipe", "tiny", "--out", str(tmp_path), "--aspect-ratios", ratios, "--sweep-only", "--aspect-only"]) == 0
+    err = capsys.readouterr().err
+    assert "start" not in err and "no last.ckpt for rope_axial-s1" in err
+    again_summary = json.loads((tmp_path / "summary.json").read_text())
+    again = {(r["encoding"], r["extrapolation"]): r for r in again_summary["aspect_rows"]}
+    assert again[("rope_axial", "extend")]["seeds"] == 1
+    assert again_summary["rows"] == summary["rows"] and size_sweep.stat().st_mtime_ns == stamp
+    assert not (tmp_path / "synthetic" / "rope_axial-s1").exists()
+    assert main(["--recipe", "tiny", "--out", str(tmp_path), "--aspect-ratios", "1:0"]) == 2
+    assert "--aspect-ratios takes width:height" in capsys.readouterr().err
+    assert main(["--recipe", "tiny", "--out", str(tmp_path / "empty"), "--sweep-only"]) == 2
+    assert main(["--recipe", "tiny", "--out", str(tmp_path), "--aspect-only"]) == 2  # needs --aspect-ratios
+
+
+def test_mixed_resolution_part_trains_the_fashion_mnist_recipe_on_mixed_grids(tmp_path):
+    from vispe.benchmarks.resolution_benchmark import HEADLINE, MIXED_FASHION_MNIST, _fit_command
+    from vispe.data.image_datamodule import parse_resolutions
+
+    parts = {p.name: p for p in RECIPES["cpu"]}
+    mixed, plain = parts["fashion_mnist_mixed"], parts["fashion_mnist"]
+    assert mixed.recipe == plain.recipe and (mixed.train_size, mixed.patch) == (plain.train_size, plain.patch)
+    assert mixed.encodings == HEADLINE and mixed.seeds == (0, 1, 2)
+    grids = {(h // 7, w // 7) for h, w in parse_resolutions(MIXED_FASHION_MNIST["data.init_args.resolutions"], 7)}
+    assert (4, 4) in grids and {(3, 5), (5, 3)} <= grids  # the training grid and both orientations
+    cmd = _fit_command(mixed, "rope_mixed", 1, tmp_path, str(tmp_path / "data"))
+    at = {cmd[i]: cmd[i + 1] for i in range(len(cmd) - 1) if cmd[i].startswith("--")}
+    assert json.loads(at["--data.init_args.resolutions"]) == MIXED_FASHION_MNIST["data.init_args.resolutions"]
+    assert at["--data.init_args.resolution_sampling"] == "sample" and at["--data.init_args.patch_size"] == "7"
+    assert at["--recipe"] == "fashion_mnist" and at["--seed_everything"] == "1"

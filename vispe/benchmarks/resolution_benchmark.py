@@ -20,6 +20,14 @@ part's own ``summary.json`` / ``summary.png``; at the top, ``summary.json``, ``s
 in the summary, each technique's difference from its encoding's plain runs at 0.5x, the training size and 2x.
 
     vispe resolution-benchmark --recipe cpu --parts fashion_mnist --techniques all --policies all   # + RPE-2D, DINOv3 aug
+
+``--aspect-ratios 1:2,2:3,1:1,3:2,2:1`` also sweeps every run at those aspect ratios (width:height) at the training
+grid's token budget (a second ``run_sweep`` into ``<part>/aspect/``) and adds an aspect-ratio table (``aspect_rows`` in
+``summary.json``) and ``aspect.png``. ``--sweep-only`` trains nothing (existing checkpoints only); ``--aspect-only``
+skips the size sweep. The ``cpu`` recipe's ``fashion_mnist_mixed`` part is the ``fashion_mnist`` part trained on
+mixed grids (one resolution per sample, NaFlex batches).
+
+    vispe resolution-benchmark --recipe cpu --parts fashion_mnist --sweep-only --aspect-only --aspect-ratios 1:2,1:1,2:1
 """
 from __future__ import annotations
 
@@ -38,8 +46,8 @@ from typing import Any, Sequence
 from vispe.files import read_json
 from vispe.train_cli import find_last_checkpoint
 
-__all__ = ["CLAIMS", "ENCODING_SPECS", "HEADLINE", "RECIPES", "TECHNIQUES", "Part", "claims", "main", "plot_techniques", "summarise",
-           "technique_effects", "training_order"]
+__all__ = ["CLAIMS", "ENCODING_SPECS", "HEADLINE", "MIXED_FASHION_MNIST", "RECIPES", "TECHNIQUES", "Part", "claims", "main",
+           "markdown_aspect", "plot_aspect", "plot_techniques", "summarise", "summarise_aspect", "technique_effects", "training_order"]
 
 #: The encodings the papers compare at 2x resolution; they get several seeds.
 HEADLINE = ("learned", "sincos2d", "rope_axial", "rope_mixed", "comrope_ap", "comrope_ld")
@@ -102,6 +110,13 @@ class Part:
         return list(range(lo, 2 * self.train_size + 1, step))
 
 
+#: mixed-resolution training of the Fashion-MNIST part (7-px patches): one size per sample, grids 4x4, 3x5, 5x3, 3x3, 5x5
+MIXED_FASHION_MNIST: dict[str, Any] = {
+    "data.init_args.resolutions": [[28, 28], [21, 35], [35, 21], [21, 21], [35, 35]],
+    "data.init_args.resolution_sampling": "sample",
+    "data.init_args.patch_size": 7,
+}
+
 #: the encodings of the first CPU CIFAR-10 example (docs/training.md), before the catalogue grew
 QUICK_ENCODINGS = ("learned", "sincos2d", "rope_axial", "rope_mixed", "irpe", "cpe", "lff", "loope", "comrope_ap", "comrope_ld", "none")
 
@@ -114,6 +129,10 @@ RECIPES: dict[str, list[Part]] = {
         Part("fashion_mnist", "fashion_mnist", {}, ALL_2D, (0, 1, 2), 28, 7,
              extra_seed_encodings=HEADLINE + CATALOGUE_2026 + SEQPE + COMPOSED_2D, needs_data="fashion-mnist"),
         Part("cifar10", "cifar10_cpu", {}, HEADLINE, (0, 1, 2), 32, 4, eval_subset=5000, needs_data="cifar10-jpeg"),
+        # the fashion_mnist part trained on mixed grids (NaFlex batches, docs/mixed-resolution.md): every sample drawn
+        # from 4x4 (the training grid), 3x5, 5x3, 3x3 and 5x5 patches; evaluated like the plain part
+        Part("fashion_mnist_mixed", "fashion_mnist", MIXED_FASHION_MNIST, HEADLINE, (0, 1, 2), 28, 7, needs_data="fashion-mnist",
+             notes="trained with data.init_args.resolutions (one per sample): " + str(MIXED_FASHION_MNIST["data.init_args.resolutions"])),
     ],
     # one GPU: the published cifar10 recipe (ViT-Tiny class, 100 epochs, mixup/cutmix) in bf16, batch 256
     "gpu": [Part(
@@ -240,29 +259,116 @@ def _run_folder(checkpoint: str) -> str:
     return folder.parent.name if folder.name.startswith("version_") else folder.name
 
 
-def summarise(sweep: dict[str, Any], part: Part) -> list[dict[str, Any]]:
-    """Group the sweep's per-checkpoint rows by (encoding, technique, policy): mean and spread per size over seeds."""
+def _group_runs(sweep: dict[str, Any]) -> list[tuple[tuple[str, str, str], list[dict[str, Any]]]]:
+    """The sweep's per-checkpoint rows grouped by (encoding, technique, policy): the seeds of one table row."""
     groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     for r in sweep["results"]:
         technique = split_run_encoding(_run_folder(r["checkpoint"]).rsplit("-s", 1)[0])[1]
         groups.setdefault((r["encoding"], technique or "", r["extrapolation"]), []).append(r)
+    return sorted(groups.items())
+
+
+def _mean_spread(vals: list[float], num_samples: int) -> tuple[float, float]:
+    """Mean over seeds and its spread: the std over seeds, or for one seed the binomial s.e. of its accuracy."""
+    if len(vals) > 1:
+        return statistics.fmean(vals), statistics.stdev(vals)
+    p = vals[0] / 100.0
+    return vals[0], 100.0 * math.sqrt(max(p * (1 - p), 0.0) / num_samples)
+
+
+def _row(part: Part, key: tuple[str, str, str], rs: list[dict[str, Any]]) -> dict[str, Any]:
+    enc, technique, policy = key
+    return {"part": part.name, "encoding": enc, "technique": technique or None, "extrapolation": policy, "seeds": len(rs),
+            "train_size": part.train_size, "num_samples": rs[0]["num_samples"], "mean": {}, "spread": {},
+            "spread_kind": "std over seeds" if len(rs) > 1 else "binomial s.e. (1 seed)"}
+
+
+def summarise(sweep: dict[str, Any], part: Part) -> list[dict[str, Any]]:
+    """Group the sweep's per-checkpoint rows by (encoding, technique, policy): mean and spread per size over seeds."""
     rows = []
-    for (enc, technique, policy), rs in sorted(groups.items()):
-        sizes = sorted({int(s) for r in rs for s in r["accuracy"]})
-        row: dict[str, Any] = {"part": part.name, "encoding": enc, "technique": technique or None, "extrapolation": policy,
-                               "seeds": len(rs), "train_size": part.train_size, "num_samples": rs[0]["num_samples"],
-                               "mean": {}, "spread": {}}
-        for s in sizes:
-            vals = [r["accuracy"][str(s)]["top1"] for r in rs]
-            row["mean"][s] = statistics.fmean(vals)
-            if len(vals) > 1:
-                row["spread"][s] = statistics.stdev(vals)
-            else:
-                p = vals[0] / 100.0
-                row["spread"][s] = 100.0 * math.sqrt(max(p * (1 - p), 0.0) / rs[0]["num_samples"])
-        row["spread_kind"] = "std over seeds" if len(rs) > 1 else "binomial s.e. (1 seed)"
+    for key, rs in _group_runs(sweep):
+        row = _row(part, key, rs)
+        for s in sorted({int(s) for r in rs for s in r["accuracy"]}):
+            row["mean"][s], row["spread"][s] = _mean_spread([r["accuracy"][str(s)]["top1"] for r in rs], rs[0]["num_samples"])
         rows.append(row)
     return rows
+
+
+def summarise_aspect(sweep: dict[str, Any], part: Part) -> list[dict[str, Any]]:
+    """The aspect-ratio sweep grouped like :func:`summarise`: per (encoding, technique, policy), mean and spread over
+    seeds of the top-1 at each aspect ratio (keyed by its ``w:h`` label), with the evaluated shape and token count."""
+    rows = []
+    for key, rs in _group_runs(sweep):
+        points = {e["aspect_label"]: e for e in rs[0]["evaluations"] if e["sweep"] == "aspect"}
+        row = _row(part, key, rs)
+        row["aspects"] = [{"label": k, "aspect": e["aspect"], "shape": e["shape"], "tokens": e["tokens"]}
+                          for k, e in sorted(points.items(), key=lambda kv: kv[1]["aspect"])]
+        for label in points:
+            vals = [next(e["top1"] for e in r["evaluations"] if e["sweep"] == "aspect" and e["aspect_label"] == label) for r in rs]
+            row["mean"][label], row["spread"][label] = _mean_spread(vals, rs[0]["num_samples"])
+        rows.append(row)
+    return rows
+
+
+def markdown_aspect(rows: list[dict[str, Any]]) -> str:
+    """One table per part: top-1 by aspect ratio at the training grid's token budget, mean ± spread over seeds."""
+    out = []
+    for part in dict.fromkeys(r["part"] for r in rows):
+        pr = [r for r in rows if r["part"] == part]
+        cols = list(dict.fromkeys((a["label"], a["shape"], a["tokens"], a["aspect"]) for r in pr for a in r["aspects"]))
+        cols.sort(key=lambda c: c[3])
+        train = pr[0]["train_size"]
+        out.append(f"\n### {part}: aspect ratio width:height at the training token budget (train {train}x{train} px; "
+                   f"top-1 %, mean ± spread)\n")
+        out.append("| encoding (policy) | seeds | " + " | ".join(
+            f"{lab} {shape} ({tok} tok){'*' if shape == f'{train}x{train}' else ''}" for lab, shape, tok, _ in cols) + " |")
+        out.append("|---|---:|" + "---:|" * len(cols))
+        for r in pr:
+            cells = [f"{r['mean'][c[0]]:.1f} ± {r['spread'][c[0]]:.1f}" if c[0] in r["mean"] else "-" for c in cols]
+            out.append(f"| {_label(r)} | {r['seeds']} | " + " | ".join(cells) + " |")
+    out.append("\nShapes are H x W (the patch grid closest to the ratio and to the training grid's tokens); the whole image "
+               "is resized to each shape (bicubic, antialiased). Spread as above.")
+    return "\n".join(out) + "\n"
+
+
+def plot_aspect(rows: list[dict[str, Any]], path: Path, policies: Sequence[str] = ("extend", "interpolate")) -> None:
+    """One panel per part: top-1 vs aspect ratio (log scale; ticks ``w:h`` and the evaluated ``H x W``), bands = spread;
+    colour = encoding, line style = policy as in :func:`plot`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if _shown(r, policies)]
+    parts = list(dict.fromkeys(r["part"] for r in rows))
+    if not parts:
+        return
+    fig, axes = plt.subplots(1, len(parts), figsize=(6.5 * len(parts), 4.8), squeeze=False)
+    tab20 = plt.get_cmap("tab20").colors
+    colours = tab20[0::2] + tab20[1::2]
+    for ax, part in zip(axes[0], parts):
+        part_rows = [r for r in rows if r["part"] == part]
+        names = list(dict.fromkeys((r["encoding"], r.get("technique")) for r in part_rows))
+        ticks = {}
+        for r in part_rows:
+            pts = [(math.log2(a["aspect"]), a["label"]) for a in r["aspects"] if a["label"] in r["mean"]]
+            for a in r["aspects"]:
+                ticks[math.log2(a["aspect"])] = f"{a['label']}\n{a['shape']}"
+            xs, m = [x for x, _ in pts], [r["mean"][k] for _, k in pts]
+            e = [r["spread"][k] for _, k in pts]
+            colour = colours[names.index((r["encoding"], r.get("technique"))) % len(colours)]
+            ax.plot(xs, m, marker="o", ms=3, color=colour, ls=_POLICY_STYLES.get(r["extrapolation"], "-"), label=_label(r))
+            ax.fill_between(xs, [a - b for a, b in zip(m, e)], [a + b for a, b in zip(m, e)], color=colour, alpha=0.15)
+        ax.axvline(0.0, color="grey", ls=":", lw=1)
+        ax.set_xticks(sorted(ticks))
+        ax.set_xticklabels([ticks[x] for x in sorted(ticks)], fontsize=7)
+        ax.minorticks_off()
+        ax.set(title=f"{part}: aspect ratio at the training token budget", xlabel="aspect ratio width:height (evaluated H x W)",
+               ylabel="top-1 (%)")
+        ax.legend(fontsize=6, ncol=2, title="line: solid interpolate / own, dashed extend", title_fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def _default_policy(encoding: str) -> str | None:
@@ -429,6 +535,8 @@ def plot(rows: list[dict[str, Any]], path: Path, policies: Sequence[str] = ("ext
 
     rows = [r for r in rows if not r.get("technique") and _shown(r, policies)]
     parts = list(dict.fromkeys(r["part"] for r in rows))
+    if not parts:  # an --aspect-only call with no earlier size table
+        return
     fig, axes = plt.subplots(1, len(parts), figsize=(6.5 * len(parts), 4.5), squeeze=False)
     tab20 = plt.get_cmap("tab20").colors
     colours = tab20[0::2] + tab20[1::2]  # ten distinct hues first, then their light shades (more than ten encodings)
@@ -489,8 +597,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--policies", default="both", choices=("both", "all"),
                    help="evaluation policies of the sweep: extend + interpolate (default), or every one an encoding has "
                         "(adds ntk / yarn for the rotary lattice encodings)")
+    p.add_argument("--seeds", default=None, help="restrict to these seeds (comma-separated, e.g. 0)")
+    p.add_argument("--aspect-ratios", default=None,
+                   help="also sweep every run at these aspect ratios width:height (e.g. 1:2,2:3,1:1,3:2,2:1) at the training "
+                        "grid's token budget; adds an aspect-ratio table and aspect.png to the summary")
+    p.add_argument("--aspect-only", action="store_true",
+                   help="with --aspect-ratios: run only the aspect-ratio sweep (the part's size table from an earlier call into "
+                        "the same --out is kept in the summary)")
+    p.add_argument("--sweep-only", action="store_true",
+                   help="train nothing: sweep the part's runs that have a last.ckpt under --out (the others are listed and left out)")
     args = p.parse_args(list(argv) if argv is not None else None)
-    from vispe.benchmarks.resolution_sweep import run_sweep, write_json_atomic
+    from vispe.benchmarks.resolution_sweep import parse_aspect_ratios, run_sweep, write_json_atomic
     from vispe.benchmarks.speed import _machine
 
     import torch
@@ -517,6 +634,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"vispe resolution-benchmark: unknown technique(s) {bad}; choose from {list(TECHNIQUES)} or 'all'", file=sys.stderr)
             return 2
         parts = [Part(**{**pt.__dict__, "techniques": tuple(techniques)}) for pt in parts]
+    if args.seeds:
+        try:
+            seeds = {int(v) for v in args.seeds.split(",") if v.strip()}
+        except ValueError:
+            seeds = set()
+        if not seeds:
+            print(f"vispe resolution-benchmark: --seeds takes integers separated by commas, got {args.seeds!r}", file=sys.stderr)
+            return 2
+        parts = [Part(**{**pt.__dict__, "seeds": tuple(v for v in pt.seeds if v in seeds)}) for pt in parts]
+    aspect_ratios = None
+    if args.aspect_ratios:
+        try:
+            aspect_ratios = parse_aspect_ratios(args.aspect_ratios)
+        except ValueError as err:
+            print(f"vispe resolution-benchmark: {err}", file=sys.stderr)
+            return 2
+    if args.aspect_only and not aspect_ratios:
+        print("vispe resolution-benchmark: --aspect-only needs --aspect-ratios", file=sys.stderr)
+        return 2
     data_dir = args.data_dir or os.environ.get("VISPE_DATA_ROOT")
     for pt in parts:
         if pt.needs_data and not (data_dir and (Path(data_dir) / pt.needs_data).exists()):
@@ -528,23 +664,49 @@ def main(argv: Sequence[str] | None = None) -> int:
     t_start = time.perf_counter()
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     machine = _machine(torch.device("cpu"))
-    rows, timings = [], {}
+    rows, aspect_rows, timings = [], [], {}
     for pt in parts:
         part_out = out / pt.name
         part_out.mkdir(parents=True, exist_ok=True)
         t_part = time.perf_counter()
-        timings[pt.name] = train_part(pt, part_out, args.jobs, args.threads, data_dir, log)
-        ckpts = [str(_trained_checkpoint(part_out / f"{e}-s{s}")) for e, s in pt.runs()]
-        sweep = run_sweep(ckpts, pt.sizes(), args.policies, part_out / "resolution", labels=[f"{e}-s{s}" for e, s in pt.runs()],
-                          eval_subset=pt.eval_subset, data_dir=str(Path(data_dir) / pt.needs_data) if pt.needs_data else None)
-        part_rows = summarise(sweep, pt)
+        if args.sweep_only:
+            runs = [(e, s) for e, s in pt.runs() if find_last_checkpoint(part_out / f"{e}-s{s}") is not None]
+            missing = [f"{e}-s{s}" for e, s in pt.runs() if (e, s) not in runs]
+            if missing:
+                log(f"{pt.name}: --sweep-only: no last.ckpt for {', '.join(missing)}; left out")
+            if not runs:
+                print(f"vispe resolution-benchmark: --sweep-only: part {pt.name!r} has no trained run under {part_out}", file=sys.stderr)
+                return 2
+            tpath = part_out / "timings.json"
+            timings[pt.name] = read_json(tpath, "benchmark cache") if tpath.is_file() else {}
+        else:
+            timings[pt.name] = train_part(pt, part_out, args.jobs, args.threads, data_dir, log)
+            runs = pt.runs()
+        ckpts = [str(_trained_checkpoint(part_out / f"{e}-s{s}")) for e, s in runs]
+        labels = [f"{e}-s{s}" for e, s in runs]
+        part_data = str(Path(data_dir) / pt.needs_data) if pt.needs_data else None
+        if args.aspect_only:  # keep the size rows an earlier call wrote for this part
+            earlier_part = part_out / "summary.json"
+            part_rows = [_int_sizes(r) for r in read_json(earlier_part, "benchmark cache")["rows"]] if earlier_part.is_file() else []
+        else:
+            sweep = run_sweep(ckpts, pt.sizes(), args.policies, part_out / "resolution", labels=labels,
+                              eval_subset=pt.eval_subset, data_dir=part_data)
+            part_rows = summarise(sweep, pt)
         rows += part_rows
+        part_aspect: list[dict[str, Any]] = []
+        if aspect_ratios:  # a sweep of its own (its cache apart from the size sweep's), at the training grid's token budget
+            aspect = run_sweep(ckpts, [], args.policies, part_out / "aspect", labels=labels, eval_subset=pt.eval_subset,
+                               data_dir=part_data, aspect_ratios=aspect_ratios)
+            part_aspect = summarise_aspect(aspect, pt)
+            aspect_rows += part_aspect
         part_meta = {"recipe": args.recipe, "part": pt.name, "argv": list(argv) if argv is not None else sys.argv[1:],
                      "policies": args.policies, "wall_s": time.perf_counter() - t_part, "machine": machine,
                      "threads": args.threads, "jobs": args.jobs, "torch": torch.__version__,
                      "train_seconds": timings[pt.name], "config": {k: v for k, v in pt.__dict__.items()}}
-        write_json_atomic(part_out / "summary.json", {"meta": part_meta, "rows": part_rows})
+        write_json_atomic(part_out / "summary.json", {"meta": part_meta, "rows": part_rows, "aspect_rows": part_aspect})
         plot(part_rows, part_out / "summary.png")
+        if part_aspect:
+            plot_aspect(part_aspect, part_out / "aspect.png")
     # parts of the recipe run by an earlier call into the same --out keep their rows (each with its own meta),
     # so a long part run on its own joins the table without re-running the others
     run_now = {pt.name for pt in parts}
@@ -554,20 +716,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         if pt.name not in run_now and f.is_file():
             earlier[pt.name] = read_json(f, "benchmark cache")
             rows += [_int_sizes(r) for r in earlier[pt.name]["rows"]]
+            aspect_rows += earlier[pt.name].get("aspect_rows", [])
     order = [pt.name for pt in RECIPES[args.recipe]]
     rows.sort(key=lambda r: order.index(r["part"]) if r["part"] in order else len(order))  # stable: keeps each part's order
+    aspect_rows.sort(key=lambda r: order.index(r["part"]) if r["part"] in order else len(order))
     meta = {"recipe": args.recipe, "wall_s": time.perf_counter() - t_start, "machine": machine,
             "threads": args.threads, "jobs": args.jobs, "torch": torch.__version__, "train_seconds": timings,
             "parts": [{k: v for k, v in pt.__dict__.items()} for pt in parts],
             "earlier_parts": {name: e["meta"] for name, e in earlier.items()}}
-    write_json_atomic(out / "summary.json", {"meta": meta, "rows": rows, "claims": claims(rows), "techniques": technique_effects(rows)})
-    text = markdown(rows, meta)
+    write_json_atomic(out / "summary.json", {"meta": meta, "rows": rows, "claims": claims(rows), "techniques": technique_effects(rows),
+                                             "aspect_rows": aspect_rows})
+    text = markdown(rows, meta) + (markdown_aspect(aspect_rows) if aspect_rows else "")
     (out / "summary.md").write_text(text)
     plot(rows, out / "summary.png")
+    if aspect_rows:
+        plot_aspect(aspect_rows, out / "aspect.png")
     if any(r.get("technique") for r in rows):
         plot_techniques(rows, out / "techniques.png")
     print(text)
-    print(f"wrote {out / 'summary.json'}, summary.md, summary.png")
+    print(f"wrote {out / 'summary.json'}, summary.md, summary.png" + (", aspect.png" if aspect_rows else ""))
     return 0
 
 

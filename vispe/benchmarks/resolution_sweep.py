@@ -137,8 +137,16 @@ def aspect_shapes(ratios: Sequence[float], tokens: int, patch: tuple[int, int]) 
     ph, pw = patch
     out = []
     for r in ratios:
-        best = min(((gh, max(1, round(gh * r))) for gh in range(1, 4 * tokens + 1)),
-                   key=lambda g: 2 * abs(math.log(g[1] / g[0] / r)) + abs(math.log(g[0] * g[1] / tokens)))
+        # the grids next to the ratio line from both axes (floor and ceil), so that a ratio and its inverse get
+        # transposed grids (rounding one axis only gave 2:3 -> 5x3 but 3:2 -> 4x6, 15 vs 24 tokens)
+        grids = set()
+        for n in range(1, 4 * tokens + 1):
+            for m in (math.floor(n * r), math.ceil(n * r)):
+                grids.add((n, max(1, m)))
+            for m in (math.floor(n / r), math.ceil(n / r)):
+                grids.add((max(1, m), n))
+        best = min(sorted(grids), key=lambda g: (2 * abs(math.log(g[1] / g[0] / r)) + abs(math.log(g[0] * g[1] / tokens)),
+                                                 g[0] * g[1]))
         out.append((best[0] * ph, best[1] * pw))
     return out
 
@@ -422,7 +430,7 @@ def _timm_vit_args(name: str, kwargs: dict[str, Any]) -> tuple[dict[str, Any], n
         raise ValueError(f"--model {name!r}: {err}") from None
     if not isinstance(ref, VisionTransformer):
         raise ValueError(f"--model {name!r} is a timm {type(ref).__name__}; vispe rebuilds timm VisionTransformer models "
-                         "(vit_*, deit_*) and its own vispe_* models")
+                         "(vit_*, deit_*) and its own vispe_* models" + _rope_vit_hint(name, ref))
     blk = ref.blocks[0]
     args = dict(
         img_size=tuple(ref.patch_embed.img_size), patch_size=tuple(ref.patch_embed.patch_size),
@@ -435,6 +443,30 @@ def _timm_vit_args(name: str, kwargs: dict[str, Any]) -> tuple[dict[str, Any], n
         dynamic_img_size=True,
     )
     return args, ref
+
+
+def _rope_vit_hint(name: str, ref: nn.Module) -> str:
+    """For timm's RoPE ViTs (``vit_*_patch16_rope[_mixed]_224``, timm's ``Eva`` class): the vispe command that loads
+    their weights (the block weights map one to one; the rotary frequencies of ``rope_mixed`` are kept)."""
+    if getattr(ref, "rope", None) is None or "_rope" not in name:
+        return ""
+    pe = "rope_mixed" if "rope_mixed" in name else "rope_axial"
+    sizes = {192: "tiny", 384: "small", 768: "base"}
+    size = sizes.get(int(getattr(ref, "embed_dim", 0)))
+    patch = tuple(ref.patch_embed.patch_size)
+    img = tuple(ref.patch_embed.img_size)
+    vispe_name = f"vispe_vit_{size}_patch16_224" if size else "vispe_vit_base_patch16_224"
+    extra = {}
+    if size is None:
+        extra.update(embed_dim=int(ref.embed_dim), depth=len(ref.blocks), num_heads=int(ref.blocks[0].attn.num_heads))
+    if patch != (16, 16):
+        extra["patch_size"] = patch[0]
+    if img != (224, 224):
+        extra["img_size"] = img[0]
+    kw = f" --model-kwargs '{json.dumps(extra)}'" if extra else ""
+    return (f". Its weights are a RoPE ViT's: load them into the vispe model with the same encoding, "
+            f"--model {vispe_name} --pos-encoding {pe}{kw} --weights FILE (several --pos-encoding values compare encodings "
+            "on the same block weights)")
 
 
 def weights_sources(model_name: str, weights: str | Path, encodings: Sequence[str] = ("learned",),

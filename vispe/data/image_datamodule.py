@@ -13,12 +13,12 @@ from typing import Any, Callable
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from .loading import EpochSeededRandomSampler, ResumableDataLoader
 
-__all__ = ["AUGMENTATIONS", "RESOLUTION_SAMPLING", "ImageDataModule", "parse_resolutions", "TensorImageDataset", "channel_fix", "make_pil_to_uint8", "random_crop_flip",
-           "resize_images"]
+__all__ = ["AUGMENTATIONS", "RESOLUTION_SAMPLING", "ClassInterleavedSampler", "ImageDataModule", "class_interleaved_order",
+           "parse_resolutions", "TensorImageDataset", "channel_fix", "make_pil_to_uint8", "random_crop_flip", "resize_images"]
 
 #: Batch-level training augmentations: 'crop_flip' (pad by size/8, random crop, random h-flip),
 #: 'flip' (random h-flip only), 'none'.
@@ -60,6 +60,47 @@ class TensorImageDataset(Dataset):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.images[index], self.labels[index]
+
+
+def class_interleaved_order(labels: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    """A fixed, seeded permutation of ``range(len(labels))`` in which every prefix is a class-stratified sample.
+
+    The ``j``-th item (in a seeded random order within its class) of a class of ``n_c`` items is placed at
+    ``(j + 1/2) / n_c`` on ``[0, 1)`` and the items are read in that order (equal places in a seeded random
+    order). The first ``k`` items then hold ``k * n_c / N`` of class ``c`` to within about one item, whatever
+    the order of the set on disk (CIFAR-10's and Fashion-MNIST's test files are sorted by class).
+    """
+    labels = torch.as_tensor(labels).long().flatten()
+    g = torch.Generator().manual_seed(int(seed))
+    place = torch.empty(len(labels), dtype=torch.float64)
+    for c in labels.unique().tolist():
+        idx = (labels == c).nonzero().flatten()
+        idx = idx[torch.randperm(len(idx), generator=g)]
+        place[idx] = (torch.arange(len(idx), dtype=torch.float64) + 0.5) / len(idx)
+    tie = torch.randperm(len(labels), generator=g)  # equal places (equal class sizes): a seeded class order
+    return tie[place[tie].argsort(stable=True)]
+
+
+class ClassInterleavedSampler(Sampler[int]):
+    """The evaluation order of :class:`ImageDataModule`: every index once per pass, in
+    :func:`class_interleaved_order` (the same order every pass), so ``limit_val_batches`` /
+    ``limit_test_batches`` evaluate a class-mixed sample instead of the first classes of a class-sorted set.
+    Without labels (a dataset exposing neither ``labels`` nor ``targets``) a fixed seeded random order."""
+
+    def __init__(self, data_source: Dataset, seed: int = 0) -> None:
+        self.data_source = data_source
+        self.seed = int(seed)
+        labels = _labels_of(data_source)
+        if labels is None:
+            self.order = torch.randperm(len(data_source), generator=torch.Generator().manual_seed(self.seed))
+        else:
+            self.order = class_interleaved_order(labels, self.seed)
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def __iter__(self):
+        return iter(self.order.tolist())
 
 
 def random_crop_flip(x: torch.Tensor, pad: int, flip: bool = True, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -105,7 +146,9 @@ class ImageDataModule(pl.LightningDataModule):
         augment: one of :data:`AUGMENTATIONS` (training only).
         train_subset: keep only this many training samples (a fixed, seeded, class-balanced choice).
         eval_subset: keep only this many validation/test samples (same rule).
-        seed: seed of the subset choice and of the per-epoch shuffling.
+        seed: seed of the subset choice, of the per-epoch shuffling and of the evaluation order: validation and
+            test batches come in a fixed class-interleaved order (:class:`ClassInterleavedSampler`), so the first
+            ``k`` batches (``limit_val_batches: k``) are a class-stratified sample; predictions keep the set's order.
         resolutions: training sizes in pixels (an int or ``[H, W]`` each; ``None``: ``image_size`` only). Each
             training batch is resized (after augmentation, bicubic antialiased) to sizes drawn from this list;
             validation and test stay at ``image_size``.
@@ -214,9 +257,11 @@ class ImageDataModule(pl.LightningDataModule):
             persistent_workers=self.num_workers > 0,
         )
 
-    def _eval_loader(self, ds: Dataset | None) -> DataLoader:
+    def _eval_loader(self, ds: Dataset | None, interleave: bool = True) -> DataLoader:
         assert ds is not None, "call setup() first"
-        return DataLoader(ds, batch_size=self.eval_batch_size, shuffle=False, num_workers=self.num_workers)
+        # a class-interleaved order: any prefix (limit_val_batches) is class-stratified; the whole pass is every image once
+        sampler = ClassInterleavedSampler(ds, seed=self.seed) if interleave else None
+        return DataLoader(ds, batch_size=self.eval_batch_size, shuffle=False, sampler=sampler, num_workers=self.num_workers)
 
     def val_dataloader(self) -> DataLoader:
         return self._eval_loader(self.val_set)
@@ -225,7 +270,8 @@ class ImageDataModule(pl.LightningDataModule):
         return self._eval_loader(self.test_set)
 
     def predict_dataloader(self) -> DataLoader:
-        return self._eval_loader(self.test_set)
+        # predictions stay in the dataset's order (row i is image i)
+        return self._eval_loader(self.test_set, interleave=False)
 
     # -- batch transforms -------------------------------------------------------------------
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
@@ -284,8 +330,12 @@ class ImageDataModule(pl.LightningDataModule):
 
 
 def _labels_of(ds: Dataset) -> torch.Tensor | None:
+    """The labels of a dataset without decoding it (``labels`` / ``targets``, through ``Subset``), or ``None``."""
     if isinstance(ds, TensorImageDataset):
         return ds.labels
+    if isinstance(ds, torch.utils.data.Subset):
+        inner = _labels_of(ds.dataset)
+        return None if inner is None else inner[torch.as_tensor(ds.indices, dtype=torch.long)]
     targets = getattr(ds, "targets", None)
     if targets is not None:
         return torch.as_tensor(targets)
