@@ -299,7 +299,7 @@ def test_qwen3vl_vision_rotary_and_table_match_transformers_on_a_video():
 def test_gemma4_vision_position_contributions_match_transformers():
     """Gemma 4's tower (sandwich RMSNorms, q/k/v norms, gated MLP) is not timm's ViT: the summed x / y tables and the
     rotated q/k are compared. Gemma's per-axis pair layout is vispe's up to the channel order of gemma4_channel_order."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from transformers.models.gemma4.configuration_gemma4 import Gemma4VisionConfig
     from transformers.models.gemma4.modeling_gemma4 import (Gemma4VisionPatchEmbedder, Gemma4VisionRotaryEmbedding,
                                                             apply_multidimensional_rope)

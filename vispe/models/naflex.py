@@ -21,7 +21,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..encodings.base import PositionalEncoding, sdpa
+from ..encodings.base import PositionalEncoding
 from ..encodings.grid import PositionGrid
 
 __all__ = [
