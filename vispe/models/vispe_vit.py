@@ -151,17 +151,9 @@ class VispeVisionTransformer(VisionTransformer):
         x, grid, _ = self.embed_with_state(x)
         return x, grid
 
-    def embed_with_state(self, x: torch.Tensor) -> tuple[torch.Tensor, PositionGrid, Any]:
-        """:meth:`embed` plus the encoding's per-forward state: ``prepare`` runs first, its state feeds
-        ``embed_tokens``, is narrowed after patch dropout and is what every block receives."""
-        image = x
-        pe_ = self.patch_embed
-        _check_image_input(x, tuple(pe_.patch_size), tuple(pe_.img_size), pe_.dynamic_img_pad, self.dynamic_img_size, pe_.proj.in_channels,
-                           pe_.proj.weight.dtype)
-        x = self.patch_embed(x)
-        grid = _patch_grid(self.patch_embed, x, image, self.num_prefix_tokens)
-        if not self.patch_embed.flatten:  # NHWC patches (timm's dynamic_img_size mode)
-            x = x.flatten(1, 2)
+    def _encode_patch_tokens(self, x: torch.Tensor, grid: PositionGrid, image: torch.Tensor) -> tuple[torch.Tensor, PositionGrid, Any]:
+        """Patch tokens ``(B, N, D)`` of one grid -> prefix tokens prepended, the encoding's ``prepare`` and
+        ``embed_tokens``, position dropout, patch dropout (plain batches and each grid group of a NaFlex batch)."""
         to_cat = []
         if self.cls_token is not None:
             to_cat.append(self.cls_token.expand(x.shape[0], -1, -1))
@@ -173,6 +165,20 @@ class VispeVisionTransformer(VisionTransformer):
         x = encoding_embed_tokens(self.pos_encoding, x, grid, state, image)
         x = self.pos_drop(x)
         x, grid = drop_patches(self.patch_drop, x, grid)
+        return x, grid, state
+
+    def embed_with_state(self, x: torch.Tensor) -> tuple[torch.Tensor, PositionGrid, Any]:
+        """:meth:`embed` plus the encoding's per-forward state: ``prepare`` runs first, its state feeds
+        ``embed_tokens``, is narrowed after patch dropout and is what every block receives."""
+        image = x
+        pe_ = self.patch_embed
+        _check_image_input(x, tuple(pe_.patch_size), tuple(pe_.img_size), pe_.dynamic_img_pad, self.dynamic_img_size, pe_.proj.in_channels,
+                           pe_.proj.weight.dtype)
+        x = self.patch_embed(x)
+        grid = _patch_grid(self.patch_embed, x, image, self.num_prefix_tokens)
+        if not self.patch_embed.flatten:  # NHWC patches (timm's dynamic_img_size mode)
+            x = x.flatten(1, 2)
+        x, grid, state = self._encode_patch_tokens(x, grid, image)
         state = encoding_keep_tokens(self.pos_encoding, state, grid)
         x = self.norm_pre(x)
         return x, grid, state
@@ -296,18 +302,7 @@ class VispeVisionTransformer(VisionTransformer):
             _check_image_input(image, patch, tuple(pe_.img_size), False, True, in_chans, pe_.proj.weight.dtype)
             # the patch embedding of a plain batch (timm's PatchEmbed without its fixed-size check)
             x = pe_.norm(pe_.proj(image).flatten(2).transpose(1, 2))
-            to_cat = []
-            if self.cls_token is not None:
-                to_cat.append(self.cls_token.expand(x.shape[0], -1, -1))
-            if self.reg_token is not None:
-                to_cat.append(self.reg_token.expand(x.shape[0], -1, -1))
-            if to_cat:
-                x = torch.cat(to_cat + [x], dim=1)
-            grid = PositionGrid((h, w), self.num_prefix_tokens)
-            state = encoding_prepare(self.pos_encoding, grid, x)
-            x = encoding_embed_tokens(self.pos_encoding, x, grid, state, image)
-            x = self.pos_drop(x)
-            x, grid = drop_patches(self.patch_drop, x, grid)
+            x, grid, state = self._encode_patch_tokens(x, PositionGrid((h, w), self.num_prefix_tokens), image)
             state = encoding_keep_tokens(self.pos_encoding, state, grid)
             x = self.norm_pre(x)
             index = torch.tensor(rows, device=x.device)
