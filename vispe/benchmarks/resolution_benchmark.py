@@ -372,11 +372,14 @@ def plot_aspect(rows: list[dict[str, Any]], path: Path, policies: Sequence[str] 
 
 
 def _default_policy(encoding: str) -> str | None:
-    """The extrapolation policy an encoding uses unless told otherwise (``None``: it has no option)."""
+    """The extrapolation policy an encoding uses unless told otherwise (``None``: it declares no policy), read from
+    the resolution-options contract (declared policies) and the registered defaults."""
     import inspect
 
-    from vispe.encodings import get_encoding_class
+    from vispe.encodings import extrapolation_policies, get_encoding_class
 
+    if not extrapolation_policies(encoding):
+        return None
     param = inspect.signature(get_encoding_class(encoding).__init__).parameters.get("extrapolation")
     return None if param is None else param.default
 
