@@ -257,6 +257,27 @@ def test_aspect_ratio_part_on_trained_runs_and_sweep_only(tmp_path, capsys):
     assert main(["--recipe", "tiny", "--out", str(tmp_path), "--aspect-only"]) == 2  # needs --aspect-ratios
 
 
+def test_train_only_calls_per_seed_then_one_sweep(tmp_path, capsys):
+    # training split over calls (one per seed, as two CPU queues would run them) writes checkpoints and no sweep;
+    # the --sweep-only call after them sweeps every run and trains nothing
+    assert main(["--recipe", "tiny", "--out", str(tmp_path), "--seeds", "0", "--train-only"]) == 0
+    assert "--train-only: 2 run(s)" in capsys.readouterr().err
+    assert not (tmp_path / "summary.json").exists() and not (tmp_path / "synthetic" / "resolution").exists()
+    assert main(["--recipe", "tiny", "--out", str(tmp_path), "--seeds", "1", "--train-only"]) == 0
+    err = capsys.readouterr().err
+    # seed 0 is done (skipped); `none` has one seed, its run is seed 0: --seeds 1 leaves it alone
+    assert "start rope_axial seed 1" in err and "seed 0" not in err and "start none" not in err
+    assert set(json.loads((tmp_path / "synthetic" / "timings.json").read_text())) == {"none-s0", "rope_axial-s0", "rope_axial-s1"}
+    assert main(["--recipe", "tiny", "--out", str(tmp_path), "--sweep-only"]) == 0
+    assert "start" not in capsys.readouterr().err
+    rows = {(r["encoding"], r["extrapolation"]): r for r in json.loads((tmp_path / "summary.json").read_text())["rows"]}
+    assert rows[("rope_axial", "extend")]["seeds"] == 2 and rows[("none", "own (no option)")]["seeds"] == 1
+    assert main(["--recipe", "tiny", "--out", str(tmp_path), "--train-only", "--sweep-only"]) == 2
+    assert "exclude each other" in capsys.readouterr().err
+    assert main(["--recipe", "tiny", "--out", str(tmp_path), "--seeds", "7", "--train-only"]) == 2
+    assert "no run has these seeds (the parts' seeds: [0, 1])" in capsys.readouterr().err
+
+
 def test_mixed_resolution_part_trains_the_fashion_mnist_recipe_on_mixed_grids(tmp_path):
     from vispe.benchmarks.resolution_benchmark import HEADLINE, MIXED_FASHION_MNIST, _fit_command
     from vispe.data.image_datamodule import parse_resolutions

@@ -96,12 +96,14 @@ class Part:
     notes: str = ""
     needs_data: str | None = None  # folder under $VISPE_DATA_ROOT the part reads
     techniques: tuple[str, ...] = ()  # names in TECHNIQUES, run for the part's TECHNIQUE_ENCODINGS with every seed
+    only_seeds: tuple[int, ...] | None = None  # --seeds: keep these of runs(); a one-seed encoding keeps seeds[0]
 
     def runs(self) -> list[tuple[str, int]]:
         """``(run encoding, seed)``; a run encoding is an encoding name or ``<encoding>+<technique>``."""
         plain = [(e, s) for e in self.encodings for s in (self.seeds if e in self.extra_seed_encodings else self.seeds[:1])]
         extra = [(f"{e}+{t}", s) for e in self.encodings if e in TECHNIQUE_ENCODINGS for t in self.techniques for s in self.seeds]
-        return plain + extra
+        runs = plain + extra
+        return runs if self.only_seeds is None else [(e, s) for e, s in runs if s in self.only_seeds]
 
     def sizes(self) -> list[int]:
         """0.5x .. 2x the training size, in steps of about a quarter of it (multiples of the patch)."""
@@ -600,7 +602,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--policies", default="both", choices=("both", "all"),
                    help="evaluation policies of the sweep: extend + interpolate (default), or every one an encoding has "
                         "(adds ntk / yarn for the rotary lattice encodings)")
-    p.add_argument("--seeds", default=None, help="restrict to these seeds (comma-separated, e.g. 0)")
+    p.add_argument("--seeds", default=None,
+                   help="only the runs with these seeds (comma-separated, e.g. 0 or 1,2); an encoding the part trains "
+                        "with one seed keeps its seed-0 run, so --seeds 1,2 trains only the multi-seed encodings")
     p.add_argument("--aspect-ratios", default=None,
                    help="also sweep every run at these aspect ratios width:height (e.g. 1:2,2:3,1:1,3:2,2:1) at the training "
                         "grid's token budget; adds an aspect-ratio table and aspect.png to the summary")
@@ -609,6 +613,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "the same --out is kept in the summary)")
     p.add_argument("--sweep-only", action="store_true",
                    help="train nothing: sweep the part's runs that have a last.ckpt under --out (the others are listed and left out)")
+    p.add_argument("--train-only", action="store_true",
+                   help="train (or resume) the runs and stop: no sweep, no summary (a later --sweep-only call sweeps them; "
+                        "lets several training calls, e.g. one per seed, share the CPU before one sweep)")
     args = p.parse_args(list(argv) if argv is not None else None)
     from vispe.benchmarks.resolution_sweep import parse_aspect_ratios, run_sweep, write_json_atomic
     from vispe.benchmarks.speed import _machine
@@ -645,7 +652,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not seeds:
             print(f"vispe resolution-benchmark: --seeds takes integers separated by commas, got {args.seeds!r}", file=sys.stderr)
             return 2
-        parts = [Part(**{**pt.__dict__, "seeds": tuple(v for v in pt.seeds if v in seeds)}) for pt in parts]
+        # a filter on the part's runs, not new seeds: `--seeds 1` trains seed 1 of the encodings that have it and
+        # leaves the one-seed encodings (their run is seed 0) alone
+        parts = [Part(**{**pt.__dict__, "only_seeds": tuple(sorted(seeds))}) for pt in parts]
+        if not any(pt.runs() for pt in parts):
+            have = sorted({v for pt in parts for v in pt.seeds})
+            print(f"vispe resolution-benchmark: --seeds {args.seeds}: no run has these seeds (the parts' seeds: {have})", file=sys.stderr)
+            return 2
     aspect_ratios = None
     if args.aspect_ratios:
         try:
@@ -653,6 +666,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as err:
             print(f"vispe resolution-benchmark: {err}", file=sys.stderr)
             return 2
+    if args.train_only and args.sweep_only:
+        print("vispe resolution-benchmark: --train-only and --sweep-only exclude each other", file=sys.stderr)
+        return 2
     if args.aspect_only and not aspect_ratios:
         print("vispe resolution-benchmark: --aspect-only needs --aspect-ratios", file=sys.stderr)
         return 2
@@ -685,6 +701,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             timings[pt.name] = train_part(pt, part_out, args.jobs, args.threads, data_dir, log)
             runs = pt.runs()
+            if args.train_only:
+                log(f"{pt.name}: --train-only: {len(runs)} run(s) trained under {part_out}; sweep them with --sweep-only")
+                continue
         ckpts = [str(_trained_checkpoint(part_out / f"{e}-s{s}")) for e, s in runs]
         labels = [f"{e}-s{s}" for e, s in runs]
         part_data = str(Path(data_dir) / pt.needs_data) if pt.needs_data else None
@@ -710,6 +729,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         plot(part_rows, part_out / "summary.png")
         if part_aspect:
             plot_aspect(part_aspect, part_out / "aspect.png")
+    if args.train_only:
+        return 0
     # parts of the recipe run by an earlier call into the same --out keep their rows (each with its own meta),
     # so a long part run on its own joins the table without re-running the others
     run_now = {pt.name for pt in parts}
