@@ -345,12 +345,13 @@ def plot_aspect(rows: list[dict[str, Any]], path: Path, policies: Sequence[str] 
     parts = list(dict.fromkeys(r["part"] for r in rows))
     if not parts:
         return
-    fig, axes = plt.subplots(1, len(parts), figsize=(6.5 * len(parts), 4.8), squeeze=False)
+    # one y scale and one colour per encoding across the panels: a part trained on mixed grids reads against the plain one
+    fig, axes = plt.subplots(1, len(parts), figsize=(6.5 * len(parts), 4.8), squeeze=False, sharey=True)
     tab20 = plt.get_cmap("tab20").colors
     colours = tab20[0::2] + tab20[1::2]
+    names = list(dict.fromkeys((r["encoding"], r.get("technique")) for r in rows))
     for ax, part in zip(axes[0], parts):
         part_rows = [r for r in rows if r["part"] == part]
-        names = list(dict.fromkeys((r["encoding"], r.get("technique")) for r in part_rows))
         ticks = {}
         for r in part_rows:
             pts = [(math.log2(a["aspect"]), a["label"]) for a in r["aspects"] if a["label"] in r["mean"]]
@@ -545,9 +546,10 @@ def plot(rows: list[dict[str, Any]], path: Path, policies: Sequence[str] = ("ext
     fig, axes = plt.subplots(1, len(parts), figsize=(6.5 * len(parts), 4.5), squeeze=False)
     tab20 = plt.get_cmap("tab20").colors
     colours = tab20[0::2] + tab20[1::2]  # ten distinct hues first, then their light shades (more than ten encodings)
+    # one colour per encoding across the panels, so a part (plain vs mixed grids) reads against the other
+    colour_of = {enc: colours[i % len(colours)] for i, enc in enumerate(dict.fromkeys(r["encoding"] for r in rows))}
     for ax, part in zip(axes[0], parts):
         part_rows = [r for r in rows if r["part"] == part]
-        colour_of = {enc: colours[i % len(colours)] for i, enc in enumerate(dict.fromkeys(r["encoding"] for r in part_rows))}
         for r in part_rows:
             _draw(ax, r, colour_of[r["encoding"]], _label(r), alpha=0.15)
         ax.axvline(part_rows[0]["train_size"], color="grey", ls=":", lw=1)
