@@ -278,6 +278,34 @@ def test_train_only_calls_per_seed_then_one_sweep(tmp_path, capsys):
     assert "no run has these seeds (the parts' seeds: [0, 1])" in capsys.readouterr().err
 
 
+def test_timings_of_concurrent_calls_are_merged_not_overwritten(tmp_path):
+    # two training calls on one part (e.g. a --seeds 1 queue and a --seeds 2 queue) each record their runs; a call
+    # must not write back its own stale copy over a run the other finished meanwhile
+    import multiprocessing as mp
+
+    from vispe.benchmarks.resolution_benchmark import record_timing
+
+    path = tmp_path / "timings.json"
+    record_timing(path, "a-s0", 1.0)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_record_many, args=(path, tag)) for tag in ("x", "y")]
+    for pr in procs:
+        pr.start()
+    for pr in procs:
+        pr.join(60)
+        assert pr.exitcode == 0
+    timings = json.loads(path.read_text())
+    assert set(timings) == {"a-s0"} | {f"{tag}-s{i}" for tag in ("x", "y") for i in range(20)}
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def _record_many(path, tag):
+    from vispe.benchmarks.resolution_benchmark import record_timing
+
+    for i in range(20):
+        record_timing(path, f"{tag}-s{i}", float(i))
+
+
 def test_mixed_resolution_part_trains_the_fashion_mnist_recipe_on_mixed_grids(tmp_path):
     from vispe.benchmarks.resolution_benchmark import HEADLINE, MIXED_FASHION_MNIST, _fit_command
     from vispe.data.image_datamodule import parse_resolutions

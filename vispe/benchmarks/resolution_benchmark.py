@@ -194,6 +194,29 @@ def training_order(runs: Sequence[tuple[str, int]], out: Path, timings: dict[str
     return [run for _, run in sorted(todo, key=key)]
 
 
+def record_timing(path: Path, name: str, seconds: float) -> dict[str, Any]:
+    """Add one run's wall time to ``timings.json`` and return the file's timings.
+
+    Several calls may train runs of one part at once (``--seeds`` / ``--encodings`` queues, each its own process), so
+    the file is re-read and merged under an exclusive lock instead of being overwritten from this process's memory
+    (which would drop a run another call finished meanwhile); the write goes through a rename, so a killed call
+    never leaves half a file."""
+    lock_path = path.with_name(path.name + ".lock")
+    with open(lock_path, "a") as lock:
+        try:
+            import fcntl
+
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except ImportError:  # no POSIX locks (Windows): merge without one
+            pass
+        timings = read_json(path, "benchmark cache") if path.is_file() else {}
+        timings[name] = round(seconds, 1)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(timings, indent=2))
+        tmp.replace(path)
+    return timings
+
+
 def train_part(part: Part, out: Path, jobs: int, threads: int, data_dir: str | None, log) -> dict[str, Any]:
     """Train the part's runs (``jobs`` at a time), skipping finished ones; returns wall times."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONHASHSEED="0")
@@ -216,8 +239,7 @@ def train_part(part: Part, out: Path, jobs: int, threads: int, data_dir: str | N
             log(f"[{time.strftime('%H:%M:%S')}] {part.name}: start {enc} seed {seed}")
             t0 = time.perf_counter()
             fit(command(enc, seed)[3:])
-            timings[f"{enc}-s{seed}"] = round(time.perf_counter() - t0, 1)
-            timings_path.write_text(json.dumps(timings, indent=2))
+            timings = record_timing(timings_path, f"{enc}-s{seed}", time.perf_counter() - t0)
         return timings
     running: list[tuple[str, subprocess.Popen, float, Any]] = []
     while todo or running:
@@ -237,8 +259,7 @@ def train_part(part: Part, out: Path, jobs: int, threads: int, data_dir: str | N
             fh.close()
             if proc.returncode:
                 raise RuntimeError(f"{part.name}/{name} failed (exit {proc.returncode}); see {out / 'logs' / (name + '.log')}")
-            timings[name] = round(time.perf_counter() - t0, 1)
-            timings_path.write_text(json.dumps(timings, indent=2))
+            timings = record_timing(timings_path, name, time.perf_counter() - t0)
             log(f"[{time.strftime('%H:%M:%S')}] {part.name}: {name} done in {timings[name]} s")
     return timings
 
