@@ -209,11 +209,11 @@ def record_timing(path: Path, name: str, seconds: float) -> dict[str, Any]:
             fcntl.flock(lock, fcntl.LOCK_EX)
         except ImportError:  # no POSIX locks (Windows): merge without one
             pass
+        from vispe.benchmarks.resolution_sweep import write_json_atomic
+
         timings = read_json(path, "benchmark cache") if path.is_file() else {}
         timings[name] = round(seconds, 1)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(timings, indent=2))
-        tmp.replace(path)
+        write_json_atomic(path, timings)  # one writer at a time under the lock, so its one temporary name is safe
     return timings
 
 
