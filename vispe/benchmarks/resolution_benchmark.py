@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from vispe.benchmarks.grid import save_figure
 from vispe.files import read_json
 from vispe.train_cli import find_last_checkpoint
 
@@ -368,21 +369,15 @@ def plot_aspect(rows: list[dict[str, Any]], path: Path, policies: Sequence[str] 
         return
     # one y scale and one colour per encoding across the panels: a part trained on mixed grids reads against the plain one
     fig, axes = plt.subplots(1, len(parts), figsize=(6.5 * len(parts), 4.8), squeeze=False, sharey=True)
-    tab20 = plt.get_cmap("tab20").colors
-    colours = tab20[0::2] + tab20[1::2]
-    names = list(dict.fromkeys((r["encoding"], r.get("technique")) for r in rows))
+    colour_of = _encoding_colours(rows)
     for ax, part in zip(axes[0], parts):
         part_rows = [r for r in rows if r["part"] == part]
         ticks = {}
         for r in part_rows:
-            pts = [(math.log2(a["aspect"]), a["label"]) for a in r["aspects"] if a["label"] in r["mean"]]
             for a in r["aspects"]:
                 ticks[math.log2(a["aspect"])] = f"{a['label']}\n{a['shape']}"
-            xs, m = [x for x, _ in pts], [r["mean"][k] for _, k in pts]
-            e = [r["spread"][k] for _, k in pts]
-            colour = colours[names.index((r["encoding"], r.get("technique"))) % len(colours)]
-            ax.plot(xs, m, marker="o", ms=3, color=colour, ls=_POLICY_STYLES.get(r["extrapolation"], "-"), label=_label(r))
-            ax.fill_between(xs, [a - b for a, b in zip(m, e)], [a + b for a, b in zip(m, e)], color=colour, alpha=0.15)
+            points = [(math.log2(a["aspect"]), a["label"]) for a in r["aspects"] if a["label"] in r["mean"]]
+            _draw(ax, r, colour_of[(r["encoding"], r.get("technique"))], _label(r), alpha=0.15, points=points)
         ax.axvline(0.0, color="grey", ls=":", lw=1)
         ax.set_xticks(sorted(ticks))
         ax.set_xticklabels([ticks[x] for x in sorted(ticks)], fontsize=7)
@@ -391,8 +386,7 @@ def plot_aspect(rows: list[dict[str, Any]], path: Path, policies: Sequence[str] 
                ylabel="top-1 (%)")
         ax.legend(fontsize=6, ncol=2, title="line: solid interpolate / own, dashed extend", title_fontsize=6)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def _default_policy(encoding: str) -> str | None:
@@ -542,11 +536,25 @@ def _shown(row: dict[str, Any], policies: Sequence[str]) -> bool:
     return row["extrapolation"].startswith("own") or row["extrapolation"] in policies
 
 
-def _draw(ax: Any, row: dict[str, Any], colour: Any, label: str, alpha: float) -> None:
-    """One summary row as accuracy vs evaluation size, its spread as a band, in the policy's line style."""
-    sizes = sorted(row["mean"], key=int)
-    xs = [int(s) for s in sizes]  # keys are strings once read back from summary.json
-    m, e = [row["mean"][s] for s in sizes], [row["spread"][s] for s in sizes]
+def _encoding_colours(rows: list[dict[str, Any]]) -> dict[tuple[str, str | None], Any]:
+    """One colour per (encoding, technique) over all ``rows``, so every panel of a figure uses the same one:
+    ten distinct hues first, then their light shades (more than ten encodings)."""
+    import matplotlib.pyplot as plt
+
+    tab20 = plt.get_cmap("tab20").colors
+    colours = tab20[0::2] + tab20[1::2]
+    keys = dict.fromkeys((r["encoding"], r.get("technique")) for r in rows)
+    return {k: colours[i % len(colours)] for i, k in enumerate(keys)}
+
+
+def _draw(ax: Any, row: dict[str, Any], colour: Any, label: str, alpha: float,
+          points: Sequence[tuple[float, Any]] | None = None) -> None:
+    """One summary row as accuracy vs ``points`` (``(x, key into row["mean"])``; default: the evaluation sizes), its
+    spread as a band, in the policy's line style."""
+    if points is None:  # size keys are strings once read back from summary.json
+        points = [(int(s), s) for s in sorted(row["mean"], key=int)]
+    xs = [x for x, _ in points]
+    m, e = [row["mean"][k] for _, k in points], [row["spread"][k] for _, k in points]
     ax.plot(xs, m, marker="o", ms=3, color=colour, ls=_POLICY_STYLES.get(row["extrapolation"], "-"), label=label)
     ax.fill_between(xs, [a - b for a, b in zip(m, e)], [a + b for a, b in zip(m, e)], color=colour, alpha=alpha)
 
@@ -565,20 +573,16 @@ def plot(rows: list[dict[str, Any]], path: Path, policies: Sequence[str] = ("ext
     if not parts:  # an --aspect-only call with no earlier size table
         return
     fig, axes = plt.subplots(1, len(parts), figsize=(6.5 * len(parts), 4.5), squeeze=False)
-    tab20 = plt.get_cmap("tab20").colors
-    colours = tab20[0::2] + tab20[1::2]  # ten distinct hues first, then their light shades (more than ten encodings)
-    # one colour per encoding across the panels, so a part (plain vs mixed grids) reads against the other
-    colour_of = {enc: colours[i % len(colours)] for i, enc in enumerate(dict.fromkeys(r["encoding"] for r in rows))}
+    colour_of = _encoding_colours(rows)  # the same colour in every panel: plain vs mixed grids read against each other
     for ax, part in zip(axes[0], parts):
         part_rows = [r for r in rows if r["part"] == part]
         for r in part_rows:
-            _draw(ax, r, colour_of[r["encoding"]], _label(r), alpha=0.15)
+            _draw(ax, r, colour_of[(r["encoding"], None)], _label(r), alpha=0.15)
         ax.axvline(part_rows[0]["train_size"], color="grey", ls=":", lw=1)
         ax.set(title=part, xlabel="evaluation size (px)", ylabel="top-1 (%)")
         ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_techniques(rows: list[dict[str, Any]], path: Path, policies: Sequence[str] = ("extend", "interpolate")) -> None:
@@ -606,8 +610,7 @@ def plot_techniques(rows: list[dict[str, Any]], path: Path, policies: Sequence[s
         ax.set(title=f"{enc} ({part})", xlabel="evaluation size (px)", ylabel="top-1 (%)")
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
