@@ -251,3 +251,99 @@ def test_frames_axis_for_the_video_size(tmp_path):
     # tubelet 2 x 16 x 16 at 32 px: (frames / 2) x 2 x 2 lattice tokens + cls
     assert rows[("vispe:alibi_3d", 4)]["tokens"] == 9 and rows[("vispe:alibi_3d", 8)]["tokens"] == 17
     assert all(r["error"] is None and r["train_ratio"] > 0 for r in rows.values())
+
+
+# ---- precisions and prepared plans (the GPU benchmark, checked on CPU) -------------------------------------------
+
+
+def test_precisions_measure_each_model_in_each_dtype_with_its_own_reference(tmp_path):
+    rc = main(["speed", "--models", "vit_s4_32", "--depth", "1", "--batch-size", "2", "--iters", "1", "--warmup", "0",
+               "--timm-refs", "ape", "--encodings", "rope_mixed", "--precisions", "fp32,amp_bf16,bf16",
+               "--bench", "train,infer", "--out-dir", str(tmp_path), "--tag", "p"])
+    assert rc == 0
+    rows = {(r["model"], r["precision"]): r for r in json.loads((tmp_path / "p.json").read_text())["results"]}
+    assert set(rows) == {(m, p) for m in ("timm:ape", "vispe:rope_mixed") for p in ("fp32", "amp_bf16", "bf16")}
+    for (model, prec), row in rows.items():
+        assert row["error"] is None, (model, prec, row["error"])
+        # each precision is paired with timm's APE ViT in the same precision
+        assert (row["train_ratio"] == 1.0) == (model == "timm:ape")
+    with pytest.raises(ValueError, match=r"unknown precision 'fp8'.*amp_bf16"):
+        main(["speed", "--precisions", "fp32,fp8"])
+
+
+def test_pure_bf16_entry_runs_in_bf16_and_autocast_entry_keeps_fp32_weights():
+    from vispe.benchmarks.speed import build_entries, BENCH_CONFIGS, infer_step
+
+    cfg = BENCH_CONFIGS["vit_s4_32"]
+    entries = build_entries("vit_s4_32", cfg, [("learned", "learned", {})], [], ["eager"], torch.device("cpu"), 1,
+                            print, ["amp_bf16", "bf16"])
+    amp, pure = entries
+    assert next(amp.model.parameters()).dtype == torch.float32 and next(pure.model.parameters()).dtype == torch.bfloat16
+    x = torch.randn(2, 3, 32, 32)
+    assert pure.input(x).dtype == torch.bfloat16 and pure.input(x) is pure.input(x)  # cast once, reused
+    seen = []
+    amp.model.head.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    infer_step(amp, x)
+    assert seen == [torch.bfloat16]  # the linear layers ran under autocast
+
+
+def test_gpu_plan_dry_run_builds_every_part_on_the_tiny_model():
+    """The prepared GPU plan parses and, under --dry-run, shrinks every part to the CPU model."""
+    from vispe.benchmarks.speed import build_parser, load_plan, _checked_choices
+
+    args = build_parser().parse_args(["--plan", "gpu", "--dry-run"])
+    specs_for = _checked_choices(args)[-1]
+    parts, budget = load_plan("gpu", args, specs_for, torch.device("cpu"))
+    assert budget is None  # a dry run is never cut short
+    names = [p.name.split("#")[0] for p in parts]
+    assert names[0] == "s16_224_eager_amp" and "b16_448_eager_amp" in names and "s16_224_compile_amp" in names
+    assert {pr for p in parts for pr in p.precisions} == {"fp32", "amp_bf16", "bf16"}
+    assert {m for p in parts for m in p.modes} == {"eager", "compile"}
+    for p in parts:
+        assert p.cfg.vispe_model == "vispe_vit_small_patch4_32" and p.batch == 2 and p.iters == 1 and len(p.specs) <= 2
+    # the real plan: batch 128, ViT-S/16 and ViT-B/16 at 224 and 448 px, a time budget
+    real = build_parser().parse_args(["--plan", "gpu"])
+    parts, budget = load_plan("gpu", real, _checked_choices(real)[-1], torch.device("cpu"))
+    assert budget and budget <= 480
+    assert {(p.config, p.cfg.img_size) for p in parts} == {("vit_s16", 224), ("vit_s16", 448), ("vit_b16", 224), ("vit_b16", 448)}
+    assert all(p.batch == 128 for p in parts)
+
+
+def test_plan_runs_parts_and_lists_those_past_the_budget(tmp_path):
+    plan = tmp_path / "tiny.yaml"
+    plan.write_text(
+        "defaults: {batch_size: 2, iters: 1, warmup: 0, timm_refs: [ape]}\n"
+        "parts:\n"
+        "  - {name: a, models: vit_s4_32, img_size: 32, precisions: [amp_bf16], encodings: [alibi_2d, learned], chunk: 1}\n"
+    )
+    rc = main(["speed", "--plan", str(plan), "--depth", "1", "--out-dir", str(tmp_path), "--tag", "a"])
+    assert rc == 0
+    data = json.loads((tmp_path / "a.json").read_text())
+    assert [p["name"] for p in data["meta"]["parts"]] == ["a#1", "a#2"]  # one encoding per chunk, each with its APE
+    rows = [(r["part"], r["model"]) for r in data["results"]]
+    assert rows == [("a#1", "timm:ape"), ("a#1", "vispe:alibi_2d"), ("a#2", "timm:ape"), ("a#2", "vispe:learned")]
+    # a spent budget: nothing runs, and the JSON says which parts were skipped (no figure is invented)
+    rc = main(["speed", "--plan", str(plan), "--depth", "1", "--budget-s", "1e-9", "--out-dir", str(tmp_path), "--tag", "b"])
+    data = json.loads((tmp_path / "b.json").read_text())
+    assert rc == 0 and data["results"] == []
+    assert [p["status"] for p in data["meta"]["parts"]] == ["skipped (time budget spent)"] * 2
+
+
+@pytest.mark.parametrize(
+    "body,match",
+    [
+        ("parts: []\n", r"non-empty 'parts' list"),
+        ("parts:\n  - {models: vit_s4_32, colour: red}\n", r"unknown keys \['colour'\]"),
+        ("parts:\n  - {models: vit_h14}\n", r"unknown model size 'vit_h14'"),
+        ("parts:\n  - {models: vit_s4_32, precisions: [fp16]}\n", r"unknown precision 'fp16'"),
+    ],
+)
+def test_bad_plans_are_refused_naming_the_part(tmp_path, body, match):
+    plan = tmp_path / "bad.yaml"
+    plan.write_text(body)
+    with pytest.raises(ValueError, match=match):
+        main(["speed", "--plan", str(plan), "--out-dir", str(tmp_path)])
+    with pytest.raises(ValueError, match=r"--plan: 'nope' is neither a shipped plan \(gpu\)"):
+        main(["speed", "--plan", "nope"])
+    with pytest.raises(ValueError, match="--dry-run shrinks a --plan"):
+        main(["speed", "--dry-run"])

@@ -43,6 +43,7 @@ __all__ = [
     "read_json",
     "read_safetensors",
     "read_state_dict",
+    "write_text_atomic",
 ]
 
 PathLike = str | os.PathLike
@@ -238,6 +239,20 @@ def read_idx(path: PathLike, what: str = "IDX file") -> np.ndarray:
 # ----------------------------------------------------------------------------------------------------------------
 # JSON
 # ----------------------------------------------------------------------------------------------------------------
+def write_text_atomic(path: PathLike, text: str) -> None:
+    """Write ``text`` through a temporary file in the same folder and a rename: a killed or failed write leaves the
+    previous file (never half of one) and no temporary file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def read_json(path: PathLike, what: str = "JSON file") -> Any:
     """Parse a JSON file; a syntax error names the file, line and column."""
     path = _existing_file(path, what)

@@ -10,7 +10,7 @@ Conventions follow timm's ``benchmark.py``: random ``randn`` inputs, a train ste
 ``create_optimizer_v2(model, 'sgd', lr=1e-4)``, inference runs under ``torch.inference_mode()``,
 ``time.perf_counter`` (with a device synchronize on accelerators).
 
-Peak memory: on CUDA, ``torch.cuda.max_memory_allocated`` around one step. On CPU there is no
+Peak memory: on CUDA, ``torch.cuda.max_memory_allocated`` over one step above what was allocated before it. On CPU there is no
 allocator counter, so one extra (untimed) step runs under ``torch.profiler`` with
 ``profile_memory=True``; every allocation/free the CPU allocator reports is replayed in time
 order and the running maximum is the step's peak *above* what was live before it. The reported
@@ -43,6 +43,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
+
+from vispe.files import write_text_atomic
 
 __all__ = ["main", "parse_encoding_specs", "BENCH_CONFIGS", "TARGETS"]
 
@@ -81,6 +83,11 @@ _TIMM_S16 = {
     "rope_axial": ("vit_small_patch16_rope_224", {}),
     "rope_mixed": ("vit_small_patch16_rope_mixed_224", {}),
 }
+_TIMM_B16 = {
+    "ape": ("vit_base_patch16_224", {}),
+    "rope_axial": ("vit_base_patch16_rope_224", {}),
+    "rope_mixed": ("vit_base_patch16_rope_mixed_224", {}),
+}
 _SMALL_IMG = dict(img_size=32, patch_size=4, num_classes=10)
 
 #: The image-encoding family benchmarked by default (those registered are used, each under its defaults,
@@ -97,6 +104,7 @@ DEFAULT_VIDEO_ENCODINGS = ("learned_3d", "none", "sincos3d", "rope_axial_3d", "r
 
 BENCH_CONFIGS: dict[str, BenchConfig] = {
     "vit_s16": BenchConfig("vispe_vit_small_patch16_224", 224, 8, 128, 1000, _TIMM_S16, default_encodings=DEFAULT_ENCODINGS),
+    "vit_b16": BenchConfig("vispe_vit_base_patch16_224", 224, 4, 128, 1000, _TIMM_B16, default_encodings=DEFAULT_ENCODINGS),
     "vit_s4_32": BenchConfig(
         "vispe_vit_small_patch4_32", 32, 16, 512, 10, {k: (n, dict(_SMALL_IMG)) for k, (n, _) in _TIMM_S16.items()},
         default_encodings=DEFAULT_ENCODINGS,
@@ -152,7 +160,7 @@ def default_encoding_specs(every: bool = False, cfg: BenchConfig | None = None) 
     return ",".join(names if every else [s for s in cfg.default_encodings if parse_pos_encoding(s)[0] in names])
 
 
-from .speed_measure import Entry, infer_step, measure_peak, train_step, _timed  # noqa: F401  (re-exported)
+from .speed_measure import PRECISIONS, Entry, infer_step, measure_peak, train_step, _timed  # noqa: F401  (re-exported)
 from .speed_report import _machine, format_markdown, format_table  # noqa: F401  (re-exported)
 
 
@@ -197,6 +205,7 @@ def build_entries(
     device: torch.device,
     depth: int | None,
     log: Callable[[str], None],
+    precisions: Sequence[str] = ("fp32",),
 ) -> list[Entry]:
     import timm
     from timm.optim import create_optimizer_v2
@@ -224,23 +233,27 @@ def build_entries(
         )
     entries = []
     for mode in modes:
-        for label, family, enc, build in builders:
-            torch.manual_seed(0)
-            t0 = time.perf_counter()
-            try:
-                model = build().to(device)
-            except Exception as err:  # a broken encoding must not sink the whole run
-                log(f"  ! {config_name}/{mode}/{label}: build failed: {type(err).__name__}: {err}")
-                dummy = nn.Linear(1, 1)
-                entries.append(
-                    Entry(config_name, label, family, enc, mode, dummy, dummy, torch.optim.SGD(dummy.parameters(), lr=0.0), 0, 0.0,
-                          error=f"build: {type(err).__name__}: {err}")
-                )
-                continue
-            runner: Any = torch.compile(model) if mode == "compile" else model
-            opt = create_optimizer_v2(model, opt="sgd", lr=1e-4)
-            n_params = sum(p.numel() for p in model.parameters())
-            entries.append(Entry(config_name, label, family, enc, mode, model, runner, opt, n_params, time.perf_counter() - t0))
+        for precision in precisions:
+            for label, family, enc, build in builders:
+                torch.manual_seed(0)
+                t0 = time.perf_counter()
+                try:
+                    model = build().to(device)
+                    if precision == "bf16":
+                        model = model.to(torch.bfloat16)
+                except Exception as err:  # a broken encoding must not sink the whole run
+                    log(f"  ! {config_name}/{mode}/{precision}/{label}: build failed: {type(err).__name__}: {err}")
+                    dummy = nn.Linear(1, 1)
+                    entries.append(
+                        Entry(config_name, label, family, enc, mode, dummy, dummy, torch.optim.SGD(dummy.parameters(), lr=0.0), 0,
+                              0.0, error=f"build: {type(err).__name__}: {err}", precision=precision)
+                    )
+                    continue
+                runner: Any = torch.compile(model) if mode == "compile" else model
+                opt = create_optimizer_v2(model, opt="sgd", lr=1e-4)
+                n_params = sum(p.numel() for p in model.parameters())
+                entries.append(Entry(config_name, label, family, enc, mode, model, runner, opt, n_params, time.perf_counter() - t0,
+                                     precision=precision))
     return entries
 
 
@@ -270,12 +283,25 @@ def run_config(
     min_run_s: float,
     benches: Sequence[str],
     log: Callable[[str], None],
+    deadline: float | None = None,
 ) -> None:
+    """Warm up (and compile), time ``iters`` round-robin rounds, then take peak memory. Past ``deadline`` (a
+    ``time.perf_counter()`` value) no further model is warmed up -- those not yet warm are recorded as skipped, never
+    estimated -- and timing stops after the round in progress (one round at least)."""
     do_train, do_infer, do_mem = "train" in benches, "infer" in benches, "memory" in benches
+
+    def late() -> bool:
+        return deadline is not None and time.perf_counter() > deadline
+
     # warm-up (also compiles) round-robin, and calibrate how many steps make one timed run
-    n_warm = max(warmup, 1 if min_run_s > 0 else 0)
+    # compiled models always get their untimed first calls: a timed step must never include compilation
+    n_warm = max(warmup, 1 if min_run_s > 0 or any(e.mode == "compile" for e in entries) else 0)
     for w in range(n_warm):
         for e in entries:
+            if w == 0 and late() and not e.error:
+                e.error = "skipped: time budget spent before this model was warmed up"
+                log(f"  ! {e.config}/{e.mode}/{e.precision}/{e.label}: {e.error}")
+                continue
             if e.mode == "compile" and w == 0:
                 # compile, then recompile for the cached-table path (first call fills the caches)
                 for _ in range(2):
@@ -307,6 +333,9 @@ def run_config(
                     e.infer_s.append(t[0])
                     e.infer_cpu_s.append(t[1])
         log(f"  round {r + 1}/{iters} done")
+        if late():
+            log(f"  time budget spent: timing stops after {r + 1} of {iters} rounds")
+            break
     if do_mem:
         for e in entries:
             if do_train:
@@ -334,19 +363,20 @@ def summarise(
 ) -> list[dict[str, Any]]:
     """Rows for the table/JSON. ``clock='cpu'`` headlines process CPU time, ``'wall'`` wall time; both are kept."""
     rows = []
-    refs = {(e.config, e.mode): e for e in entries if e.label == ref_label and not e.error}
+    refs = {(e.config, e.mode, e.precision): e for e in entries if e.label == ref_label and not e.error}
     # vispe's own model without a PE: ratios to it isolate what the encoding itself costs
-    nones = {(e.config, e.mode): e for e in entries if e.label == "vispe:none" and not e.error}
+    nones = {(e.config, e.mode, e.precision): e for e in entries if e.label == "vispe:none" and not e.error}
 
     def series(e: Entry, what: str) -> list[float]:
         return getattr(e, f"{what}_cpu_s" if clock == "cpu" else f"{what}_s")
 
     for e in entries:
-        ref = refs.get((e.config, e.mode))
+        ref = refs.get((e.config, e.mode, e.precision))
         tr, inf = _median(series(e, "train")), _median(series(e, "infer"))
         row: dict[str, Any] = {
             "config": e.config,
             "mode": e.mode,
+            "precision": e.precision,
             "model": e.label,
             "family": e.family,
             "encoding": e.encoding,
@@ -379,7 +409,7 @@ def summarise(
                 row[f"{what}_ratio_range"] = [min(r), max(r)] if r else None
             row["train_ratio_wall"] = _paired_ratio(e.train_s, ref.train_s)
             row["infer_ratio_wall"] = _paired_ratio(e.infer_s, ref.infer_s)
-            none = nones.get((e.config, e.mode))
+            none = nones.get((e.config, e.mode, e.precision))
             if none is not None:
                 row["train_ratio_vs_none"] = _paired_ratio(series(e, "train"), series(none, "train"))
                 row["infer_ratio_vs_none"] = _paired_ratio(series(e, "infer"), series(none, "infer"))
@@ -391,7 +421,8 @@ def summarise(
             # issue 8's limits are CPU eager at the configuration's own size
             home = BENCH_CONFIGS.get(e.config)
             at_home = home is None or (img_size == home.img_size and frames == home.frames)
-            tgt = TARGETS.get(e.encoding) if e.family == "vispe" and e.mode == "eager" and at_home else None
+            on_cpu = e.precision == "fp32" and not any(p.is_cuda for p in e.model.parameters())
+            tgt = TARGETS.get(e.encoding) if e.family == "vispe" and e.mode == "eager" and at_home and on_cpu else None
             if tgt is not None:
                 time_ok = all(row[k] is None or row[k] <= tgt[0] for k in ("train_ratio", "infer_ratio"))
                 mem_ok = all(row[k] is None or row[k] <= tgt[1] for k in ("train_mem_ratio", "infer_mem_ratio"))
@@ -428,6 +459,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write a PNG of train time / peak memory x (vs the reference) against tokens per encoding and mode")
     p.add_argument("--modes", default="eager", help="'eager', 'compile' or 'eager,compile' (torch.compile warm-up is slow on CPU)")
     p.add_argument("--bench", default="train,infer,memory", help="what to measure: any of train, infer, memory")
+    p.add_argument("--precisions", default="fp32",
+                   help="numeric precisions, comma-separated from fp32, amp_bf16 (autocast), bf16 (pure: weights and inputs)")
+    p.add_argument("--plan", default=None,
+                   help="run a prepared plan instead of the size/mode options: a shipped name ('gpu': ViT-S/16 and ViT-B/16, "
+                   "224 and 448 px, eager and compiled, fp32 / bf16 autocast / pure bf16, batch 128) or a YAML file")
+    p.add_argument("--dry-run", action="store_true",
+                   help="with --plan: every part on the tiny CPU model (depth 1, batch 2, one round, two encodings)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="no part starts after this many seconds (skipped parts are listed in the JSON; a plan sets its own)")
     p.add_argument("--iters", type=int, default=3, help="timed rounds (each model measured once per round)")
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds before timing")
     p.add_argument("--min-run-s", type=float, default=0.0,
@@ -477,6 +517,13 @@ def _checked_choices(args: argparse.Namespace):
         raise ValueError(f"--iters must be >= 1, got {args.iters}")
     if args.threads < 0:
         raise ValueError(f"--threads must be >= 0, got {args.threads}")
+    for pr in _split(args.precisions):
+        if pr not in PRECISIONS:
+            raise ValueError(f"--precisions: unknown precision {pr!r}; choose from {list(PRECISIONS)}")
+    if args.dry_run and not args.plan:
+        raise ValueError("--dry-run shrinks a --plan; give --plan NAME too")
+    if args.budget_s is not None and not (math.isfinite(args.budget_s) and args.budget_s > 0):
+        raise ValueError(f"--budget-s must be a positive number of seconds, got {args.budget_s}")
     for opt, text in (("--img-sizes", args.img_sizes), ("--frames", args.frames)):
         for v in _split(text or ""):
             if not v.isdigit() or int(v) < 1:
@@ -488,6 +535,99 @@ def _checked_choices(args: argparse.Namespace):
         return [sp for sp in user_specs if cfg.grid_ndim in get_encoding_class(sp[1]).grid_ndims]
 
     return configs, modes, benches, refs, user_specs, specs_for
+
+
+def _allow_many_compiled_models() -> None:
+    """Every compiled model of a run shares the forward code objects of its class, and dynamo keeps at most
+    ``recompile_limit`` (8) graphs per code object before it silently runs the frame eagerly: a run of 18 compiled
+    encodings would time the last ones uncompiled. Raise the limit for this process."""
+    import torch._dynamo.config as dynamo_config
+
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dynamo_config, name):
+            setattr(dynamo_config, name, max(getattr(dynamo_config, name), 256))
+
+
+@dataclass
+class Part:
+    """One measured group: models of one size built side by side, in the given modes and precisions, with ratios to
+    the reference of the same group."""
+
+    name: str
+    config: str
+    cfg: BenchConfig
+    specs: list[tuple[str, str, dict[str, Any]]]
+    refs: list[str]
+    modes: list[str]
+    precisions: list[str]
+    batch: int
+    benches: list[str]
+    iters: int
+    warmup: int
+    min_run_s: float
+
+
+def _plan_path(name: str) -> Path:
+    """A shipped plan (``vispe/benchmarks/plans/NAME.yaml``) or a YAML file."""
+    shipped = Path(__file__).with_name("plans") / f"{name}.yaml"
+    if shipped.is_file():
+        return shipped
+    path = Path(name)
+    if path.suffix in (".yaml", ".yml") and path.is_file():
+        return path
+    known = sorted(p.stem for p in shipped.parent.glob("*.yaml"))
+    raise ValueError(f"--plan: {name!r} is neither a shipped plan ({', '.join(known)}) nor a YAML file")
+
+
+def load_plan(name: str, args: argparse.Namespace, specs_for: Callable[[BenchConfig], list], device: torch.device) -> tuple[list[Part], float | None]:
+    """The parts of a plan file (see ``vispe/benchmarks/plans/gpu.yaml``) and its time budget. ``--dry-run``
+    shrinks every part to the tiny CPU model (``vit_s4_32`` at depth 1, sizes / 7, batch 2, one round, the first two
+    encodings) so the plan's machinery is checked without the hardware it is written for."""
+    import yaml
+
+    path = _plan_path(name)
+    raw = yaml.safe_load(path.read_text())
+    if not isinstance(raw, dict) or not isinstance(raw.get("parts"), list) or not raw["parts"]:
+        raise ValueError(f"--plan {path}: expected a mapping with a non-empty 'parts' list")
+    defaults = raw.get("defaults") or {}
+    allowed = {"name", "models", "img_size", "frames", "modes", "precisions", "bench", "encodings", "timm_refs", "batch_size",
+               "iters", "warmup", "min_run_s", "chunk"}
+    parts: list[Part] = []
+    for k, item in enumerate(raw["parts"]):
+        spec = {**defaults, **item}
+        unknown = sorted(set(spec) - allowed)
+        if unknown:
+            raise ValueError(f"--plan {path}: part {k} has unknown keys {unknown}; allowed: {sorted(allowed)}")
+        config = spec.get("models")
+        if config not in BENCH_CONFIGS:
+            raise ValueError(f"--plan {path}: part {k}: unknown model size {config!r}; choose from {sorted(BENCH_CONFIGS)}")
+        modes, precisions = list(spec.get("modes", ["eager"])), list(spec.get("precisions", ["fp32"]))
+        for m in modes:
+            if m not in ("eager", "compile"):
+                raise ValueError(f"--plan {path}: part {k}: unknown mode {m!r}; choose 'eager' and/or 'compile'")
+        for pr in precisions:
+            if pr not in PRECISIONS:
+                raise ValueError(f"--plan {path}: part {k}: unknown precision {pr!r}; choose from {list(PRECISIONS)}")
+        img_size = spec.get("img_size")
+        cfg = sized_config(BENCH_CONFIGS[config], img_size, spec.get("frames"))
+        enc = spec.get("encodings", "default")
+        specs = specs_for(cfg) if enc == "default" else parse_encoding_specs(",".join(enc) if isinstance(enc, list) else enc)
+        refs = [r for r in spec.get("timm_refs", list(cfg.timm_refs)) if r in cfg.timm_refs]
+        batch = int(spec.get("batch_size") or (cfg.gpu_batch if device.type == "cuda" else cfg.cpu_batch))
+        benches = list(spec.get("bench", ["train", "infer", "memory"]))
+        iters, warmup, min_run_s = int(spec.get("iters", 3)), int(spec.get("warmup", 1)), float(spec.get("min_run_s", 0.0))
+        if args.dry_run:
+            cfg = sized_config(BENCH_CONFIGS["vit_s4_32"], max(16, (img_size or 224) // 7 // 4 * 4))
+            specs, batch, iters, warmup, min_run_s = specs[:2], 2, 1, 0, 0.0
+        chunk = int(spec.get("chunk") or 0) or len(specs) or 1
+        for c0 in range(0, max(len(specs), 1), chunk):
+            # later chunks re-measure only the ratio reference (compiled models are many: chunks keep each group short)
+            chunk_refs = refs if c0 == 0 else [r for r in refs if f"timm:{r}" == cfg.reference]
+            suffix = f"#{c0 // chunk + 1}" if chunk < len(specs) else ""
+            parts.append(Part(f"{spec.get('name', f'part{k}')}{suffix}", config, cfg, specs[c0:c0 + chunk], chunk_refs, modes,
+                              precisions, batch, benches, iters, warmup, min_run_s))
+    budget = raw.get("budget_s")
+    return parts, None if budget is None or args.dry_run else float(budget)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -502,18 +642,45 @@ def main(argv: Sequence[str] | None = None) -> int:
     load_start = tuple(round(v, 2) for v in os.getloadavg())
     configs, modes, benches, refs, user_specs, specs_for = _checked_choices(args)
     device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: this PyTorch build sees no CUDA device; use --device cpu (or --dry-run for a plan)")
     clock = args.clock or ("wall" if device.type == "cuda" else "cpu")
     if args.threads and device.type == "cpu":
         torch.set_num_threads(args.threads)
 
     def log(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
+        print(f"[{time.perf_counter() - t_start:6.0f}s] {msg}", file=sys.stderr, flush=True)
 
     import timm
+
+    if args.plan:
+        parts, budget = load_plan(args.plan, args, specs_for, device)
+        if args.budget_s is not None:
+            budget = args.budget_s
+    else:
+        budget = args.budget_s
+        parts = []
+        sizes = [int(v) for v in _split(args.img_sizes or "")] or [None]
+        frame_counts = [int(v) for v in _split(args.frames or "")] or [None]
+        for c in configs:
+            for size in sizes:
+                for nf in frame_counts if BENCH_CONFIGS[c].frames else [None]:
+                    cfg = sized_config(BENCH_CONFIGS[c], size, nf)
+                    specs = specs_for(cfg)
+                    skipped = [sp[0] for sp in user_specs or () if sp not in specs]
+                    if skipped:
+                        log(f"[{c}] skipping {skipped}: they do not take {cfg.grid_ndim}D grids")
+                    batch = args.batch_size or (cfg.gpu_batch if device.type == "cuda" else cfg.cpu_batch)
+                    parts.append(Part(c, c, cfg, specs, [r for r in refs if r in cfg.timm_refs], modes, _split(args.precisions),
+                                      batch, benches, args.iters, args.warmup, args.min_run_s))
+    deadline = None if budget is None else t_start + budget
+    if any("compile" in p.modes for p in parts):
+        _allow_many_compiled_models()
 
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cpu_start = time.process_time()
+    part_log: list[dict[str, Any]] = []
 
     def write(rows: list[dict[str, Any]], done: bool) -> dict[str, Any]:
         meta = {
@@ -526,44 +693,55 @@ def main(argv: Sequence[str] | None = None) -> int:
             "complete": done,
             "iters": args.iters,
             "warmup": args.warmup,
-            "modes": modes,
+            "modes": sorted({m for p in parts for m in p.modes}),
+            "precisions": sorted({pr for p in parts for pr in p.precisions}),
+            "plan": args.plan,
+            "budget_s": budget,
+            "parts": part_log,
             "wall_s": time.perf_counter() - t_start,
             "process_cpu_s": time.process_time() - cpu_start,
             "loadavg_start": load_start,
             "loadavg_end": tuple(round(v, 2) for v in os.getloadavg()),
-            "memory_method": "cuda max_memory_allocated" if device.type == "cuda"
-            else "resident params/buffers(/optimizer state) + peak of torch.profiler CPU allocator events over one step",
+            "memory_method": "resident params/buffers(/optimizer state) + the step's peak above the allocation before it "
+            + ("(torch.cuda.max_memory_allocated)" if device.type == "cuda" else "(torch.profiler CPU allocator events)"),
             "clock": clock,
             "ratio_method": "median over rounds of time / the reference's time in the same round (timm APE; "
-            "vispe learned_3d for the video size)",
+            "vispe learned_3d for the video size), within one part, mode and precision",
         }
-        (out / f"{args.tag}.json").write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
-        (out / f"{args.tag}.md").write_text(format_markdown(rows, meta))
+        write_text_atomic(out / f"{args.tag}.json", json.dumps({"meta": meta, "results": rows}, indent=2))
+        write_text_atomic(out / f"{args.tag}.md", format_markdown(rows, meta))
         return meta
 
     rows: list[dict[str, Any]] = []
-    sizes = [int(v) for v in _split(args.img_sizes or "")] or [None]
-    frame_counts = [int(v) for v in _split(args.frames or "")] or [None]
-    plan = [(c, BENCH_CONFIGS[c], s, f) for c in configs for s in sizes for f in (frame_counts if BENCH_CONFIGS[c].frames else [None])]
-    for c, base_cfg, size, nf in plan:
-        cfg = sized_config(base_cfg, size, nf)
-        batch = args.batch_size or (cfg.gpu_batch if device.type == "cuda" else cfg.cpu_batch)
-        specs, cfg_refs = specs_for(cfg), [r for r in refs if r in cfg.timm_refs]
-        skipped = [sp[0] for sp in user_specs or () if sp not in specs]
-        if skipped:
-            log(f"[{c}] skipping {skipped}: they do not take {cfg.grid_ndim}D grids")
+    for part in parts:
+        if deadline is not None and time.perf_counter() > deadline:
+            part_log.append({"name": part.name, "status": "skipped (time budget spent)", "wall_s": 0.0})
+            log(f"[{part.name}] skipped: the {budget:.0f} s budget is spent")
+            continue
+        t_part = time.perf_counter()
+        cfg = part.cfg
         frames = f"{cfg.frames} frames of " if cfg.frames else ""
-        log(f"[{c}] building {len(cfg_refs) + len(specs)} models x {modes} (batch {batch}, {frames}{cfg.img_size}px)")
-        entries = build_entries(c, cfg, specs, cfg_refs, modes, device, args.depth, log)
+        log(f"[{part.name}] building {len(part.refs) + len(part.specs)} models x {part.modes} x {part.precisions} "
+            f"(batch {part.batch}, {frames}{cfg.img_size}px)")
+        entries = build_entries(part.config, cfg, part.specs, part.refs, part.modes, device, args.depth, log, part.precisions)
         g = torch.Generator().manual_seed(0)
-        shape = (batch, 3, cfg.frames, cfg.img_size, cfg.img_size) if cfg.frames else (batch, 3, cfg.img_size, cfg.img_size)
+        shape = (part.batch, 3, cfg.frames, cfg.img_size, cfg.img_size) if cfg.frames else (part.batch, 3, cfg.img_size, cfg.img_size)
         x = torch.randn(*shape, generator=g).to(device)
-        y = torch.randint(0, cfg.num_classes, (batch,), generator=g).to(device)
-        run_config(entries, x, y, device, args.iters, args.warmup, args.min_run_s, benches, log)
+        y = torch.randint(0, cfg.num_classes, (part.batch,), generator=g).to(device)
+        # a hard stop a little after the budget: a part that started in time may finish its round, not run on
+        hard = None if deadline is None else deadline + 0.2 * budget
+        run_config(entries, x, y, device, part.iters, part.warmup, part.min_run_s, part.benches, log, hard)
         if not any(e.label == cfg.reference for e in entries):
-            log(f"[{c}] no ratios: the reference model {cfg.reference!r} is not in this run")
-        rows += summarise(entries, batch, cfg.img_size, clock, ref_label=cfg.reference, frames=cfg.frames)
+            log(f"[{part.name}] no ratios: the reference model {cfg.reference!r} is not in this run")
+        part_rows = summarise(entries, part.batch, cfg.img_size, clock, ref_label=cfg.reference, frames=cfg.frames)
+        for r in part_rows:
+            r["part"] = part.name
+        rows += part_rows
+        part_log.append({"name": part.name, "status": "done", "wall_s": round(time.perf_counter() - t_part, 1)})
+        log(f"[{part.name}] done in {time.perf_counter() - t_part:.0f} s")
         del entries
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         write(rows, done=False)  # partial results survive an interrupted run
 
     meta = write(rows, done=True)
@@ -577,9 +755,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"\nwall time {meta['wall_s']:.0f} s (process CPU {meta['process_cpu_s']:.0f} s) on {meta['machine']}, "
         f"{meta['threads']} threads; load average {load_start} -> {meta['loadavg_end']}"
     )
+    skipped = [p["name"] for p in part_log if p["status"] != "done"]
+    if skipped:
+        print(f"parts not run (time budget): {', '.join(skipped)}")
     print(f"wrote {out / (args.tag + '.json')} and {out / (args.tag + '.md')}")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -2,9 +2,10 @@
 timing on the chosen clock and peak memory (see :mod:`vispe.benchmarks.speed` for the method)."""
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, ContextManager
 
 import torch
 import torch.nn as nn
@@ -13,6 +14,11 @@ import torch.nn.functional as F
 # ----------------------------------------------------------------------------------------------
 # One benchmarked model
 # ----------------------------------------------------------------------------------------------
+
+#: Numeric precisions a model is measured in: ``fp32``; ``amp_bf16`` = float32 weights, forward and loss under
+#: ``torch.autocast(dtype=bfloat16)`` (the usual mixed-precision recipe); ``bf16`` = weights, inputs and optimizer
+#: in bfloat16 ("pure" bf16; encodings keep their angle tables in float32 themselves).
+PRECISIONS = ("fp32", "amp_bf16", "bf16")
 
 
 @dataclass
@@ -36,6 +42,22 @@ class Entry:
     train_peak: float | None = None  # bytes
     infer_peak: float | None = None
     error: str | None = None
+    precision: str = "fp32"  # one of PRECISIONS
+    _cast: tuple[int, torch.Tensor] | None = None  # (id of the shared input, this entry's copy in its dtype)
+
+    def input(self, x: torch.Tensor) -> torch.Tensor:
+        """The benchmark input in this entry's dtype, cast once (not inside the timed steps)."""
+        if self.precision != "bf16" or not x.is_floating_point():
+            return x
+        if self._cast is None or self._cast[0] != id(x):
+            self._cast = (id(x), x.to(torch.bfloat16))
+        return self._cast[1]
+
+    def autocast(self) -> ContextManager:
+        if self.precision != "amp_bf16":
+            return contextlib.nullcontext()
+        device = next((p.device.type for p in self.model.parameters()), "cpu")
+        return torch.autocast(device_type=device, dtype=torch.bfloat16)
 
 
 def _sync(device: torch.device) -> None:
@@ -46,8 +68,9 @@ def _sync(device: torch.device) -> None:
 def train_step(entry: Entry, x: torch.Tensor, y: torch.Tensor) -> None:
     entry.model.train()
     entry.optimizer.zero_grad(set_to_none=True)
-    out = entry.runner(x)
-    loss = F.cross_entropy(out, y)
+    with entry.autocast():
+        out = entry.runner(entry.input(x))
+        loss = F.cross_entropy(out.float(), y)
     loss.backward()
     entry.optimizer.step()
     # free the gradients now: all models of a run live in one process, and each would otherwise
@@ -57,8 +80,8 @@ def train_step(entry: Entry, x: torch.Tensor, y: torch.Tensor) -> None:
 
 def infer_step(entry: Entry, x: torch.Tensor) -> None:
     entry.model.eval()
-    with torch.inference_mode():
-        entry.runner(x)
+    with torch.inference_mode(), entry.autocast():
+        entry.runner(entry.input(x))
 
 
 def _timed(fn: Callable[[], None], n: int, device: torch.device) -> tuple[float, float]:
@@ -115,12 +138,16 @@ def _cpu_step_peak(fn: Callable[[], None]) -> int:
 
 
 def measure_peak(entry: Entry, fn: Callable[[], None], device: torch.device, train: bool) -> float:
+    if train:
+        entry.optimizer.zero_grad(set_to_none=True)  # grads are allocated inside the step
     if device.type == "cuda":
+        # every model of the run is resident on the device: count this model's own bytes plus the step's rise
+        # above what was allocated before it, the same quantity as on CPU
         torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
         fn()
         torch.cuda.synchronize(device)
-        return float(torch.cuda.max_memory_allocated(device))
-    if train:
-        entry.optimizer.zero_grad(set_to_none=True)  # grads are allocated inside the step
+        step_peak = torch.cuda.max_memory_allocated(device) - before
+        return float(_resident_bytes(entry, with_optimizer=train) + step_peak)
     return float(_resident_bytes(entry, with_optimizer=train) + _cpu_step_peak(fn))

@@ -19,6 +19,7 @@ def _f(v: Any, fmt: str) -> str:
 _COLUMNS = [
     ("config", "config", None),
     ("mode", "mode", None),
+    ("prec", "precision", None),
     ("model", "model", None),
     ("px", "img_size", None),
     ("tokens", "tokens", None),
@@ -62,7 +63,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     head = [c[0] for c in _COLUMNS]
     body = [_cells(r) for r in rows]
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
-    line = lambda cells: "  ".join(c.rjust(w) if i >= 3 else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
+    line = lambda cells: "  ".join(c.rjust(w) if i >= 4 else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
     return "\n".join([line(head), line(["-" * w for w in widths])] + [line(b) for b in body])
 
 
@@ -70,7 +71,7 @@ def format_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     head = [c[0] for c in _COLUMNS]
     lines = [
         "| " + " | ".join(head) + " |",
-        "|" + "|".join("---" if i < 3 else "---:" for i in range(len(head))) + "|",
+        "|" + "|".join("---" if i < 4 else "---:" for i in range(len(head))) + "|",
     ]
     lines += ["| " + " | ".join(_cells(r)) + " |" for r in rows]
     errors = [f"- `{r['config']}/{r['mode']}/{r['model']}`: {r['error']}" for r in rows if r.get("error")]
