@@ -178,3 +178,53 @@ def test_flex_attention_inference_equals_the_dense_mask(name):
         enc.set_attention_backend("flex")
         got = enc.attend(q, k, v, layer=1, state=state)
     torch.testing.assert_close(got, want, **TOL)
+
+
+# ---- GPU-only choices, checked on CPU (the H100 run behind them: docs/speed-gpu.md) ----------------------------
+
+
+def test_compiled_cuda_path_is_dense_until_the_term_is_large():
+    from vispe.encodings.attention import DENSE_TERM_ELEMENTS, _compiled_cuda_path
+
+    q = torch.zeros(128, 6, 197, 1)  # ViT-S/16 at 224 px, batch 128: a 30M-element term
+    assert _compiled_cuda_path(q, q, 0.0) == "dense"
+    big = torch.zeros(128, 6, 785, 1)  # 448 px: 473M elements, past the limit
+    assert 128 * 6 * 785 * 785 > DENSE_TERM_ELEMENTS
+    assert _compiled_cuda_path(big, big, 0.0) == "flex" and _compiled_cuda_path(big, big, 0.1) == "blocked"
+
+
+def test_irpe_hands_its_flex_tiles_to_flex_attention(monkeypatch):
+    """iRPE's term asks FlexAttention for 32 x 32 tiles (the default tiles overflow an H100's shared memory in backward);
+    the options reach the kernel merged over the module-wide ones."""
+    from vispe.encodings import attention, create_encoding
+    from vispe.encodings.grid import PositionGrid
+
+    seen = {}
+
+    def fake_flex(q, k, v, score_mod=None, scale=None, kernel_options=None):
+        seen["options"] = kernel_options
+        return torch.zeros_like(q)
+
+    monkeypatch.setattr(attention, "_COMPILED_FLEX", fake_flex)
+    monkeypatch.setattr(attention, "FLEX_KERNEL_OPTIONS", {"num_warps": 4})
+    enc = create_encoding("irpe", EncodingContext(32, 2, 1, (3, 3)), attention_backend="flex")
+    grid = PositionGrid((3, 3), 1)
+    q = torch.randn(1, 2, 10, 16)
+    with torch.no_grad():
+        enc.attend(q, q, q, layer=0, state=enc.prepare(grid, q.device))
+    assert seen["options"]["BLOCK_M1"] == 32 and seen["options"]["BLOCK_N2"] == 32 and seen["options"]["num_warps"] == 4
+
+
+def test_liere_backward_in_eigh_chunks_equals_one_batch(monkeypatch):
+    from vispe.encodings import liere
+
+    torch.manual_seed(0)
+    coords = torch.rand(9, 2, dtype=torch.float64)
+    gens = liere.skew_from_entries(torch.randn(2, 3, 2, 28, dtype=torch.float64), 8).requires_grad_(True)
+    grads = []
+    for chunk in (10**9, 5):
+        monkeypatch.setattr(liere, "EIGH_CHUNK", chunk)
+        gens.grad = None
+        liere._ExpOfGeneratorSum.apply(coords, gens).sum().backward()
+        grads.append(gens.grad.clone())
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-12, atol=1e-12)

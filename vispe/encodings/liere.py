@@ -126,13 +126,24 @@ def _matrix_exp(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.matrix_exp(x.reshape(-1, b, b)).view(x.shape)
 
 
+#: blocks per ``eigh`` call in the backward (see :func:`_skew_eig`)
+EIGH_CHUNK = 16384
+
+
 def _skew_eig(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``m = U diag(-i lam) U^H`` for real skew-symmetric blocks ``m`` ``(..., b, b)``: the eigen-decomposition of the
     Hermitian ``i m`` (``lam`` real ``(..., b)``, ``U`` unitary, complex). Over one flat batch axis: inductor
     (torch 2.15) may hand a fallback op a permuted layout of a many-axis batch (see :func:`_matrix_exp`)."""
     b = m.shape[-1]
     flat = m.reshape(-1, b, b)
-    lam, u = torch.linalg.eigh(torch.complex(torch.zeros_like(flat), flat))
+    herm = torch.complex(torch.zeros_like(flat), flat)
+    if flat.shape[0] > EIGH_CHUNK and not torch.compiler.is_compiling():
+        # cuSOLVER's batched eigh fails on very large batches (an internal error at ~1e5 blocks, a 242 GiB
+        # workspace request at ~4.5e5 on an H100): solve fixed-size chunks instead
+        parts = [torch.linalg.eigh(c) for c in herm.split(EIGH_CHUNK)]
+        lam, u = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    else:
+        lam, u = torch.linalg.eigh(herm)
     return lam.view(*m.shape[:-1]), u.view(*m.shape[:-2], b, b)
 
 
