@@ -669,4 +669,6 @@ def create_encoding(spec: Any, context: EncodingContext | None = None, **kwargs:
     enc = cls(**args)
     if backend is not None:
         enc.set_attention_backend(backend)
+    # how it was built: a meta-device model is initialised by building its encodings again (models.init_empty_weights)
+    enc.construction = (cls, dict(args), backend)
     return enc

@@ -55,9 +55,15 @@ class LearnableFourierFeatures(nn.Module):
         self.coord_dim, self.groups, self.fourier_dim = coord_dim, groups, fourier_dim
         check_choice("freq_init", freq_init, LFF_FREQ_INITS)
         # paper: W_r ~ N(0, gamma^-2), i.e. std 1/gamma; 'lightglue': std gamma^-2 (see LFF_FREQ_INITS)
-        std = 1.0 / gamma if freq_init == "paper" else gamma**-2
-        self.freqs = nn.Parameter(torch.randn(fourier_dim // 2, coord_dim) * std)
+        self.freq_std = 1.0 / gamma if freq_init == "paper" else gamma**-2
+        self.freqs = nn.Parameter(torch.empty(fourier_dim // 2, coord_dim))
+        self.reset_parameters()  # before the MLP is built: the same random draws, in the same order, as ever
         self.mlp = nn.Sequential(nn.Linear(fourier_dim, hidden_dim), nn.GELU(), nn.Linear(hidden_dim, out_dim // groups))
+
+    def reset_parameters(self) -> None:
+        """``W_r``'s init (the MLP's layers reset themselves)."""
+        with torch.no_grad():
+            self.freqs.copy_(torch.randn(self.freqs.shape) * self.freq_std)
 
     def fourier(self, coords: torch.Tensor) -> torch.Tensor:
         """``|F|^-1/2 [cos(X W_r^T) || sin(X W_r^T)]`` in float32: ``(..., G, M)`` -> ``(..., G, |F|)``."""

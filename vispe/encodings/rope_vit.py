@@ -259,14 +259,24 @@ class RopeMixed(_LatticeRotary):
                 "Choose num_heads so that embed_dim/num_heads is a multiple of 4."
             )
         check_choice("temporal_init", temporal_init, ("ladder", "zero"))
-        ndim, P = len(self.grid_size), head_dim // 2
-        fxy = init_random_2d_freqs(head_dim, depth, num_heads, temperature=theta, rotate=True)  # (2, depth, H, P): (x, y)
-        if temporal_init == "ladder":
-            ft = (temporal_theta ** (-torch.arange(P, dtype=torch.float32) / P)).expand(depth, num_heads, P)
+        self._init = dict(head_dim=head_dim, num_heads=num_heads, depth=depth, theta=theta, temporal_theta=temporal_theta,
+                          temporal_init=temporal_init)
+        self.freqs = nn.Parameter(torch.empty(len(self.chunk_axes), depth, num_heads, head_dim // 2))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The paper's init: random rotated 2D frequencies for (x, y), a frequency ladder (or zeros) for time."""
+        c = self._init
+        ndim, P = len(self.grid_size), c["head_dim"] // 2
+        fxy = init_random_2d_freqs(c["head_dim"], c["depth"], c["num_heads"], temperature=c["theta"], rotate=True)  # (2, depth, H, P)
+        if c["temporal_init"] == "ladder":
+            ft = (c["temporal_theta"] ** (-torch.arange(P, dtype=torch.float32) / P)).expand(c["depth"], c["num_heads"], P)
         else:
-            ft = torch.zeros(depth, num_heads, P)
+            ft = torch.zeros(c["depth"], c["num_heads"], P)
         by_axis = {ndim - 1: fxy[0], ndim - 2: fxy[1]}
-        self.freqs = nn.Parameter(torch.stack([by_axis[a] if a in by_axis else ft.clone() for a in self.chunk_axes]))
+        with torch.no_grad():
+            init = torch.stack([by_axis[a] if a in by_axis else ft.clone() for a in self.chunk_axes])
+            self.freqs.copy_(init.to(self.freqs.device))
 
     def angles(self, grid, device):
         idx = self.lattice_indices(grid, device)

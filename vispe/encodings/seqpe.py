@@ -79,6 +79,10 @@ class SeqPEEncoder(nn.Module):
             for _ in range(depth)
         )
         self.out_proj = nn.Linear(width, out_dim)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The released init: truncated normal (0.02) for every weight and the learned tokens, zero biases."""
         self.apply(self._init)
         if self.axis_embed is not None:
             trunc_normal_(self.axis_embed, std=0.02)

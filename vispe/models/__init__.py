@@ -1,6 +1,7 @@
 """timm-compatible models that take vispe positional encodings (registered in timm on import)."""
 from .checkpoint import LoadReport, adapt_timm_state_dict, load_released_loope, load_timm_checkpoint, timm_checkpoint_filter
 from .layers import LayerPE, PEAttention, PEBlock
+from .materialize import init_empty_weights
 from .naflex import patchify_images
 from .vispe_vit import VispeVisionTransformer, parse_pos_encoding
 from . import video_vit, video_llm  # noqa: F401,E402  (registers vispe_video_vit_* in timm)
@@ -11,6 +12,7 @@ __all__ = [
     "load_timm_checkpoint",
     "load_released_loope",
     "timm_checkpoint_filter",
+    "init_empty_weights",
     "LayerPE",
     "PEAttention",
     "PEBlock",

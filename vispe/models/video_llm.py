@@ -231,8 +231,10 @@ class VideoLLM(nn.Module):
         self.pos_encoding: MultimodalRotary = create_encoding(  # type: ignore[assignment]
             name, EncodingContext(dim=dim, num_heads=num_heads, depth=depth, grid_size=(1, 1, 1), num_prefix_tokens=0), **rope_kwargs
         )
-        # fail at construction on bad position options (unknown names / invalid values)
-        build_positions_batch(name, [[Text(1)]], **self._pos_kwargs(False))
+        # fail at construction on bad position options (unknown names / invalid values); on the CPU, also when the
+        # model is being built on the meta device
+        with torch.device("cpu"):
+            build_positions_batch(name, [[Text(1)]], **self._pos_kwargs(False))
 
         self.vision_encoder = vision_encoder
         if visual_dim is None and vision_encoder is not None:
@@ -248,9 +250,21 @@ class VideoLLM(nn.Module):
         self.blocks = nn.ModuleList([DecoderBlock(dim, num_heads, mlp_ratio, qkv_bias, norm_eps, dropout) for _ in range(depth)])
         self.norm = nn.RMSNorm(dim, eps=norm_eps)
         self.lm_head = nn.Linear(dim, vocab_size, bias=False)
-        self.apply(self._init_weights)
-        if tie_embeddings:
+        self.init_weights()
+        self.tie_embeddings = tie_embeddings
+        self.tie_weights()
+        # ``to_empty`` (meta-device builds) converts each module's parameters on its own, which unties shared ones:
+        # tie again after every state-dict load, as Hugging Face models do
+        self.register_load_state_dict_post_hook(lambda module, incompatible: module.tie_weights())
+
+    def tie_weights(self) -> None:
+        """Share the output head's weight with the token embedding (``tie_embeddings``)."""
+        if self.tie_embeddings:
             self.lm_head.weight = self.tok_embed.weight
+
+    def init_weights(self) -> None:
+        """Normal(0.02) linear and embedding weights, zero biases (encodings own their init: ``reset_parameters``)."""
+        self.apply(self._init_weights)
 
     @staticmethod
     def _init_weights(m: nn.Module) -> None:

@@ -206,7 +206,7 @@ class VispeVideoViT(nn.Module):
         self.patch_drop = (
             PatchDropoutWithIndices(patch_drop_rate, num_prefix_tokens=self.num_prefix_tokens) if patch_drop_rate > 0 else nn.Identity()
         )
-        dpr = [x.item() for x in torch.linspace(0, drop_path_rate, depth)]
+        dpr = [x.item() for x in torch.linspace(0, drop_path_rate, depth, device="cpu")]  # also under a meta device
         self.blocks = nn.Sequential(
             *[
                 PEBlock(
@@ -230,9 +230,10 @@ class VispeVideoViT(nn.Module):
             num_prefix_tokens=self.num_prefix_tokens, in_chans=in_chans, patch_size=self.patch_embed.kernel,
         )
         self.pos_encoding = create_encoding(name, context, **pe_kwargs)
-        self._init_weights()
+        self.init_weights()
 
-    def _init_weights(self) -> None:
+    def init_weights(self) -> None:
+        """Prefix tokens, linear layers and the patch projection (encodings own their init: ``reset_parameters``)."""
         if self.cls_token is not None:
             nn.init.normal_(self.cls_token, std=1e-6)
         if self.reg_token is not None:

@@ -308,11 +308,15 @@ class ComRopeAPBase(ComRopeBase):
                 f"{self.registry_name or type(self).__name__}: head_dim/block_size = {self.num_blocks} blocks cannot be split "
                 f"evenly over {self.num_axes} axes; choose block_size so that head_dim/block_size is a multiple of {self.num_axes}"
             )
-        self.register_buffer("axis_of_block", torch.arange(self.num_blocks) % self.num_axes, persistent=False)
         self.reset_parameters()
 
+    def axis_of_block(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """Block ``j`` -> its axis ``j mod N``. Derived, never a buffer: a buffer would come back uninitialised after a
+        meta-device build and ``to_empty`` (a state dict does not hold non-persistent buffers)."""
+        return torch.arange(self.num_blocks, device=device) % self.num_axes
+
     def coefficients(self, coords: torch.Tensor) -> torch.Tensor:
-        c = coords.float()[:, self.axis_of_block.to(coords.device)]  # (L, m)
+        c = coords.float()[:, self.axis_of_block(coords.device)]  # (L, m)
         return c.expand(self.depth, 1, *c.shape)
 
     def axis_line_generators(self) -> list[torch.Tensor]:
@@ -330,7 +334,7 @@ class ComRopeAPBase(ComRopeBase):
 
     def axis_generators(self) -> torch.Tensor:
         s = self.skew_blocks()  # (depth, H, m, b, b)
-        onehot = (self.axis_of_block[None, :] == torch.arange(self.num_axes, device=s.device)[:, None]).float()
+        onehot = (self.axis_of_block(s.device)[None, :] == torch.arange(self.num_axes, device=s.device)[:, None]).float()
         return onehot[:, None, None, :, None, None] * s[None]
 
 
