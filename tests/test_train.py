@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from vispe.recipes import recipe_path
+from vispe.runs import find_last_checkpoint
 from vispe.tasks import ImageClassification, param_groups_no_decay, warmup_cosine
-from vispe.train_cli import AtomicCheckpointIO, find_last_checkpoint, launcher_trainer_settings, main
+from vispe.train_cli import AtomicCheckpointIO, launcher_trainer_settings, main
 
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = recipe_path("smoke")
