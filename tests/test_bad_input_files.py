@@ -292,6 +292,7 @@ def test_checkpoints_wrong_width_into_vit():
     expect_clear_error(lambda: load_timm_checkpoint(_tiny_vit(), wide), ["width 48", "embed_dim=32"])
 
 
+@pytest.mark.slow
 def test_checkpoints_resolution_sweep_of_another_task_or_tampered_weights(narrow_ckpt, tmp_path, capsys):
     from vispe.benchmarks.resolution_sweep import main as resolution_main
 
@@ -306,6 +307,7 @@ def test_checkpoints_resolution_sweep_of_another_task_or_tampered_weights(narrow
                        ["tampered.ckpt", "do not rebuild", "blocks.1"])
 
 
+@pytest.mark.slow
 def test_data_damaged_earlier_sweep_results_are_named(narrow_ckpt, tmp_path, capsys):
     from vispe.benchmarks.resolution_sweep import main as resolution_main
 
@@ -346,6 +348,7 @@ def narrow_ckpt(tmp_path_factory) -> Path:
 WIDE = '{embed_dim: 48, depth: 2, num_heads: 2}'
 
 
+@pytest.mark.slow
 def test_checkpoints_fit_resume_other_architecture_is_refused(narrow_ckpt, tmp_path):
     from vispe.train_cli import main as fit_main
 
@@ -355,6 +358,7 @@ def test_checkpoints_fit_resume_other_architecture_is_refused(narrow_ckpt, tmp_p
     assert not any(tmp_path.iterdir())  # refused before any logger / checkpoint folder
 
 
+@pytest.mark.slow
 def test_checkpoints_fit_resume_last_of_other_architecture_is_refused(narrow_ckpt, tmp_path):
     """`--ckpt_path last` is resolved by the Trainer; the comparison runs there, before any training step."""
     import shutil
@@ -370,6 +374,7 @@ def test_checkpoints_fit_resume_last_of_other_architecture_is_refused(narrow_ckp
     assert last.stat().st_mtime_ns == stamp  # nothing trained, nothing saved over it
 
 
+@pytest.mark.slow
 def test_checkpoints_fit_resume_opt_in_to_the_checkpoint_architecture(narrow_ckpt, tmp_path):
     """`--ckpt_hparams checkpoint` is the explicit opt-in: the 32-wide model of the checkpoint is built and trained on."""
     from vispe.train_cli import main as fit_main
@@ -381,6 +386,7 @@ def test_checkpoints_fit_resume_opt_in_to_the_checkpoint_architecture(narrow_ckp
     assert saved["state_dict"]["model.patch_embed.proj.weight"].shape[0] == 32
 
 
+@pytest.mark.slow
 def test_checkpoints_fit_resume_keep_config_architecture_fails_on_the_weights(narrow_ckpt, tmp_path):
     """`--ckpt_hparams config` builds the configured 48-wide model; the 32-wide weights cannot fill it: a size error."""
     from vispe.train_cli import main as fit_main
@@ -389,6 +395,7 @@ def test_checkpoints_fit_resume_keep_config_architecture_fails_on_the_weights(na
                                                   "--ckpt_hparams", "config")), ["size mismatch", "patch_embed.proj.weight"])
 
 
+@pytest.mark.slow
 def test_checkpoints_fit_resume_same_architecture_needs_no_flag(narrow_ckpt, tmp_path):
     from vispe.train_cli import main as fit_main
 
@@ -710,6 +717,7 @@ def _yaml(tmp_path: Path, old: str, new: str) -> Path:
     ("zero devices", ["--trainer.devices", "0"], ["devices", "0"]),
     ("negative max_epochs", ["--trainer.max_epochs", "-5"], ["max_epochs", "-5"]),
 ])
+@pytest.mark.slow
 def test_cli_bad_flag(case, args, needles, tmp_path, capsys):
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
@@ -724,6 +732,7 @@ def test_cli_bad_flag(case, args, needles, tmp_path, capsys):
     ("wrong type in yaml", "    lr: 0.003", "    lr: [0.003]", ["lr"]),
     ("data value", "    image_size: 16", "    image_size: 2", ["image_size", "2"]),
 ])
+@pytest.mark.slow
 def test_cli_bad_yaml(case, old, new, needles, tmp_path, capsys):
     from vispe.train_cli import main as fit_main
 

@@ -14,6 +14,7 @@ from vispe.cli import main as cli_main
 from vispe.encodings import apply_rotary, rotary_table
 
 
+@pytest.mark.slow
 def test_bench_speed_command_runs_one_iteration(tmp_path, capsys):
     rc = cli_main(
         [
@@ -42,6 +43,7 @@ def test_bench_speed_command_runs_one_iteration(tmp_path, capsys):
     assert "timm:ape" in (tmp_path / "t.md").read_text()
 
 
+@pytest.mark.slow
 def test_video_size_uses_3d_encodings_and_its_own_reference(tmp_path, capsys):
     """``video_s16``: the video ViT with 3D encodings; 2D names are skipped there, ratios are to ``learned_3d``."""
     rc = main(["speed", "--models", "video_s16", "--depth", "1", "--batch-size", "1", "--iters", "1", "--warmup", "0",
@@ -209,6 +211,7 @@ def test_default_specs_keep_encodings_with_options():
     assert all(s in BENCH_CONFIGS["vit_s16"].default_encodings for s in image)
 
 
+@pytest.mark.slow
 def test_img_sizes_axis_measures_every_model_at_each_size(tmp_path):
     """``--img-sizes``: each size is its own run with its own reference; rows say their tokens; the plot is written."""
     png = tmp_path / "growth.png"
@@ -241,6 +244,7 @@ def test_growth_verdicts_judge_the_issue_targets():
     assert lines[1].endswith("met")
 
 
+@pytest.mark.slow
 def test_frames_axis_for_the_video_size(tmp_path):
     rc = main(["speed", "--models", "video_s16", "--depth", "1", "--batch-size", "1", "--iters", "1", "--warmup", "0",
                "--encodings", "learned_3d,alibi_3d", "--img-sizes", "32", "--frames", "4,8", "--bench", "train",

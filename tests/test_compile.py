@@ -90,6 +90,7 @@ def _check_eval_and_new_grid(model: torch.nn.Module, small: torch.Tensor, large:
 
 
 @pytest.mark.parametrize("name", sorted(STOCHASTIC_TRAINING))
+@pytest.mark.slow
 def test_random_training_draws_compile_whole(name):
     """The default (random) training forward compiles as one graph too; its values are random, so only finiteness
     and the graph count are checked here."""
@@ -106,6 +107,7 @@ def test_random_training_draws_compile_whole(name):
 
 
 @pytest.mark.parametrize("name", IMAGE)
+@pytest.mark.slow
 def test_image_vit_compiles_whole(name):
     model = _image_model(name)
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
@@ -114,6 +116,7 @@ def test_image_vit_compiles_whole(name):
 
 
 @pytest.mark.parametrize("name", VIDEO)
+@pytest.mark.slow
 def test_video_vit_compiles_whole(name):
     model = _video_model(name)
     x = torch.randn(2, 3, 4, 32, 32, generator=torch.Generator().manual_seed(1))
@@ -122,6 +125,7 @@ def test_video_vit_compiles_whole(name):
 
 
 @pytest.mark.parametrize("name", LLM)
+@pytest.mark.slow
 def test_video_llm_compiles_whole(name):
     torch.manual_seed(0)
     model = VideoLLM(vocab_size=40, dim=48, depth=2, num_heads=3, pos_scheme=name, visual_dim=24, spatial_merge_size=2)

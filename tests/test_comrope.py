@@ -403,6 +403,7 @@ def _compiled_train_step_matches_eager(model: torch.nn.Module, x: torch.Tensor) 
         torch.testing.assert_close(p.grad, ref[n], atol=1e-5, rtol=1e-5, msg=lambda m, n=n: f"gradient of {n}: {m}")
 
 
+@pytest.mark.slow
 def test_compiled_paths_follow_the_generators():
     """Under torch.compile the eigenvalue gap cannot choose the path (a data-dependent branch): random generators
     compile the spectral path (equal to eager's, which takes it too), zero_init compiles the line tables (equal to

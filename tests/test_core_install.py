@@ -50,6 +50,7 @@ def test_blocker_really_blocks_an_extra():
     assert res.returncode != 0 and "blocked: not part of the core install" in res.stderr
 
 
+@pytest.mark.slow
 def test_core_imports_and_builds_every_encoding_and_model_without_extras():
     res = _run(
         """
@@ -95,6 +96,7 @@ def test_core_imports_and_builds_every_encoding_and_model_without_extras():
     assert counts["encodings"] >= 30 and counts["image"] >= 20 and counts["video"] >= 8 and counts["llm"] >= 5, counts
 
 
+@pytest.mark.slow
 def test_cli_without_the_train_extra_names_the_extra():
     """`vispe fit` on a core install: one sentence naming the extra to install, no traceback."""
     res = _run(

@@ -16,6 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_mkdocs_build_strict(tmp_path):
     if shutil.which("mkdocs") is None and not os.environ.get("CI"):
         pytest.skip("mkdocs not installed (pip install -e '.[docs]')")

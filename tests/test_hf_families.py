@@ -17,6 +17,10 @@ from vispe.positions import POSITION_SCHEMES, SCHEMES, Text, Visual, build_posit
 from test_hf_integration import _forward_kwargs, _left_padded  # noqa: E402  (one copy of the HF test helpers)
 from test_hf_integration import _generate_vs_reforward as _shared_generate_vs_reforward  # noqa: E402
 
+# the per-family matrix (every scheme x every supported Qwen/GLM family); the integration contract itself is
+# tests/test_hf_integration.py, in the fast tier
+pytestmark = pytest.mark.slow
+
 V5 = Version(transformers.__version__).major >= 5
 IMG, VID, VS, VE = 120, 121, 122, 123  # Qwen: image / video / vision start / vision end
 GIS, GIE, GVS, GVE = 124, 125, 126, 127  # GLM: image start / end, video start / end (frames are image tokens)

@@ -50,6 +50,7 @@ def _model(name: str) -> torch.nn.Module:
 
 @pytest.mark.parametrize("name", ["rope_axial", "rope_mixed", "comrope_ap", "comrope_ld", "irpe", "rope_dinov3", "alibi_2d", "fire",
                                   "liere"])
+@pytest.mark.slow
 def test_forward_keeps_no_per_layer_copies(name):
     """Per extra sample, the forward keeps what the no-PE model keeps: position-only tables
     (independent of the batch) are allowed, activation-sized copies per layer are not."""

@@ -166,11 +166,13 @@ def _fit_bf16(tmp_path: Path, config: str | Path, *args: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("name", IMAGE_2D)
+@pytest.mark.slow
 def test_cli_bf16_mixed_image_classification(tmp_path, name):
     _fit_bf16(tmp_path, "smoke", "--model.init_args.pos_encoding", name)
 
 
 @pytest.mark.parametrize("name", VIDEO_3D)
+@pytest.mark.slow
 def test_cli_bf16_mixed_video_retrieval(tmp_path, name):
     from vispe.recipes import recipe_path
 
@@ -178,6 +180,7 @@ def test_cli_bf16_mixed_video_retrieval(tmp_path, name):
 
 
 @pytest.mark.parametrize("name", MULTIMODAL)
+@pytest.mark.slow
 def test_cli_bf16_mixed_video_llm_niah(tmp_path, name):
     _fit_bf16(
         tmp_path, "smoke",

@@ -241,6 +241,7 @@ def test_bad_resolution_options_fail_at_construction(kw, message):
         _synthetic(**kw)
 
 
+@pytest.mark.slow
 def test_fit_three_steps_with_per_sample_resolutions(tmp_path, monkeypatch):
     """`vispe fit` on the synthetic set with `--data.init_args.resolutions ... --resolution_sampling sample`: the
     training batches reach the model as mixed-resolution patches and the run trains."""

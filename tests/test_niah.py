@@ -114,6 +114,7 @@ def test_fit_and_score_lengths_and_depths_end_to_end() -> None:
     assert all(0.0 <= a <= 100.0 and (a * 2 / 100).is_integer() for row in grid.values() for a in row.values())
 
 
+@pytest.mark.slow
 def test_benchmark_command_writes_json_md_png(tmp_path: Path) -> None:
     from vispe.benchmarks.niah import extrapolation_ratio, main
 

@@ -125,6 +125,7 @@ def test_other_materialisable_encodings(name):
     assert all(math.isfinite(v) for v in metrics.values())
 
 
+@pytest.mark.slow
 def test_plot_similarity_maps(tmp_path):
     pe = build_sincos2d_pos_embed([6, 6], dim=32).reshape(6, 6, 32)
     path = plot_similarity_maps(pe, tmp_path / "maps.png", title="sincos2d")

@@ -43,6 +43,7 @@ def test_shipped_recipes_are_the_package_data_files():
 
 
 @pytest.mark.parametrize("name", list_recipes())
+@pytest.mark.slow
 def test_every_shipped_recipe_parses_through_lightning_cli(name):
     cfg = _parsed("--recipe", name)
     assert cfg["model"]["class_path"].startswith("vispe.tasks.") and cfg["data"]["class_path"].startswith("vispe.data.")
@@ -53,6 +54,7 @@ def test_every_shipped_recipe_parses_through_lightning_cli(name):
 
 
 @pytest.mark.parametrize("encoding", ALL_2D)
+@pytest.mark.slow
 def test_cifar10_recipe_takes_every_2d_encoding_as_an_override(encoding):
     cfg = _parsed("--recipe", "cifar10", "--model.init_args.pos_encoding", encoding)
     init = cfg["model"]["init_args"]
@@ -79,6 +81,7 @@ def test_run_name_is_the_encoding_without_its_options():
     assert run_name(model(None)) is None and run_name({"init_args": {}}) is None
 
 
+@pytest.mark.slow
 def test_fit_with_a_recipe_names_the_run_after_the_encoding(tmp_path):
     main(["fit", "--recipe", "smoke", "--model.init_args.pos_encoding", "rope_axial",
           "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.max_steps", "1", "--trainer.limit_val_batches", "1",
@@ -123,6 +126,7 @@ def test_resolution_benchmark_parts_are_shipped_recipes_with_overrides():
             assert all(k.split(".")[0] in ("trainer", "model", "data") for k in part.overrides), part.overrides
 
 
+@pytest.mark.slow
 def test_recipes_resolve_and_parse_from_an_installed_copy(tmp_path):
     """``pip install --target`` of this source tree, then a fresh interpreter whose cwd is an empty folder and whose
     only vispe is the installed one: ``--recipe`` resolves to the installed file and LightningCLI parses it.

@@ -67,6 +67,7 @@ def _write_folder(root: Path, classes: list[str], per_class: int, size=(16, 16),
 # ------------------------------------------------------------------------------------------
 # checkpoints (the sweep as before: own test split, policies, reuse)
 # ------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_sweep_writes_json_md_png_for_two_checkpoints(ckpts, tmp_path):
     out = tmp_path / "sweep"
     rc = main([ckpts["rope_axial"][0], ckpts["learned"][0], "--sizes", "8,16,24,32", "--extrapolation", "both",
@@ -91,12 +92,14 @@ def test_sweep_writes_json_md_png_for_two_checkpoints(ckpts, tmp_path):
     assert json.loads((out / "resolution.json").read_text())["results"] == report["results"]
 
 
+@pytest.mark.slow
 def test_sweep_at_training_size_equals_lightning_validation(ckpts, tmp_path):
     report = run_sweep([ckpts["rope_axial"][0], ckpts["learned"][0]], [16], "native", tmp_path)
     for r, enc in zip(report["results"], ("rope_axial", "learned")):
         assert r["accuracy"]["16"]["top1"] == pytest.approx(ckpts[enc][1], abs=1e-4)
 
 
+@pytest.mark.slow
 def test_policy_switched_in_place_equals_the_model_built_with_it(ckpts):
     ck = _checkpoint(ckpts["rope_axial"][0])
     ext, itp = load_classifier(ck, "extend"), load_classifier(ck, "interpolate")
@@ -112,6 +115,7 @@ def test_policy_switched_in_place_equals_the_model_built_with_it(ckpts):
         torch.testing.assert_close(itp(x32), built.eval()(x32))  # switched in place == built that way
 
 
+@pytest.mark.slow
 def test_untileable_size_fails_before_evaluating(ckpts, tmp_path, capsys):
     out = tmp_path / "bad"
     rc = main([ckpts["rope_axial"][0], ckpts["learned"][0], "--sizes", "16,18", "--out", str(out)])
@@ -129,6 +133,7 @@ def test_untileable_size_fails_before_evaluating(ckpts, tmp_path, capsys):
         parse_shapes("16,2x3x4")
 
 
+@pytest.mark.slow
 def test_all_policies_add_the_frequency_rescalings_for_rotary_checkpoints(ckpts, tmp_path):
     report = run_sweep([ckpts["rope_axial"][0], ckpts["learned"][0]], [16, 32], "all", tmp_path)
     rows = {r["label"]: r for r in report["results"]}
@@ -144,6 +149,7 @@ def test_all_policies_add_the_frequency_rescalings_for_rotary_checkpoints(ckpts,
 # ------------------------------------------------------------------------------------------
 # image sets and the class check
 # ------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_folder_csv_and_json_lists_give_the_same_sweep(ckpts, tmp_path):
     root = _write_folder(tmp_path / "folder", ["c0", "c1", "c2", "c3"], per_class=6)
     rows = [(str(p.relative_to(root)), p.parent.name) for p in sorted(root.rglob("*.png"))]
@@ -160,6 +166,7 @@ def test_folder_csv_and_json_lists_give_the_same_sweep(ckpts, tmp_path):
     assert acc[str(root)][0] >= 50.0
 
 
+@pytest.mark.slow
 def test_class_mismatch_and_empty_folders_fail_before_any_compute(ckpts, tmp_path, monkeypatch, capsys):
     def no_compute(*args, **kwargs):
         raise AssertionError("evaluated before the set was checked")
@@ -247,6 +254,7 @@ def test_timm_weights_under_learned_reproduce_timm_and_swap_zero_shot(timm_weigh
             assert "dropped" in s.origin
 
 
+@pytest.mark.slow
 def test_timm_weights_sweep_on_a_folder_with_both_policies(timm_weights, tmp_path):
     _, path = timm_weights
     root = _write_folder(tmp_path / "imgs", ["c0", "c1", "c2", "c3"], per_class=3, size=(20, 28))
@@ -269,6 +277,7 @@ def test_timm_weights_sweep_on_a_folder_with_both_policies(timm_weights, tmp_pat
     assert "1:2 48x24 (18 tok)" in md and "32x64" in md
 
 
+@pytest.mark.slow
 def test_timm_rope_vit_weights_load_into_the_vispe_model_with_its_encoding(tmp_path, capsys):
     """timm's RoPE ViT (``vit_small_patch16_rope_mixed_224``, an ``Eva``) state dict under ``--model
     vispe_vit_small_patch16_224 --pos-encoding rope_mixed``: loaded through ``load_timm_checkpoint``, the logits

@@ -11,6 +11,7 @@ import pytest
 from vispe.benchmarks.resolution_benchmark import RECIPES, main, training_order
 
 
+@pytest.mark.slow
 def test_tiny_recipe_end_to_end_and_resume(tmp_path, capsys):
     assert main(["--recipe", "tiny", "--out", str(tmp_path)]) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -99,6 +100,7 @@ def test_claims_verdicts_follow_the_figures():
     assert above["encoding"] == "rope_mixed @ 35px" and above["verdict"].startswith("not resolved")
 
 
+@pytest.mark.slow
 def test_same_command_same_numbers(tmp_path):
     """Run to run on one machine the benchmark's numbers are identical (seeded runs, one thread each)."""
     tables = []
@@ -108,6 +110,7 @@ def test_same_command_same_numbers(tmp_path):
     assert tables[0] == tables[1]
 
 
+@pytest.mark.slow
 def test_parts_run_by_separate_calls_join_one_summary(tmp_path, monkeypatch, capsys):
     """A long part run on its own joins the top-level table: each part keeps its rows and meta in
     ``<part>/summary.json``; the top-level summary has every part of the recipe found under ``--out``, in the
@@ -147,6 +150,7 @@ def test_parts_run_by_separate_calls_join_one_summary(tmp_path, monkeypatch, cap
     assert "none-s0" not in capsys.readouterr().out  # reused from other_results, not evaluated again
 
 
+@pytest.mark.slow
 def test_techniques_train_with_the_encoding_options_and_compare_with_the_plain_runs(tmp_path, capsys):
     """``--techniques``: each run ``<encoding>+<technique>`` is the encoding trained with the technique's options
     (recorded in the checkpoint), every seed; the summary keeps them apart from the plain rows and compares each with
@@ -189,6 +193,7 @@ def _data_root():
 
 
 @pytest.mark.skipif(_data_root() is None, reason="real data folder (../shared/data or $VISPE_TEST_DATA) with cifar10-jpeg not present")
+@pytest.mark.slow
 def test_gpu_recipe_trains_on_cpu_with_a_tiny_budget(tmp_path):
     """No GPU here: the GPU recipe's own fit command (its model, schedule, data) runs 2 steps on CPU."""
     import os
@@ -206,6 +211,7 @@ def test_gpu_recipe_trains_on_cpu_with_a_tiny_budget(tmp_path):
     assert list(tmp_path.glob("rope_mixed-s0/**/checkpoints/last.ckpt")) or list(tmp_path.glob("rope_mixed-s0/checkpoints/last.ckpt"))
 
 
+@pytest.mark.slow
 def test_aspect_ratio_part_on_trained_runs_and_sweep_only(tmp_path, capsys):
     import shutil
 
@@ -257,6 +263,7 @@ def test_aspect_ratio_part_on_trained_runs_and_sweep_only(tmp_path, capsys):
     assert main(["--recipe", "tiny", "--out", str(tmp_path), "--aspect-only"]) == 2  # needs --aspect-ratios
 
 
+@pytest.mark.slow
 def test_train_only_calls_per_seed_then_one_sweep(tmp_path, capsys):
     # training split over calls (one per seed, as two CPU queues would run them) writes checkpoints and no sweep;
     # the --sweep-only call after them sweeps every run and trains nothing
@@ -278,6 +285,7 @@ def test_train_only_calls_per_seed_then_one_sweep(tmp_path, capsys):
     assert "no run has these seeds (the parts' seeds: [0, 1])" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_timings_of_concurrent_calls_are_merged_not_overwritten(tmp_path):
     # two training calls on one part (e.g. a --seeds 1 queue and a --seeds 2 queue) each record their runs; a call
     # must not write back its own stale copy over a run the other finished meanwhile

@@ -127,6 +127,7 @@ def test_video_tower_runs_more_frames_and_higher_resolution(encoding: str) -> No
         assert task.encode_image(torch.randn(2, 3, 8, 64, 64)).shape == (2, 16)
 
 
+@pytest.mark.slow
 def test_fit_and_evaluate_end_to_end(tmp_path: Path) -> None:
     import lightning.pytorch as pl
 
@@ -172,6 +173,7 @@ def test_skipped_eval_clips_are_counted(tmp_path: Path) -> None:
     assert SyntheticVideoTextDataModule  # imported for the docs example
 
 
+@pytest.mark.slow
 def test_benchmark_command_writes_json_md_png(tmp_path: Path) -> None:
     from vispe.benchmarks.retrieval import main
 

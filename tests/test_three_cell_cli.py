@@ -18,6 +18,7 @@ TINY = ["--set", "data.init_args.num_samples=120", "--set", "data.init_args.grid
         "--set", "data.init_args.batch_size=16", "--no-progress", "--threads", "1"]
 
 
+@pytest.mark.slow
 def test_three_cell_command_trains_two_encodings(tmp_path, capsys, restore_torch_global_state):
     out = tmp_path / "tc"
     rc = vispe_main(["three-cell", "--encodings", "none,sincos2d", "--set", "trainer.max_steps=3", "--out", str(out), *TINY])
@@ -118,6 +119,7 @@ def _table_rows(out) -> dict:
     return {r["encoding"]: {k: v for k, v in r.items() if k not in ("wall_s", "train_s", "cpu_s")} for r in rows}
 
 
+@pytest.mark.slow
 def test_three_cell_command_is_deterministic_whatever_the_callers_thread_count(tmp_path, restore_torch_global_state):
     # the user-visible failure: the same command printing different accuracies depending on the process's
     # torch thread count (torch defaults to one thread per core); the command pins its own

@@ -66,6 +66,7 @@ def test_offset_table_matches_brute_force():
 
 
 @pytest.mark.parametrize("reading", ["and", "or"])
+@pytest.mark.slow
 def test_labels_agree_with_pixels_and_direct_formulas(samples, reading):
     cell = 2
     labels = samples.labels if reading == "and" else generate_three_cell(N, GRID, seed=123, vector_sum="or").labels

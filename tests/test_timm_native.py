@@ -95,6 +95,7 @@ def test_forward_intermediates_and_features_only(name):
 
 
 @pytest.mark.parametrize("name", IMAGE_MODELS + VIDEO_MODELS)
+@pytest.mark.slow
 def test_fx_trace_of_registered_model(name):
     torch.manual_seed(0)
     model = timm.create_model(name, pretrained=False, **TINY)
@@ -102,6 +103,7 @@ def test_fx_trace_of_registered_model(name):
 
 
 @pytest.mark.parametrize("pe", list_encodings(grid_ndim=2))
+@pytest.mark.slow
 def test_fx_trace_with_every_2d_encoding(pe):
     torch.manual_seed(0)
     model = timm.create_model("vispe_vit_tiny_patch4_32", pos_encoding=pe, depth=2, embed_dim=64, num_heads=4, num_classes=5)
@@ -109,6 +111,7 @@ def test_fx_trace_with_every_2d_encoding(pe):
 
 
 @pytest.mark.parametrize("pe", [n for n in list_encodings(grid_ndim=3) if n not in list_encodings(grid_ndim=2)])
+@pytest.mark.slow
 def test_fx_trace_with_every_3d_encoding(pe):
     torch.manual_seed(0)
     model = timm.create_model("vispe_video_vit_nano_patch8_64", pos_encoding=pe, depth=2, num_classes=5, img_size=32, num_frames=4)

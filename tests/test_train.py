@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from vispe.recipes import recipe_path
+from vispe.runs import find_last_checkpoint
 from vispe.tasks import ImageClassification, param_groups_no_decay, warmup_cosine
-from vispe.train_cli import AtomicCheckpointIO, find_last_checkpoint, launcher_trainer_settings, main
+from vispe.train_cli import AtomicCheckpointIO, launcher_trainer_settings, main
 
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = recipe_path("smoke")
@@ -63,6 +64,7 @@ def uninterrupted(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_plain_python_fit_trains_and_checkpoints(uninterrupted):
     ck = _ckpt(uninterrupted)
     assert ck["epoch"] == 2 and ck["global_step"] == 3 * 4  # 128 samples / batch 32 = 4 steps per epoch
@@ -70,6 +72,7 @@ def test_plain_python_fit_trains_and_checkpoints(uninterrupted):
     assert 0.0 <= _last_val(uninterrupted, "version_0")["val/acc"] <= 1.0
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_matches_uninterrupted(uninterrupted, tmp_path):
     """`vispe fit` killed by SIGKILL at the start of epoch 3, then `--ckpt_path last` -> identical result."""
     (tmp_path / "killer.py").write_text(textwrap.dedent("""
@@ -116,6 +119,7 @@ class KillAtStep(Callback):
 """
 
 
+@pytest.mark.slow
 def test_sigkill_mid_epoch_then_resume_matches_uninterrupted(tmp_path):
     """Killed mid-epoch between two checkpoints (validation + last.ckpt every 2 of the epoch's 4 steps; killed as
     step 8 starts, after the step-6 checkpoint and one more step), resumed with `--ckpt_path last`: the same
@@ -148,6 +152,7 @@ def test_sigkill_mid_epoch_then_resume_matches_uninterrupted(tmp_path):
     assert _last_val(out, "version_1") == pytest.approx(_last_val(straight, "version_0"), abs=1e-6)
 
 
+@pytest.mark.slow
 def test_last_ckpt_is_the_final_step_and_reruns_get_their_own_version(tmp_path):
     """`max_steps: 7` with validation every 2 steps: Lightning's own last save is step 6; ours is step 7. A second
     run into the same folder writes version_1 and leaves version_0's checkpoint as it was."""
@@ -166,6 +171,7 @@ def test_last_ckpt_is_the_final_step_and_reruns_get_their_own_version(tmp_path):
     assert find_last_checkpoint(tmp_path / "rope_mixed") == second
 
 
+@pytest.mark.slow
 def test_ckpt_path_last_without_a_checkpoint_is_a_clear_error(tmp_path):
     r = _run([sys.executable, "train/fit.py", "-c", str(SMOKE), "--trainer.logger.init_args.save_dir", str(tmp_path),
               "--ckpt_path", "last"])
@@ -174,6 +180,7 @@ def test_ckpt_path_last_without_a_checkpoint_is_a_clear_error(tmp_path):
 
 
 @pytest.mark.parametrize("how", ["yaml", "flag"])
+@pytest.mark.slow
 def test_config_error_is_one_sentence_without_traceback(tmp_path, how):
     """A misspelled encoding (in YAML or on the command line): exit 2, the sentence naming it, no traceback;
     `--debug` shows the traceback."""
@@ -202,6 +209,7 @@ def test_atomic_checkpoint_follows_the_umask(tmp_path, umask, mode):
 
 
 @pytest.mark.skipif(not (BIN / "fabric").exists(), reason="lightning's fabric launcher not installed")
+@pytest.mark.slow
 def test_fabric_run_is_one_ddp_job_with_world_size_2(tmp_path):
     r = _run([str(BIN / "fabric"), "run", "--accelerator", "cpu", "--devices", "2", "--main-port", str(_free_port()),
               "train/fit.py", "-c", str(SMOKE), "--trainer.logger.init_args.save_dir", str(tmp_path),

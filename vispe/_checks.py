@@ -105,12 +105,7 @@ def Positive(optional: bool = False) -> Real:
     return Real(0, low_open=True, optional=optional)
 
 
-def NonNegative(optional: bool = False) -> Real:
-    """A finite number >= 0."""
-    return Real(0, optional=optional)
-
-
-__all__ += ["Positive", "NonNegative"]
+__all__ += ["Positive"]
 
 
 class Int(OptionCheck):

@@ -11,7 +11,8 @@
   directory present, every member inside the file).
 * IDX files, raw or gzip (Fashion-MNIST): :func:`check_idx` (header and size agree; for ``.gz`` the gzip trailer's
   length) and :func:`read_idx`.
-* JSON (manifests, specs): :func:`read_json` (line and column of a syntax error).
+* JSON (manifests, specs): :func:`read_json` (line and column of a syntax error); results are written with
+  :func:`write_json_atomic` (a temporary file and a rename).
 
 Every refusal is a :class:`DamagedFileError` (a ``ValueError``) or :class:`UnsafeCheckpointError`, or
 ``FileNotFoundError`` for a path that does not exist.
@@ -28,7 +29,7 @@ import struct
 import zipfile
 import zlib
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -43,6 +44,7 @@ __all__ = [
     "read_json",
     "read_safetensors",
     "read_state_dict",
+    "write_json_atomic",
     "write_text_atomic",
 ]
 
@@ -269,7 +271,6 @@ def read_json(path: PathLike, what: str = "JSON file") -> Any:
         ) from None
 
 
-def describe_keys(state_dict: Mapping[str, Any], n: int = 5) -> str:
-    """A few keys of a state dict, for messages."""
-    keys = list(state_dict)
-    return ", ".join(repr(k) for k in keys[:n]) + (f", ... ({len(keys)} keys)" if len(keys) > n else "")
+def write_json_atomic(path: PathLike, obj: Any) -> None:
+    """Write ``obj`` as JSON through a temporary file and a rename: a killed call leaves the previous file, never half of one."""
+    write_text_atomic(path, json.dumps(obj, indent=2, default=str))

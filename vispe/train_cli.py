@@ -20,7 +20,7 @@
   installed), learning-rate monitor, and a :class:`FinalLastCheckpoint` with ``last.ckpt`` in the
   logger's versioned folder ``<save_dir>/<name>/version_N/checkpoints``: a rerun never overwrites an
   earlier run, and ``--ckpt_path last`` resumes from the newest version that has a ``last.ckpt``
-  (:func:`find_last_checkpoint`). ``last.ckpt`` always holds the final step of a run that ended normally.
+  (:func:`vispe.runs.find_last_checkpoint`). ``last.ckpt`` always holds the final step of a run that ended normally.
 * A run killed at any step and resumed with ``--ckpt_path last`` equals the uninterrupted run: the
   training loader (:class:`vispe.data.ResumableDataLoader`) continues the epoch where the checkpoint left it.
 * Checkpoints are written atomically (temp file in the same folder, fsync, ``os.replace``, the permissions the
@@ -54,6 +54,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger
 
 from vispe._checks import check_choice
 from vispe.files import read_checkpoint
+from vispe.runs import find_last_checkpoint  # re-exported: where ``--ckpt_path last`` looks
 
 __all__ = ["CKPT_HPARAMS", "AtomicCheckpointIO", "FinalLastCheckpoint", "ResumeTrainLoaderState", "VispeCLI",
            "expand_recipe_args", "find_last_checkpoint", "launcher_trainer_settings", "main", "run_name"]
@@ -137,25 +138,6 @@ class ResumeTrainLoaderState(Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         trainer.fit_loop._load_combined_loader_states()
-
-
-def _version_number(path: Path) -> int:
-    try:
-        return int(path.name.split("_", 1)[1])
-    except (IndexError, ValueError):
-        return -1
-
-
-def find_last_checkpoint(run_dir: str | os.PathLike) -> Path | None:
-    """The ``last.ckpt`` to resume a run from: in the newest ``version_N/checkpoints`` of ``run_dir`` that has
-    one (``<save_dir>/<name>``), else the unversioned ``run_dir/checkpoints`` of older vispe runs; ``None`` if
-    there is none."""
-    run_dir = Path(run_dir)
-    versions = sorted((d for d in run_dir.glob("version_*") if d.is_dir()), key=_version_number, reverse=True)
-    for folder in [*(v / "checkpoints" for v in versions), run_dir / "checkpoints"]:
-        if (folder / "last.ckpt").is_file():
-            return folder / "last.ckpt"
-    return None
 
 
 def _int_or_str(value: str) -> int | str:

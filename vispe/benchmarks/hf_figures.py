@@ -1,7 +1,7 @@
 """``vispe hf-figures OUT.json``: figures of the HF integration's checks, per model family (the tests assert the
 bounds; this prints the values).
 
-    vispe hf-figures docs/hf-figures-5.23.0.json          # in a source checkout, with vispe[hf] installed
+    vispe hf-figures results/hf-figures-5.23.0.json          # in a source checkout, with vispe[hf] installed
 
 Reuses the tiny models and batches of ``tests/test_hf_families.py`` and ``tests/test_hf_integration.py`` (so it needs
 the checkout's ``tests/`` folder: ``--tests-dir``, default ``./tests``). For each family: the native scheme's ids /

@@ -44,8 +44,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from vispe.benchmarks.grid import save_figure
-from vispe.files import read_json
-from vispe.train_cli import find_last_checkpoint
+from vispe.files import read_json, write_json_atomic
+from vispe.runs import find_last_checkpoint
 
 __all__ = ["CLAIMS", "ENCODING_SPECS", "HEADLINE", "MIXED_FASHION_MNIST", "RECIPES", "TECHNIQUES", "Part", "claims", "main",
            "markdown_aspect", "plot_aspect", "plot_techniques", "summarise", "summarise_aspect", "technique_effects", "training_order"]
@@ -210,8 +210,6 @@ def record_timing(path: Path, name: str, seconds: float) -> dict[str, Any]:
             fcntl.flock(lock, fcntl.LOCK_EX)
         except ImportError:  # no POSIX locks (Windows): merge without one
             pass
-        from vispe.benchmarks.resolution_sweep import write_json_atomic
-
         timings = read_json(path, "benchmark cache") if path.is_file() else {}
         timings[name] = round(seconds, 1)
         write_json_atomic(path, timings)  # one writer at a time under the lock, so its one temporary name is safe
@@ -643,7 +641,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="train (or resume) the runs and stop: no sweep, no summary (a later --sweep-only call sweeps them; "
                         "lets several training calls, e.g. one per seed, share the CPU before one sweep)")
     args = p.parse_args(list(argv) if argv is not None else None)
-    from vispe.benchmarks.resolution_sweep import parse_aspect_ratios, run_sweep, write_json_atomic
+    from vispe.benchmarks.resolution_sweep import parse_aspect_ratios, run_sweep
     from vispe.benchmarks.speed import _machine
 
     import torch

@@ -48,7 +48,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from vispe.files import read_json
+from vispe.files import read_json, write_json_atomic
 
 __all__ = [
     "DEFAULT_SIZES", "EXTRAPOLATION_CHOICES", "RESIZE_POLICIES", "ModelSource", "aspect_shapes", "checkpoint_source",
@@ -699,14 +699,6 @@ def run_sweep(
     (out / "resolution.md").write_text(markdown_table(report))
     plot(report, out / "resolution.png", title=title)
     return report
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write ``obj`` as JSON through a temporary file and a rename: a killed call leaves the previous file, never half of one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=str))
-    tmp.replace(path)
 
 
 def _write_partial(out: Path, results: list[dict[str, Any]], previous: dict[str, dict[str, Any]]) -> None:

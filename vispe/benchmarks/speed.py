@@ -24,7 +24,7 @@ Usage::
     vispe bench speed                         # every registered 2D encoding + timm refs, eager
     vispe bench speed --models vit_s16 --encodings learned,rope_axial --iters 10
     vispe bench speed --modes eager,compile   # also torch.compile (slow to warm up on CPU)
-    vispe bench speed --models vit_s16 --img-sizes 224,384,512 --plot docs/figures/speed-growth.png
+    vispe bench speed --models vit_s16 --img-sizes 224,384,512 --plot outputs/speed-growth.png
                                               # cost growth with tokens: ratios to timm's APE at each size
     vispe bench speed --models video_s16 --frames 8,16   # the video frame-count axis
 """

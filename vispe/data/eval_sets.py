@@ -27,7 +27,6 @@ import numpy as np
 import torch
 
 from .image import CIFAR10_CLASSES
-from .image_datamodule import channel_fix
 from .loading import resolve_data_path
 
 __all__ = [
@@ -328,7 +327,3 @@ def open_eval_set(spec: str, data_root: str | None = None, split: str = "test") 
             f"torchvision:<Name> or one of {sorted(NAMED_SETS)}")
     raise ValueError(f"evaluation set {spec!r} is a file vispe does not read as images; give a folder, .zip, .csv or .json")
 
-
-def to_model_input(images: Sequence[torch.Tensor], in_chans: int) -> list[torch.Tensor]:
-    """uint8 images -> float in [0, 1] with the model's channel count (grey repeated, RGB averaged)."""
-    return [channel_fix(im, in_chans).float().div_(255.0) for im in images]
