@@ -278,3 +278,22 @@ def run_blocks(
             x = blk(x, attn_mask=attn_mask, is_causal=is_causal, pe=pe)
         x = encoding_after_block(encoding, i, x, grid, state)
         yield i, x
+
+
+_NO_PENDING = object()
+
+
+def record_auxiliary_loss(host: nn.Module) -> None:
+    """At the end of a host's training forward: compute the encoding's auxiliary loss (SeqPE's regularisers) while
+    the forward's parameters are live. Under FSDP2 the parameters are sharded again once the forward returns, so a
+    loss computed afterwards by the task would read sharded weights. Encodings without one cost nothing."""
+    enc = host.pos_encoding
+    if host.training and torch.is_grad_enabled() and type(enc).auxiliary_loss is not PositionalEncoding.auxiliary_loss:
+        host.__dict__["_pending_auxiliary_loss"] = enc.auxiliary_loss()
+
+
+def take_auxiliary_loss(host: nn.Module) -> Optional[torch.Tensor]:
+    """The auxiliary loss recorded by the last training forward (once), else computed now (eager, unsharded use)."""
+    pending = host.__dict__.pop("_pending_auxiliary_loss", _NO_PENDING)
+    return host.pos_encoding.auxiliary_loss() if pending is _NO_PENDING else pending
+

@@ -51,7 +51,8 @@ from ..encodings import (
     get_encoding_class,
 )
 from ..encodings.base import check_context_fields
-from .layers import NOT_PREPARED, PEAttention, PEBlock, drop_patches, encoding_embed_tokens, encoding_keep_tokens, encoding_prepare, run_blocks
+from .layers import (NOT_PREPARED, PEAttention, PEBlock, drop_patches, encoding_embed_tokens, encoding_keep_tokens, encoding_prepare,
+                     record_auxiliary_loss, run_blocks, take_auxiliary_loss)
 from ..encodings.spec import PosEncodingArg, parse_pos_encoding
 
 __all__ = ["TubeletEmbed", "VispeVideoViT"]
@@ -355,7 +356,9 @@ class VispeVideoViT(nn.Module):
         temporal position): video models take images this way and timm's generic model tests feed images. Every other
         layout (frames before channels, channels last, no batch dimension, integer pixels) is refused before any compute.
         """
-        return self.forward_head(self.forward_features(x))
+        out = self.forward_head(self.forward_features(x))
+        record_auxiliary_loss(self)
+        return out
 
     # ------------------------------------------------------------------------------------
     def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
@@ -387,8 +390,9 @@ class VispeVideoViT(nn.Module):
         return names
 
     def auxiliary_loss(self) -> torch.Tensor | None:
-        """The positional encoding's training regulariser (``None`` if it has none); tasks add it to their loss."""
-        return self.pos_encoding.auxiliary_loss()
+        """The positional encoding's training regulariser (``None`` if it has none); tasks add it to their loss.
+        Computed inside the training forward (:func:`~vispe.models.layers.record_auxiliary_loss`: sharded training)."""
+        return take_auxiliary_loss(self)
 
 
 def _list_3d() -> list[str]:

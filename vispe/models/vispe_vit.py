@@ -20,7 +20,8 @@ from ..encodings import EncodingContext, PositionGrid, create_encoding, get_enco
 from ..encodings.base import check_context_fields
 from ..encodings.spec import PosEncodingArg, parse_pos_encoding
 from .checkpoint import timm_checkpoint_filter
-from .layers import NOT_PREPARED, PEAttention, PEBlock, drop_patches, encoding_embed_tokens, encoding_keep_tokens, encoding_prepare, run_blocks
+from .layers import (NOT_PREPARED, PEAttention, PEBlock, drop_patches, encoding_embed_tokens, encoding_keep_tokens, encoding_prepare,
+                     record_auxiliary_loss, run_blocks, take_auxiliary_loss)
 from .naflex import GroupedEncoding, NaFlexGroup, grids_from_patch_coord, masked_global_pool, parse_naflex_input, unpatchify
 
 __all__ = ["VispeVisionTransformer", "parse_pos_encoding"]  # parse_pos_encoding: re-exported from vispe.encodings.spec
@@ -358,8 +359,11 @@ class VispeVisionTransformer(VisionTransformer):
         or a list of ``(C, H, W)`` images of different sizes -- runs each sample on its own grid."""
         features = self.forward_features(x, attn_mask, is_causal, patch_coord, patch_valid)
         if isinstance(features, dict):
-            return self.forward_head(features["patches"], patch_valid=features["patch_valid"])
-        return self.forward_head(features)
+            out = self.forward_head(features["patches"], patch_valid=features["patch_valid"])
+        else:
+            out = self.forward_head(features)
+        record_auxiliary_loss(self)
+        return out
 
     def set_input_size(self, img_size: Optional[Tuple[int, int]] = None, patch_size: Optional[Tuple[int, int]] = None) -> None:
         super().set_input_size(img_size=img_size, patch_size=patch_size)
@@ -372,8 +376,9 @@ class VispeVisionTransformer(VisionTransformer):
         return names
 
     def auxiliary_loss(self) -> Optional[torch.Tensor]:
-        """The positional encoding's training regulariser (``None`` if it has none); tasks add it to their loss."""
-        return self.pos_encoding.auxiliary_loss()
+        """The positional encoding's training regulariser (``None`` if it has none); tasks add it to their loss.
+        Computed inside the training forward (:func:`~vispe.models.layers.record_auxiliary_loss`: sharded training)."""
+        return take_auxiliary_loss(self)
 
 
 # ----------------------------------------------------------------------------------------

@@ -1,0 +1,53 @@
+"""vispe under data-parallel and sharded training: FSDP2 sharding of a vispe model, and the rules that keep
+position state correct when it is distributed.
+
+* Derived position tables (rotary frequencies and angles, lattice codes, cached rotations, bias tables) are never
+  module state: they are rebuilt from parameters and the grid inside the forward and cached per grid as plain
+  attributes, so DDP has nothing to broadcast for them (its buffer broadcast sees only FIRE's constant
+  ``threshold_init``), ranks may run different grids (NaFlex, mixed resolutions), and a meta-device build needs no
+  special care (:mod:`vispe.models.materialize`).
+* :func:`shard_model` (FSDP2, ``fully_shard``): one FSDP group per transformer block, then the root. The encoding's
+  parameters (tables, generators, frequencies) join the root group with the patch embedding and the head: they are a
+  few kilobytes, read by every block, and FSDP2 can only shard or ignore a parameter -- an ignored one would need its
+  own gradient all-reduce -- so sharding them in the root group (one all-gather per step, issued with the
+  embedding's) is the cheapest correct choice.
+* BatchNorm (LOOPE's context network) normalises by each process's batch; on CUDA :func:`sync_batchnorm` converts it
+  to ``SyncBatchNorm`` so a distributed step equals the single-process step of the same global batch. PyTorch's
+  ``SyncBatchNorm`` runs on CUDA only: on CPU, LOOPE's statistics are per process.
+
+``tests/test_distributed.py`` checks DDP and FSDP2 steps against one process for every registered 2D encoding. Known
+limit: SeqPE's contrastive regulariser fails under FSDP2 (a root parameter's storage is freed before its second use
+in backward); SeqPE trains under FSDP2 with ``contrastive_weight=0``, and under DDP as it is.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn as nn
+
+__all__ = ["shard_model", "sync_batchnorm", "transformer_blocks"]
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of a vispe host (``blocks`` of the image / video ViT and of the video-LLM)."""
+    blocks = getattr(model, "blocks", None)
+    if not isinstance(blocks, (nn.ModuleList, nn.Sequential)) or not len(blocks):
+        raise ValueError(f"{type(model).__name__} has no 'blocks' to shard; shard_model takes vispe's ViTs and video-LLM")
+    return list(blocks)
+
+
+def shard_model(model: nn.Module, mesh: Any = None, reshard_after_forward: bool = True, **fsdp_kwargs: Any) -> nn.Module:
+    """Apply FSDP2 (``torch.distributed.fsdp.fully_shard``) to each transformer block, then to the whole model (the
+    root group: embeddings, head, the positional encoding's parameters). Returns ``model`` (sharded in place)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in transformer_blocks(model):
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, **fsdp_kwargs)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, **fsdp_kwargs)
+    return model
+
+
+def sync_batchnorm(model: nn.Module) -> nn.Module:
+    """``SyncBatchNorm`` in place of every BatchNorm (LOOPE's context network), for multi-process training on CUDA
+    (PyTorch's ``SyncBatchNorm`` has no CPU kernel)."""
+    return nn.SyncBatchNorm.convert_sync_batchnorm(model)
