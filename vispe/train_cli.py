@@ -52,8 +52,9 @@ from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelChec
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger, Logger
 
-from vispe._checks import check_choice
+from vispe._checks import check_choice, did_you_mean
 from vispe.files import read_checkpoint
+from vispe.recipes import check_config_files, expand_recipe_args
 
 __all__ = ["CKPT_HPARAMS", "AtomicCheckpointIO", "FinalLastCheckpoint", "ResumeTrainLoaderState", "VispeCLI",
            "expand_recipe_args", "find_last_checkpoint", "launcher_trainer_settings", "main", "run_name"]
@@ -226,6 +227,23 @@ class VispeCLI(LightningCLI):
             help="when --ckpt_path's model hyper-parameters differ from the configured model: 'refuse' (default), "
                  "'checkpoint' (build the checkpoint's model) or 'config' (build the configured model, load the weights into it)",
         )
+
+    def parse_arguments(self, parser: Any, args: Any) -> None:
+        """A misspelt option names the closest real ones (``--trainer.max_epoch`` -> ``--trainer.max_epochs``)."""
+        try:
+            super().parse_arguments(parser, args)
+        except argparse.ArgumentError as err:
+            text = str(err)
+            match = re.search(r"unrecognized arguments: (\S+)", text)
+            if match is None:
+                raise
+            options = set(parser._option_string_actions)
+            subparsers = getattr(getattr(parser, "_subcommands_action", None), "_name_parser_map", {}) or {}
+            for sub, subparser in subparsers.items():
+                if not args or sub in args:
+                    options |= set(subparser._option_string_actions)
+            bad = match.group(1).split("=", 1)[0]
+            raise argparse.ArgumentError(None, f"{text}{did_you_mean(bad, sorted(options))}") from None
 
     # -- --ckpt_path: read safely, never swap the model silently ---------------------------
     def _parse_ckpt_path(self) -> None:
@@ -460,15 +478,27 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         print(f"--recipe NAME          a shipped recipe, the same as -c vispe/recipes/NAME.yaml in its place: {', '.join(list_recipes())}\n")
     argv = expand_recipe_args(argv)
-    _check_config_files(argv)
+    check_config_files(argv)
     with warnings.catch_warnings():
         # vispe always passes the arguments explicitly (`vispe fit ...` re-dispatches sys.argv)
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
         try:
             VispeCLI(args=argv)
         except argparse.ArgumentError as err:
-            raise ValueError(argument_error_sentence(str(err))) from err
+            raise ValueError(_with_option_hint(argument_error_sentence(str(err)))) from err
     return 0
+
+
+def _with_option_hint(sentence: str) -> str:
+    """jsonargparse's "Option 'x' is not accepted" for a class's init argument, with the closest real arguments."""
+    match = re.search(r"class_path '([\w.]+)': Option '(\w+)' is not accepted", sentence)
+    if match is None:
+        return sentence
+    try:
+        params = [p for p in inspect.signature(_import_class(match.group(1)).__init__).parameters if p != "self"]
+    except (ImportError, AttributeError, ValueError, TypeError):
+        return sentence
+    return sentence + did_you_mean(match.group(2), params)
 
 
 def argument_error_sentence(text: str) -> str:
@@ -500,41 +530,6 @@ def argument_error_sentence(text: str) -> str:
     if given and "NestedArg" not in given and given not in sentence:
         sentence += f" (got {given})"
     return sentence
-
-
-def expand_recipe_args(argv: Sequence[str]) -> list[str]:
-    """``--recipe NAME`` (or ``--recipe=NAME``) -> ``-c <vispe/recipes/NAME.yaml>`` in the same place, so options
-    after it override the recipe. Unknown names raise ``ValueError`` listing the shipped recipes."""
-    from vispe.recipes import list_recipes, recipe_path
-
-    out: list[str] = []
-    it = iter(argv)
-    for arg in it:
-        if arg == "--recipe" or arg.startswith("--recipe="):
-            name = arg.split("=", 1)[1] if "=" in arg else next(it, None)
-            if not name or name.startswith("-"):
-                raise ValueError(f"--recipe needs a recipe name or a YAML file; shipped recipes: {list_recipes()}")
-            out += ["-c", str(recipe_path(name))]
-        else:
-            out.append(arg)
-    return out
-
-
-def _check_config_files(argv: Sequence[str]) -> None:
-    """Parse every ``-c/--config`` file as YAML first: jsonargparse's syntax errors give a line but not the file."""
-    import yaml
-
-    paths = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("-c", "--config")]
-    paths += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
-    for path in paths:
-        if not Path(path).is_file():
-            if "\n" in path or ":" in path:  # an inline YAML string, not a file name
-                continue
-            raise FileNotFoundError(f"config file {path!r} does not exist")
-        try:
-            yaml.safe_load(Path(path).read_text())
-        except yaml.YAMLError as err:
-            raise ValueError(f"config file {path!r} is not valid YAML: {' '.join(str(err).split())}") from None
 
 
 if __name__ == "__main__":

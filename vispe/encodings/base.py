@@ -29,7 +29,7 @@ from typing import Any, Callable, ClassVar, Hashable, Mapping, Sequence, TypeVar
 import torch
 import torch.nn as nn
 
-from .._checks import Bool, Choice, Int, Ints, OptionCheck, Real, Str, check_options
+from .._checks import Bool, Choice, Int, Ints, OptionCheck, Real, Str, check_options, did_you_mean
 # the attention kernels live in .attention; re-exported here for the encodings that import them from .base
 from .attention import (
     ATTENTION_BACKENDS,
@@ -555,7 +555,7 @@ def get_encoding_class(name: str) -> type[PositionalEncoding]:
 
         return composed_class(name)
     if not isinstance(name, str) or name not in _REGISTRY:
-        raise ValueError(f"unknown positional encoding {name!r}; choose one of {list_encodings()}")
+        raise ValueError(f"unknown positional encoding {name!r}; choose one of {list_encodings()}{did_you_mean(name, _REGISTRY)}")
     return _REGISTRY[name]
 
 
