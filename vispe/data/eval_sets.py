@@ -116,8 +116,14 @@ def class_index_map(set_classes: Sequence[str] | None, set_num_classes: int, mod
                              "or pass --allow-class-subset to score a subset of the classes")
         return torch.tensor([list(model_classes).index(c) for c in set_classes], dtype=torch.long)
     if set_num_classes > model_num_classes or (set_num_classes != model_num_classes and not allow_subset):
-        raise ValueError(f"class counts do not match: {both}. Give the model's class names (--classes) so labels "
-                         "are matched by name, or evaluate on a set with the model's classes")
+        # one message with everything the command needs: names to match by, and consent to score only some classes
+        fix = "give the model's class names in head order (--classes FILE: a .txt with one name per line, or a .json list)"
+        if set_classes is not None and set_num_classes < model_num_classes:
+            fix += (f" so {set_name}'s classes are matched by name, plus --allow-class-subset since it holds "
+                    f"{set_num_classes} of the model's {model_num_classes} classes")
+        else:
+            fix += " so labels are matched by name, or evaluate on a set with the model's classes"
+        raise ValueError(f"class counts do not match: {both}. To fix, {fix}")
     return torch.arange(set_num_classes)
 
 
