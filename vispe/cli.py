@@ -93,9 +93,42 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as err:  # one clear sentence; the traceback is for --debug
         if debug:
             raise
-        print(f"vispe {cmd}: error: {_reason(err)}\n(run with --debug or {DEBUG_ENV}=1 for the traceback)", file=sys.stderr)
+        _report_error(f"vispe {cmd}: error: {_reason(err)}", f"(run with --debug or {DEBUG_ENV}=1 for the traceback)")
         return 2
     return int(rc or 0)
+
+
+def _launcher_rank() -> int:
+    """This process's rank under torchrun / ``fabric run`` / Lightning's launcher (0 when not launched)."""
+    for var in ("RANK", "LOCAL_RANK"):
+        value = os.environ.get(var, "")
+        if value.strip().isdigit():
+            return int(value)
+    return 0
+
+
+def _report_error(sentence: str, hint: str) -> None:
+    """Print the sentence once (rank 0) and hand it to a torchrun-style launcher for its failure summary.
+
+    Every process of a distributed job fails on the same config error; printing it from each rank repeats it, and
+    torchrun's summary would otherwise say only "To enable traceback see ...". Other ranks wait a moment before
+    exiting, so rank 0 fails first: the launcher names it as the root cause instead of killing it mid-print.
+    """
+    import json
+    import time
+
+    rank = _launcher_rank()
+    if rank == 0:
+        print(f"{sentence}\n{hint}", file=sys.stderr, flush=True)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        try:
+            with open(error_file, "w") as f:
+                json.dump({"message": sentence, "timestamp": int(time.time())}, f)
+        except OSError:
+            pass
+    if rank != 0 and os.environ.get("WORLD_SIZE", "1") not in ("", "1"):
+        time.sleep(3)
 
 
 def _reason(err: BaseException) -> str:

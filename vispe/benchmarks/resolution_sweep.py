@@ -356,17 +356,19 @@ def _recorded(dm_info: dict[str, Any], data_dir: str | None) -> tuple[Callable[[
     import importlib
 
     from vispe.data import eval_sets
+    from vispe.data.loading import locate_recorded_paths
     from vispe.data.image import CIFAR_MEAN, CIFAR_STD, FASHION_MNIST_MEAN, FASHION_MNIST_STD
 
     class_path = str(dm_info.get("class_path", ""))
-    init = dict(dm_info.get("init_args") or {})
     short = class_path.rsplit(".", 1)[-1]
+    init = locate_recorded_paths(dict(dm_info.get("init_args") or {}), dm_info.get("cwd"), f"the checkpoint's {short}",
+                                 "pass --data with the images to evaluate on (or --data-dir for a data set that moved)")
     recorded_dir = init.get("data_dir")
     where = data_dir if data_dir else (recorded_dir if recorded_dir and Path(recorded_dir).exists() else None)
     if short == "CIFAR10JpegDataModule":
-        return (lambda: eval_sets.cifar10_test(where)), eval_sets.CIFAR10_CLASSES, CIFAR_MEAN, CIFAR_STD
+        return (lambda: eval_sets.cifar10_test(where, flag="--data-dir")), eval_sets.CIFAR10_CLASSES, CIFAR_MEAN, CIFAR_STD
     if short == "FashionMNISTDataModule":
-        return (lambda: eval_sets.fashion_mnist_test(where)), eval_sets.FASHION_MNIST_CLASSES, FASHION_MNIST_MEAN, FASHION_MNIST_STD
+        return (lambda: eval_sets.fashion_mnist_test(where, flag="--data-dir")), eval_sets.FASHION_MNIST_CLASSES, FASHION_MNIST_MEAN, FASHION_MNIST_STD
     module, _, name = class_path.rpartition(".")
     cls = getattr(importlib.import_module(module), name)
     accepted = inspect.signature(cls.__init__).parameters

@@ -208,7 +208,7 @@ class TorchvisionDataModule(ImageDataModule):
         if download:
             self.root = Path(root if root else ".")
         else:
-            self.root = resolve_data_path(root, name.lower(), f"torchvision dataset {name}")
+            self.root = resolve_data_path(root, name.lower(), f"torchvision dataset {name}", arg="root")
         self.download = download
         self.train_split, self.test_split = train_split, test_split
         self.num_classes, self.in_chans, self.image_size = _image_shape(num_classes, in_chans, image_size)
@@ -271,9 +271,9 @@ class ImageFolderDataModule(ImageDataModule):
         super().__init__(batch_size, eval_batch_size, num_workers, augment, train_subset, eval_subset, seed,
                          resolutions=resolutions, resolution_sampling=resolution_sampling, patch_size=patch_size)
         self.save_hyperparameters()
-        self.train_dir = resolve_data_path(train_dir, "", "ImageFolder train_dir")
-        self.val_dir = resolve_data_path(val_dir, "", "ImageFolder val_dir")
-        self.test_dir = resolve_data_path(test_dir, "", "ImageFolder test_dir") if test_dir else self.val_dir
+        self.train_dir = resolve_data_path(train_dir, "", "ImageFolder train_dir", arg="train_dir")
+        self.val_dir = resolve_data_path(val_dir, "", "ImageFolder val_dir", arg="val_dir")
+        self.test_dir = resolve_data_path(test_dir, "", "ImageFolder test_dir", arg="test_dir") if test_dir else self.val_dir
         classes = sorted(p.name for p in self.train_dir.iterdir() if p.is_dir())
         if not classes:
             raise ValueError(f"ImageFolder train_dir {str(self.train_dir)!r} has no class sub-folders")
@@ -381,7 +381,7 @@ class DigitsDataModule(ImageDataModule):
         super().__init__(batch_size, eval_batch_size, num_workers, augment, train_subset, eval_subset, seed,
                          resolutions=resolutions, resolution_sampling=resolution_sampling, patch_size=patch_size)
         self.save_hyperparameters()
-        path = resolve_data_path(data_path, "sklearn-digits/digits.csv.gz", "scikit-learn digits csv.gz")
+        path = resolve_data_path(data_path, "sklearn-digits/digits.csv.gz", "scikit-learn digits csv.gz", arg="data_path")
         if path.is_dir():
             path = path / "digits.csv.gz"
             if not path.is_file():

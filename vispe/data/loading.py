@@ -9,7 +9,8 @@ from typing import Any, Sequence
 import torch
 from torch.utils.data import DataLoader, RandomSampler
 
-__all__ = ["DATA_ROOT_ENV", "DEFAULT_DATA_ROOT", "EpochSeededRandomSampler", "ResumableDataLoader", "resolve_data_path"]
+__all__ = ["DATA_ROOT_ENV", "DEFAULT_DATA_ROOT", "EpochSeededRandomSampler", "ResumableDataLoader", "locate_recorded_paths",
+           "resolve_data_path"]
 
 #: Environment variable holding the folder that contains the dataset folders (``cifar10-jpeg/`` ...).
 DATA_ROOT_ENV = "VISPE_DATA_ROOT"
@@ -25,32 +26,69 @@ def _placeholder(path: Path) -> bool:
     return path.is_dir() and all(p.name.lower() == "readme.md" for p in path.iterdir())
 
 
-def resolve_data_path(explicit: str | os.PathLike | None, default_subdir: str, what: str) -> Path:
+def resolve_data_path(explicit: str | os.PathLike | None, default_subdir: str, what: str, *, arg: str = "data_dir",
+                      flag: str | None = None) -> Path:
     """Return the dataset location: ``explicit`` if given, else ``$VISPE_DATA_ROOT/<default_subdir>``, else
     ``data/<default_subdir>`` (:data:`DEFAULT_DATA_ROOT`).
 
-    Raises ``FileNotFoundError`` naming the path that is missing (and how to set it) so a run fails
-    at configuration time, before any training.
+    Raises ``FileNotFoundError`` naming the path that is missing and how to set it so a run fails at configuration
+    time, before any training. ``arg`` is the argument that gives ``explicit`` and ``flag`` the command-line flag of
+    the command being run that sets it (default: ``vispe fit``'s ``--data.init_args.<arg>``); ``$VISPE_DATA_ROOT`` is
+    suggested only where it applies (a data set with a default folder, and no explicit path).
     """
+    flag = flag or f"--data.init_args.{arg}"
     if explicit is not None and str(explicit) != "":
         path = Path(explicit).expanduser()
-        origin = "the data_dir argument"
-    elif os.environ.get(DATA_ROOT_ENV):
+        if not path.exists():
+            raise FileNotFoundError(f"{what} not found at {str(path)!r} (given by {arg}: {flag}); check the path")
+        return path
+    if not default_subdir:
+        raise FileNotFoundError(f"{what}: no path given; pass {flag} with the folder")
+    if os.environ.get(DATA_ROOT_ENV):
         path = Path(os.environ[DATA_ROOT_ENV]).expanduser() / default_subdir
-        origin = f"${DATA_ROOT_ENV}/{default_subdir}"
-    else:
-        path = DEFAULT_DATA_ROOT / default_subdir
-        if not path.exists() or _placeholder(path):
-            raise FileNotFoundError(
-                f"no {what} at the default location {str(path)!r}: put the files there (see data/README.md), "
-                f"pass data_dir (e.g. --data.data_dir /path/to/{default_subdir}) or set {DATA_ROOT_ENV} to the folder "
-                f"that contains {default_subdir}/"
-            )
-        origin = f"the default data root {str(DEFAULT_DATA_ROOT)!r}"
-    if not path.exists():
-        raise FileNotFoundError(f"{what} not found at {str(path)!r} (from {origin}); check the path or set {DATA_ROOT_ENV}")
+        if not path.exists():
+            raise FileNotFoundError(f"{what} not found at {str(path)!r} (${DATA_ROOT_ENV}/{default_subdir}); put the files "
+                                    f"there, or pass {flag} with their folder")
+        return path
+    path = DEFAULT_DATA_ROOT / default_subdir
+    if not path.exists() or _placeholder(path):
+        raise FileNotFoundError(
+            f"no {what} at the default location {str(path)!r}: put the files there (see data/README.md), "
+            f"pass {flag} /path/to/{default_subdir}, or set {DATA_ROOT_ENV} to the folder that contains {default_subdir}/"
+        )
     return path
 
+
+#: data-module arguments that name a file or folder (a relative one is relative to where the run was made)
+_PATH_ARG_SUFFIXES = ("_dir", "_root", "_path", "_manifest")
+#: path arguments with a fallback of their own ($VISPE_DATA_ROOT, the default data/): a missing one is not an error here
+_PATH_ARGS_WITH_DEFAULT = ("data_dir", "root", "data_path")
+
+
+def locate_recorded_paths(init_args: dict[str, Any], run_cwd: str | None, what: str, fix: str) -> dict[str, Any]:
+    """A data module's recorded arguments with relative paths resolved against ``run_cwd`` (the directory the run was
+    made in, recorded in the checkpoint), so a checkpoint is usable from any directory.
+
+    A relative path that exists from here is kept. One that exists nowhere raises ``FileNotFoundError`` naming it,
+    where it was looked for, and ``fix`` (what to pass instead), except for the arguments that fall back to
+    ``$VISPE_DATA_ROOT`` / ``data/`` (``data_dir``, ``root``, ``data_path``).
+    """
+    out = dict(init_args)
+    gone = []
+    for key, value in init_args.items():
+        if not isinstance(value, str) or not value or not (key.endswith(_PATH_ARG_SUFFIXES) or key == "root"):
+            continue
+        path = Path(value).expanduser()
+        if path.exists():
+            continue
+        if not path.is_absolute() and run_cwd and (Path(run_cwd) / path).exists():
+            out[key] = str(Path(run_cwd) / path)
+        elif key not in _PATH_ARGS_WITH_DEFAULT:
+            looked = [str(path)] + ([str(Path(run_cwd) / path)] if run_cwd and not path.is_absolute() else [])
+            gone.append(f"{key}={value!r} (looked for at {' and '.join(repr(p) for p in dict.fromkeys(looked))})")
+    if gone:
+        raise FileNotFoundError(f"{what} reads {'; '.join(gone)}, which do not exist; {fix}")
+    return out
 
 
 class EpochSeededRandomSampler(RandomSampler):

@@ -651,6 +651,11 @@ def create_encoding(spec: Any, context: EncodingContext | None = None, **kwargs:
     name, options = parse_pos_encoding(spec)
     kwargs = {**options, **kwargs}
     cls = get_encoding_class(name)
+    grid_ndim = len(context.grid_size) if context is not None and context.grid_size else None
+    if grid_ndim is not None and grid_ndim not in cls.grid_ndims:  # else it may run silently on the wrong axes
+        raise ValueError(f"encoding {name!r} takes {'/'.join(map(str, cls.grid_ndims))}-D grids, but the model's grid "
+                         f"{tuple(context.grid_size)} is {grid_ndim}-D; choose one of {list_encodings(grid_ndim=grid_ndim)}"
+                         f"{did_you_mean(name, list_encodings(grid_ndim=grid_ndim))}")
     backend = kwargs.pop("attention_backend", None) if issubclass(cls, AttentionBiasEncoding) else None
     accepted, var_kw = _init_params(cls)
     own = sorted((accepted - _CONTEXT_KEYS) | ({"attention_backend"} if issubclass(cls, AttentionBiasEncoding) else set()))

@@ -270,4 +270,5 @@ class ImageClassification(pl.LightningModule):
             checkpoint["vispe_datamodule"] = {
                 "class_path": f"{cls.__module__}.{cls.__qualname__}",
                 "init_args": dict(getattr(dm, "hparams", {})),
+                "cwd": os.getcwd(),  # relative data paths are relative to here (vispe resolution may run elsewhere)
             }
