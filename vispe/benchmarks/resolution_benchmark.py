@@ -228,7 +228,7 @@ def train_part(part: Part, out: Path, jobs: int, threads: int, data_dir: str | N
     todo = training_order(part.runs(), out, timings)
 
     def command(enc: str, seed: int) -> list[str]:
-        cmd = _fit_command(part, enc, seed, out, data_dir)
+        cmd = _fit_command(part, enc, seed, out, data_dir) + ["--threads", str(threads)]  # the recipe's own yields
         if find_last_checkpoint(out / f"{enc}-s{seed}") is not None:
             cmd += ["--ckpt_path", "last"]
         return cmd

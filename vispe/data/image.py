@@ -19,7 +19,7 @@ from torch.utils.data import Dataset
 
 from ..files import DamagedFileError, check_idx, check_zip, read_idx
 from .image_datamodule import ImageDataModule, TensorImageDataset, make_pil_to_uint8
-from .loading import resolve_data_path
+from .loading import NumWorkers, resolve_data_path
 
 __all__ = [
     "CIFAR10_CLASSES",
@@ -102,7 +102,7 @@ class CIFAR10JpegDataModule(ImageDataModule):
         cache_dir: str | None = None,
         batch_size: int = 128,
         eval_batch_size: int | None = None,
-        num_workers: int = 0,
+        num_workers: NumWorkers = 0,
         augment: str = "crop_flip",
         train_subset: int | None = None,
         eval_subset: int | None = None,
@@ -185,7 +185,7 @@ class TorchvisionDataModule(ImageDataModule):
         std: tuple[float, ...] = IMAGENET_STD,
         batch_size: int = 128,
         eval_batch_size: int | None = None,
-        num_workers: int = 0,
+        num_workers: NumWorkers = 0,
         augment: str = "crop_flip",
         train_subset: int | None = None,
         eval_subset: int | None = None,
@@ -259,7 +259,7 @@ class ImageFolderDataModule(ImageDataModule):
         std: tuple[float, ...] = IMAGENET_STD,
         batch_size: int = 64,
         eval_batch_size: int | None = None,
-        num_workers: int = 0,
+        num_workers: NumWorkers = 0,
         augment: str = "crop_flip",
         train_subset: int | None = None,
         eval_subset: int | None = None,
@@ -313,7 +313,7 @@ class FashionMNISTDataModule(ImageDataModule):
         in_chans: int = 1,
         batch_size: int = 128,
         eval_batch_size: int | None = None,
-        num_workers: int = 0,
+        num_workers: NumWorkers = 0,
         augment: str = "crop_flip",
         train_subset: int | None = None,
         eval_subset: int | None = None,
@@ -369,7 +369,7 @@ class DigitsDataModule(ImageDataModule):
         val_fraction: float = 0.2,
         batch_size: int = 64,
         eval_batch_size: int | None = None,
-        num_workers: int = 0,
+        num_workers: NumWorkers = 0,
         augment: str = "none",
         train_subset: int | None = None,
         eval_subset: int | None = None,
@@ -440,7 +440,7 @@ class SyntheticDataModule(ImageDataModule):
         noise: float = 0.35,
         batch_size: int = 32,
         eval_batch_size: int | None = None,
-        num_workers: int = 0,
+        num_workers: NumWorkers = 0,
         augment: str = "flip",
         train_subset: int | None = None,
         eval_subset: int | None = None,

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from .loading import EpochSeededRandomSampler, ResumableDataLoader
+from .loading import EpochSeededRandomSampler, NumWorkers, ResumableDataLoader, resolve_num_workers
 
 __all__ = ["AUGMENTATIONS", "RESOLUTION_SAMPLING", "ClassInterleavedSampler", "ImageDataModule", "class_interleaved_order",
            "parse_resolutions", "TensorImageDataset", "channel_fix", "make_pil_to_uint8", "random_crop_flip", "resize_images"]
@@ -142,7 +142,8 @@ class ImageDataModule(pl.LightningDataModule):
     Args:
         batch_size: per-process batch size.
         eval_batch_size: batch size for validation/test (default: ``batch_size``).
-        num_workers: DataLoader workers.
+        num_workers: DataLoader workers, or ``'auto'`` (:func:`vispe.data.loading.auto_num_workers`: this
+            process's share of the cores less one, at most 4).
         augment: one of :data:`AUGMENTATIONS` (training only).
         train_subset: keep only this many training samples (a fixed, seeded, class-balanced choice).
         eval_subset: keep only this many validation/test samples (same rule).
@@ -164,7 +165,7 @@ class ImageDataModule(pl.LightningDataModule):
         self,
         batch_size: int = 128,
         eval_batch_size: int | None = None,
-        num_workers: int = 0,
+        num_workers: NumWorkers = 0,
         augment: str = "crop_flip",
         train_subset: int | None = None,
         eval_subset: int | None = None,
@@ -181,14 +182,12 @@ class ImageDataModule(pl.LightningDataModule):
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if eval_batch_size is not None and eval_batch_size < 1:
             raise ValueError(f"eval_batch_size must be >= 1 (or None for batch_size), got {eval_batch_size}")
-        if num_workers < 0:
-            raise ValueError(f"num_workers must be >= 0 (0: load in the main process), got {num_workers}")
         for name, n in (("train_subset", train_subset), ("eval_subset", eval_subset)):
             if n is not None and n < 1:
                 raise ValueError(f"{name}: subset size must be >= 1 (or None for the whole split), got {n}")
         self.batch_size = int(batch_size)
         self.eval_batch_size = int(eval_batch_size or batch_size)
-        self.num_workers = int(num_workers)
+        self.num_workers = resolve_num_workers(num_workers)
         self.augment = augment
         self.train_subset = train_subset
         self.eval_subset = eval_subset

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence, Union
 
 import torch
 from torch.utils.data import DataLoader, RandomSampler
 
-__all__ = ["DATA_ROOT_ENV", "DEFAULT_DATA_ROOT", "EpochSeededRandomSampler", "ResumableDataLoader", "locate_recorded_paths",
-           "resolve_data_path"]
+__all__ = ["DATA_ROOT_ENV", "DEFAULT_DATA_ROOT", "EpochSeededRandomSampler", "NumWorkers", "ResumableDataLoader",
+           "auto_num_workers", "auto_threads", "locate_recorded_paths", "resolve_data_path", "resolve_num_workers"]
 
 #: Environment variable holding the folder that contains the dataset folders (``cifar10-jpeg/`` ...).
 DATA_ROOT_ENV = "VISPE_DATA_ROOT"
@@ -57,6 +57,58 @@ def resolve_data_path(explicit: str | os.PathLike | None, default_subdir: str, w
             f"pass {flag} /path/to/{default_subdir}, or set {DATA_ROOT_ENV} to the folder that contains {default_subdir}/"
         )
     return path
+
+
+#: a DataLoader worker count, or ``"auto"`` (:func:`auto_num_workers`)
+NumWorkers = Union[int, Literal["auto"]]
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _local_processes() -> int:
+    """Processes of this job on this machine (torchrun / ``fabric run`` / Lightning's DDP launcher)."""
+    for var in ("LOCAL_WORLD_SIZE", "LT_DEVICES"):
+        value = os.environ.get(var, "")
+        if value.strip().isdigit() and int(value) > 0:
+            return int(value)
+    return 1
+
+
+def auto_threads() -> int:
+    """Torch threads for one training process: its share of the cores this process may use, less what other work
+    keeps busy (the 1-minute load average beyond this process), at least 1.
+
+    On a shared machine more threads than free cores make every step wait for the slowest thread (CPU recipes ran
+    4-11x slower at the default thread count than at one thread on a busy 2-core machine).
+    """
+    share = max(1, _cores() // _local_processes())
+    try:
+        busy = max(0.0, os.getloadavg()[0] - 1.0)  # this process is running now and counts as one
+    except OSError:
+        busy = 0.0
+    return max(1, min(share, int(_cores() - busy)))
+
+
+def auto_num_workers() -> int:
+    """DataLoader workers for ``num_workers: auto``: one core of this process's share is left to the training
+    loop and the rest (up to 4) load batches; a 1-core share loads in the main process (0)."""
+    share = max(1, _cores() // _local_processes())
+    return min(4, max(0, share - 1))
+
+
+def resolve_num_workers(num_workers: Any) -> int:
+    """``num_workers`` as a count: ``"auto"`` -> :func:`auto_num_workers`; a negative or other value raises
+    ``ValueError`` naming it."""
+    if num_workers == "auto":
+        return auto_num_workers()
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+        raise ValueError(f"num_workers must be >= 0 (0: load in the main process) or 'auto', got {num_workers!r}")
+    return int(num_workers)
 
 
 #: data-module arguments that name a file or folder (a relative one is relative to where the run was made)
