@@ -78,3 +78,33 @@ def test_checkpoint_finished_follows_the_fit_loop_rule():
     assert checkpoint_finished(ckpt, None, 12) == "step 12 of max_steps=12"
     assert checkpoint_finished(ckpt, None, 20) is None
     assert checkpoint_finished({"global_step": 5}, 3, -1) is None  # no loop state: not known to be finished
+
+
+def test_row_progress_live_quiet_and_log_forms(monkeypatch):
+    import io
+    import time
+
+    from vispe.progress import RowProgress, format_seconds
+
+    now = [0.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    assert format_seconds(83.4) == "1:23" and format_seconds(3725) == "1:02:05"
+
+    def run(**kw) -> str:
+        out = io.StringIO()
+        p = RowProgress(3, 4, stream=out, **kw)
+        p.skip_row()  # a reused result: two rows of work
+        for label in ("a", "b"):
+            p.start_row(label)
+            for _ in range(4):
+                now[0] += 10.0
+                p.step()
+            p.end_row()
+        return out.getvalue()
+
+    live = run(live=True)
+    assert "row 1/2 a: 1/4 batches, 0:10 elapsed, ETA 1:10" in live  # 1 of 8 batches in 10 s: 70 s to go
+    assert "row 2/2 b: done in 0:40, 1:20 elapsed, ETA 0:00" in live
+    log = run(live=False)  # not a terminal (a log, CI): one line per row
+    assert log.splitlines() == ["row 1/2 a: done in 0:40, 0:40 elapsed, ETA 0:40", "row 2/2 b: done in 0:40, 1:20 elapsed, ETA 0:00"]
+    assert run(live=True, quiet=True) == ""

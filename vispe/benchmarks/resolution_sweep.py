@@ -234,8 +234,9 @@ def _tensor_peak(fn: Callable[[], torch.Tensor], model: nn.Module) -> tuple[torc
 @torch.inference_mode()
 def evaluate_shapes(model: nn.Module, images: Sequence[torch.Tensor], labels: torch.Tensor, shapes: Sequence[tuple[int, int]],
                     mean: Sequence[float], std: Sequence[float], resize: str = "resize", batch_size: int = 256,
-                    device: str | torch.device = "cpu") -> dict[tuple[int, int], dict[str, Any]]:
-    """Top-1 / top-5 accuracy (%) and peak memory of ``model`` on ``images`` brought to each ``H x W``."""
+                    device: str | torch.device = "cpu", on_batch: Callable[[], None] | None = None) -> dict[tuple[int, int], dict[str, Any]]:
+    """Top-1 / top-5 accuracy (%) and peak memory of ``model`` on ``images`` brought to each ``H x W``
+    (``on_batch`` is called after every batch: progress)."""
     device = torch.device(device)
     in_chans = model_in_chans(model)
     out: dict[tuple[int, int], dict[str, Any]] = {}
@@ -259,6 +260,8 @@ def evaluate_shapes(model: nn.Module, images: Sequence[torch.Tensor], labels: to
             pred = logits.topk(k, dim=-1).indices
             top1 += int((pred[:, 0] == y).sum())
             topk += int((pred == y[:, None]).any(-1).sum())
+            if on_batch is not None:
+                on_batch()
         if device.type == "cuda":
             memory["cuda_max_allocated_mib"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
         if rss:
@@ -582,6 +585,7 @@ def run_sweep(
     token_budget: int | None = None,
     resize: Sequence[str] = ("resize",),
     device: str = "cpu",
+    quiet: bool = False,
 ) -> dict[str, Any]:
     """Run the sweep and write ``resolution.{json,md,png}`` into ``out_dir``; returns the JSON dict.
 
@@ -646,6 +650,11 @@ def run_sweep(
     decoded: dict[int, tuple[list[torch.Tensor], torch.Tensor]] = {}
     _, set_policy, active = policy_hooks()
     results = []
+    from vispe.progress import RowProgress
+
+    progress = RowProgress(sum(len(j["policies"]) * len(resize) for j in jobs),
+                           max((len(j["points"]) * -(-min(len(j["set"].labels), eval_subset or len(j["set"].labels)) // batch_size)
+                                for j in jobs), default=1), quiet=quiet)
     for j in jobs:
         s, es = j["source"], j["set"]
         keep = stratified_indices(es.labels, eval_subset, seed)
@@ -655,6 +664,7 @@ def run_sweep(
                                   s.label, j["label_map"].tolist()])
                 if key in previous:
                     results.append(previous[key])
+                    progress.skip_row()
                     continue
                 if id(es) not in decoded:
                     decoded[id(es)] = (es.load(keep.tolist()), es.labels[keep])
@@ -662,9 +672,11 @@ def run_sweep(
                 if policy is not None:
                     set_policy(s.model, policy)
                 model = s.model.to(device)
-                acc = evaluate_shapes(model, images, j["label_map"][targets], [sh for _, sh, _ in j["points"]], s.mean, s.std,
-                                      rp, batch_size, device)
                 label = s.label + ("" if policy is None else f" ({policy})") + ("" if len(resize) == 1 else f" [{rp}]")
+                progress.start_row(label)
+                acc = evaluate_shapes(model, images, j["label_map"][targets], [sh for _, sh, _ in j["points"]], s.mean, s.std,
+                                      rp, batch_size, device, on_batch=progress.step)
+                progress.end_row()
                 evaluations = [{"sweep": kind, "shape": _shape_name(sh), "height": sh[0], "width": sh[1],
                                 "tokens": (sh[0] // s.patch[0]) * (sh[1] // s.patch[1]), "aspect": sh[1] / sh[0],
                                 **({"aspect_label": name} if name else {}), **acc[tuple(sh)]} for kind, sh, name in j["points"]]
@@ -867,6 +879,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     o.add_argument("--out", default="outputs/resolution", help="output folder for resolution.{json,md,png}")
     o.add_argument("--batch-size", type=int, default=256)
     o.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
+    o.add_argument("--quiet", action="store_true", help="no progress on stderr (a line per row when stderr is not a terminal)")
     o.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     o.add_argument("--title", default=None)
     o.add_argument("--no-reuse", action="store_true", help="re-evaluate even results already in --out/resolution.json")
@@ -897,7 +910,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             data_root=args.data_root, split=args.split, classes=classes, allow_class_subset=args.allow_class_subset,
             seed=args.seed, scales=_parse_floats(args.scales, "--scales") if args.scales else None,
             aspect_ratios=parse_aspect_ratios(args.aspect_ratios) if args.aspect_ratios else None,
-            token_budget=args.token_budget, resize=[r.strip() for r in args.resize.split(",") if r.strip()], device=args.device,
+            token_budget=args.token_budget, resize=[r.strip() for r in args.resize.split(",") if r.strip()], device=args.device, quiet=args.quiet,
         )
     except (ValueError, FileNotFoundError) as err:
         print(f"vispe resolution: error: {err}", file=sys.stderr)

@@ -128,7 +128,7 @@ def locate_recorded_paths(init_args: dict[str, Any], run_cwd: str | None, what: 
     out = dict(init_args)
     gone = []
     for key, value in init_args.items():
-        if not isinstance(value, str) or not value or not (key.endswith(_PATH_ARG_SUFFIXES) or key == "root"):
+        if key.startswith("_") or not isinstance(value, str) or not value or not (key.endswith(_PATH_ARG_SUFFIXES) or key == "root"):
             continue
         path = Path(value).expanduser()
         if path.exists():
