@@ -783,11 +783,11 @@ def plot(report: dict[str, Any], path: str | Path, title: str | None = None) -> 
     has_aspect = any(e["sweep"] == "aspect" for r in results for e in r["evaluations"])
     entries = len(results) + len({r["train_shape"] for r in results})
     ncol = 1 if entries <= 4 else 2 if entries <= 12 else 3
-    legend_in = 0.2 * math.ceil(entries / ncol) + 0.45  # inches below the axes for the legend
+    legend_in = 0.2 * math.ceil(entries / ncol) + 0.75  # inches below the axes for the legend (and its 3-line title)
     fig, axes = plt.subplots(1, 2 if has_aspect else 1, figsize=(15 if has_aspect else 10, 5.0 + legend_in), squeeze=False)
     sources = list(dict.fromkeys(r["source"] for r in results))
     colours = plt.get_cmap("tab10" if len(sources) <= 10 else "tab20").colors
-    styles = {"extend": "-", "interpolate": "--", "ntk": "-.", "yarn": ":"}
+    from vispe.benchmarks.grid import POLICY_LINE_NOTE, POLICY_STYLES as styles, accuracy_axes
     markers = {"resize": "o", "crop": "s", "pad": "^"}
     for sweep, ax in zip(("size", "aspect"), axes[0]):
         ticks: dict[float, str] = {}
@@ -804,7 +804,7 @@ def plot(report: dict[str, Any], path: str | Path, title: str | None = None) -> 
         if sweep == "size":
             for ts in sorted({r["train_shape"] for r in results}):
                 h, w = (int(t) for t in ts.split("x"))
-                ax.axvline(math.sqrt(h * w), color="grey", lw=1.0, ls=(0, (1, 2)), label=f"training shape {ts} (dotted)")
+                ax.axvline(math.sqrt(h * w), color="grey", lw=1.0, ls=":", label=f"training shape {ts} (grey dotted)")
             ax.set_xlabel("evaluated input (side in px; H x W where not square; x = sqrt(H*W))")
             ax.set_title(title or "Top-1 accuracy vs input size")
         else:
@@ -815,12 +815,10 @@ def plot(report: dict[str, Any], path: str | Path, title: str | None = None) -> 
         crowded = sweep == "size" and any(b - a < 0.04 * (xs[-1] - xs[0] or 1) for a, b in zip(xs, xs[1:]))
         ax.set_xticklabels([ticks[x] for x in xs], fontsize=7, rotation=45 if crowded or len(xs) > 10 else 0)
         ax.minorticks_off()
-        ax.set_ylabel("top-1 accuracy (%)")
-        ax.grid(alpha=0.3)
+        accuracy_axes(ax)
     handles, names = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, names, fontsize=8, loc="lower center", ncol=ncol, frameon=False,
-               title="model (extrapolation policy) -- line: solid extend or the encoding's own, dashed interpolate, "
-                     "dash-dot ntk, dotted yarn; marker: o resize, s crop, ^ pad", title_fontsize=8)
+               title=f"model (extrapolation policy); marker: o resize, s crop, ^ pad\n{POLICY_LINE_NOTE}", title_fontsize=8)
     fig.tight_layout(rect=(0, legend_in / (5.0 + legend_in), 1, 1))
     fig.savefig(path, dpi=130)
     plt.close(fig)
