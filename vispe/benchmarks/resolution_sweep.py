@@ -234,9 +234,9 @@ def _tensor_peak(fn: Callable[[], torch.Tensor], model: nn.Module) -> tuple[torc
 @torch.inference_mode()
 def evaluate_shapes(model: nn.Module, images: Sequence[torch.Tensor], labels: torch.Tensor, shapes: Sequence[tuple[int, int]],
                     mean: Sequence[float], std: Sequence[float], resize: str = "resize", batch_size: int = 256,
-                    device: str | torch.device = "cpu", on_batch: Callable[[], None] | None = None) -> dict[tuple[int, int], dict[str, Any]]:
+                    device: str | torch.device = "cpu", on_batch: Callable[[int], None] | None = None) -> dict[tuple[int, int], dict[str, Any]]:
     """Top-1 / top-5 accuracy (%) and peak memory of ``model`` on ``images`` brought to each ``H x W``
-    (``on_batch`` is called after every batch: progress)."""
+    (``on_batch(H * W)`` is called after every batch: progress, weighted by the batch's pixels)."""
     device = torch.device(device)
     in_chans = model_in_chans(model)
     out: dict[tuple[int, int], dict[str, Any]] = {}
@@ -261,7 +261,7 @@ def evaluate_shapes(model: nn.Module, images: Sequence[torch.Tensor], labels: to
             top1 += int((pred[:, 0] == y).sum())
             topk += int((pred == y[:, None]).any(-1).sum())
             if on_batch is not None:
-                on_batch()
+                on_batch(shape[0] * shape[1])
         if device.type == "cuda":
             memory["cuda_max_allocated_mib"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
         if rss:
@@ -652,9 +652,10 @@ def run_sweep(
     results = []
     from vispe.progress import RowProgress
 
-    progress = RowProgress(sum(len(j["policies"]) * len(resize) for j in jobs),
-                           max((len(j["points"]) * -(-min(len(j["set"].labels), eval_subset or len(j["set"].labels)) // batch_size)
-                                for j in jobs), default=1), quiet=quiet)
+    batches = max((-(-min(len(j["set"].labels), eval_subset or len(j["set"].labels)) // batch_size) for j in jobs), default=1)
+    points = max(jobs, key=lambda j: len(j["points"]))["points"] if jobs else []
+    progress = RowProgress(sum(len(j["policies"]) * len(resize) for j in jobs), batches * max(1, len(points)), quiet=quiet,
+                           work_per_row=batches * sum(sh[0] * sh[1] for _, sh, _ in points) or None)  # work: pixels
     for j in jobs:
         s, es = j["source"], j["set"]
         keep = stratified_indices(es.labels, eval_subset, seed)
