@@ -370,12 +370,13 @@ class VispeCLI(LightningCLI):
             kwargs["ckpt_path"] = str(self._last_checkpoint())
         return kwargs
 
-    def _check_last_checkpoint(self) -> None:
-        """``--ckpt_path last`` is resolved only once the Trainer exists: compare its hyper-parameters here."""
+    def _check_last_checkpoint(self, path: Path | None = None) -> None:
+        """``--ckpt_path last`` is resolved only once the Trainer exists: compare its hyper-parameters here (or with
+        ``path``, the checkpoint it will resolve to, before then)."""
         cfg = self.config[self.subcommand]
         if str(cfg.get("ckpt_path")) != "last":
             return
-        path = self._last_checkpoint()
+        path = path if path is not None else self._last_checkpoint()
         if (cfg.get("ckpt_hparams") or "refuse") == "config":
             return
         ckpt = read_checkpoint(path)
@@ -460,6 +461,7 @@ class VispeCLI(LightningCLI):
         found = find_last_checkpoint(Path(first_logger.save_dir) / (first_logger.name or ""))
         if found is None:
             return  # _last_checkpoint() says so with the fix
+        self._check_last_checkpoint(found)  # another architecture is refused first, finished or not
         ckpt = read_checkpoint(found)
         done = checkpoint_finished(ckpt, tcfg.get("max_epochs"), tcfg.get("max_steps"))
         if done is not None:
