@@ -728,7 +728,7 @@ def test_cli_bad_flag(case, args, needles, tmp_path, capsys):
 @pytest.mark.parametrize("case, old, new, needles", [
     ("top-level key misspelled", "trainer:", "trainr:", ["trainr"]),
     ("init_args key misspelled", "    model_kwargs:", "    model_kwarg:", ["model_kwarg"]),
-    ("yaml syntax", "  max_epochs: 2", "  max_epochs: [2", ["bad.yaml", "not valid yaml", "line 7"]),
+    ("yaml syntax", "  max_epochs: 2", "  max_epochs: [2", ["bad.yaml", "not valid yaml", "line 8"]),
     ("wrong type in yaml", "    lr: 0.003", "    lr: [0.003]", ["lr"]),
     ("data value", "    image_size: 16", "    image_size: 2", ["image_size", "2"]),
 ])

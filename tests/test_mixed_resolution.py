@@ -233,12 +233,24 @@ def test_datamodule_samples_per_sample_into_a_naflex_batch():
     (dict(resolutions="16"), "non-empty list"),
     (dict(resolutions=[16, 18], patch_size=4), r"\[18, 18\] is not a multiple of patch_size=4"),
     (dict(resolutions=[16], resolution_sampling="pixel"), r"resolution_sampling='pixel' is not valid; choose one of \['batch', 'sample'\]"),
-    (dict(resolutions=[16, [12, 20]], resolution_sampling="sample"), "give patch_size"),
     (dict(resolutions=[16], patch_size=0), "patch_size must be a positive int"),
 ])
 def test_bad_resolution_options_fail_at_construction(kw, message):
     with pytest.raises(ValueError, match=message):
         _synthetic(**kw)
+
+
+def test_datamodule_takes_the_models_patch_size():
+    dm = _synthetic(resolutions=[[16, 16], [12, 20]], resolution_sampling="sample")
+    with pytest.raises(ValueError, match="call use_model_patch_size"):
+        dm.sample_resolutions(torch.randn(8, 3, 16, 16), torch.Generator().manual_seed(0))
+    dm.use_model_patch_size(4, "model 'm'")
+    batch = dm.sample_resolutions(torch.randn(8, 3, 16, 16), torch.Generator().manual_seed(0))
+    assert set(grids_from_patch_coord(batch["patch_coord"], batch["patch_valid"])) == {(4, 4), (3, 5)}
+    with pytest.raises(ValueError, match=r"\[12, 20\] is not a multiple of patch_size=8 .*the patch size of model 'm'"):
+        _synthetic(resolutions=[[16, 16], [12, 20]]).use_model_patch_size(8, "model 'm'")
+    with pytest.raises(ValueError, match="data patch_size=7 differs from model 'm''s patch size 4; leave the data module's patch_size out"):
+        _synthetic(resolutions=[28], patch_size=7).use_model_patch_size(4, "model 'm'")
 
 
 @pytest.mark.slow
@@ -261,8 +273,8 @@ def test_fit_three_steps_with_per_sample_resolutions(tmp_path, monkeypatch):
     main(["fit", "--recipe", "smoke", "--trainer.max_steps", "3", "--trainer.max_epochs", "1",
           "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.enable_progress_bar", "false",
           "--trainer.enable_checkpointing", "false", "--model.init_args.pos_encoding", "cpe",
-          "--data.init_args.resolutions", "[[16,16],[12,20],[20,12]]", "--data.init_args.resolution_sampling", "sample",
-          "--data.init_args.patch_size", "4"])
+          "--data.init_args.resolutions", "[[16,16],[12,20],[20,12]]", "--data.init_args.resolution_sampling", "sample"])
+    # the data module was given no patch_size: the task handed it the model's (4)
     assert len(grids_seen) == 3 and all(len(set(g)) > 1 for g in grids_seen)  # three steps, each a mixed batch
     rows = list(csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))))
     losses = [float(r["train/loss_step"]) for r in rows if r.get("train/loss_step")]

@@ -5,6 +5,7 @@ import csv
 import os
 import pickle
 import signal
+import shutil
 import socket
 import subprocess
 import sys
@@ -45,6 +46,18 @@ def _last_val(save_dir: Path, version: str) -> dict[str, float]:
     rows = list(csv.DictReader(open(save_dir / "rope_mixed" / version / "metrics.csv")))
     val = [r for r in rows if r.get("val/acc")]
     return {k: float(val[-1][k]) for k in ("epoch", "val/acc", "val/loss")}
+
+
+def _logged(save_dir: Path, version: str = "version_0") -> dict[tuple[int, str], float]:
+    """Every value the run's CSV logger wrote: ``{(step, key): value}`` (one file per run, resumes included)."""
+    rows = list(csv.DictReader(open(save_dir / "rope_mixed" / version / "metrics.csv")))
+    out: dict[tuple[int, str], float] = {}
+    for r in rows:
+        for k, v in r.items():
+            if k not in ("step", "epoch") and v not in ("", None):
+                assert (int(r["step"]), k) not in out, f"{k} logged twice at step {r['step']}"
+                out[(int(r["step"]), k)] = float(v)
+    return out
 
 
 def _free_port() -> int:
@@ -104,7 +117,22 @@ def test_sigkill_then_resume_matches_uninterrupted(uninterrupted, tmp_path):
     assert b["global_step"] == a["global_step"] == 12
     for k, v in a["state_dict"].items():
         torch.testing.assert_close(b["state_dict"][k], v, rtol=0, atol=1e-6, msg=f"weights differ at {k}")
-    assert _last_val(out, "version_1") == pytest.approx(_last_val(uninterrupted, "version_0"), abs=1e-6)
+    # one run, one folder: the resumed run continues version_0's metrics, which equal the uninterrupted run's
+    assert sorted(p.name for p in (out / "rope_mixed").iterdir()) == ["version_0"]
+    logged, expected = _logged(out), _logged(uninterrupted)
+    assert logged.keys() == expected.keys() and logged == pytest.approx(expected, abs=1e-6)
+
+
+def test_resuming_a_finished_run_says_so_and_writes_nothing(uninterrupted, tmp_path):
+    out = tmp_path / "runs"
+    shutil.copytree(uninterrupted, out)
+    before = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.rglob("*") if p.is_file()}
+    r = _run([sys.executable, "train/fit.py", "-c", str(SMOKE), "--trainer.max_epochs", "3", "--trainer.logger.init_args.save_dir",
+              str(out), "--trainer.enable_progress_bar", "false", "--ckpt_path", "last"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "is a finished run (epoch 3 of max_epochs=3); nothing to resume and nothing written" in r.stderr
+    after = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.rglob("*") if p.is_file()}
+    assert after == before
 
 
 _KILLER = """
@@ -149,7 +177,13 @@ def test_sigkill_mid_epoch_then_resume_matches_uninterrupted(tmp_path):
     for (sa, sb) in zip(a["optimizer_states"][0]["state"].values(), b["optimizer_states"][0]["state"].values()):
         torch.testing.assert_close(sb["exp_avg"], sa["exp_avg"], rtol=0, atol=1e-6)
     assert a["lr_schedulers"] == b["lr_schedulers"]
-    assert _last_val(out, "version_1") == pytest.approx(_last_val(straight, "version_0"), abs=1e-6)
+    logged, expected = _logged(out), _logged(straight)  # the killed run's rows after step 6 are replaced, not doubled
+    assert logged.keys() == expected.keys()
+    # epoch-level training aggregates of the interrupted epoch cover only the batches after the resume (Lightning
+    # does not checkpoint a metric's running state mid-epoch); every other value is the uninterrupted run's
+    partial_epoch = {(7, "train/acc"), (7, "train/loss_epoch")}
+    assert {k: v for k, v in logged.items() if k not in partial_epoch} == pytest.approx(
+        {k: v for k, v in expected.items() if k not in partial_epoch}, abs=1e-6)
 
 
 @pytest.mark.slow

@@ -8,18 +8,34 @@ is valid: ``"rope_axial: theta=0 is not valid; it must be a finite number > 0"``
 """
 from __future__ import annotations
 
+import difflib
 import math
 import numbers
 from typing import Any, Iterable, Sequence
 
-__all__ = ["check_choice", "OptionCheck", "Real", "Int", "Bool", "Str", "Choice", "Ints", "Seq", "AnyOf", "Satisfies", "check_options"]
+__all__ = ["check_choice", "did_you_mean", "OptionCheck", "Real", "Int", "Bool", "Str", "Choice", "Ints", "Seq", "AnyOf", "Satisfies", "check_options"]
+
+
+def did_you_mean(value: Any, choices: Iterable[Any], n: int = 3) -> str:
+    """``"; did you mean 'smoke'?"`` for the choices closest to a misspelt ``value``, ``""`` when none is close.
+
+    Appended to every "choose one of" message: in a list of 43 names the near miss is hard to spot.
+    """
+    names = [str(c) for c in choices]
+    close = difflib.get_close_matches(str(value), names, n=n, cutoff=0.6)
+    if not close:  # a prefix or a part of a name ("rope" -> rope_axial, rope_mixed) is as good a hint
+        low = str(value).lower()
+        close = [c for c in names if len(low) >= 3 and low in c.lower()][:n]
+    if not close:
+        return ""
+    return f"; did you mean {' or '.join(repr(c) for c in close)}?"
 
 
 def check_choice(name: str, value: Any, choices: Iterable[Any]) -> None:
     """Raise ``ValueError`` naming ``value`` and the valid ``choices`` unless ``value`` is one of them."""
     choices = list(choices)
     if value not in choices:
-        raise ValueError(f"{name}={value!r} is not valid; choose one of {choices}")
+        raise ValueError(f"{name}={value!r} is not valid; choose one of {choices}{did_you_mean(value, choices)}")
 
 
 def _is_int(v: Any) -> bool:

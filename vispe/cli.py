@@ -3,6 +3,10 @@
 ``vispe fit|validate|test|predict --recipe NAME`` (a recipe shipped in ``vispe/recipes/``) or ``-c FILE`` is
 LightningCLI; the other subcommands are benchmark commands that print tables and write JSON / Markdown / PNG.
 
+Only the chosen subcommand's module is imported, and the checks that need no torch (an unknown command or recipe,
+a config file that is not there or not YAML) run before it: ``vispe --help``, ``vispe recipes`` and those errors
+answer in well under a second.
+
 Errors (a bad option in YAML or on the command line, a launcher conflict, a missing file) end the command
 with one sentence on stderr and exit code 2, not a traceback; ``--debug`` (anywhere on the command line) or
 ``VISPE_DEBUG=1`` shows the full traceback instead.
@@ -13,6 +17,8 @@ import importlib
 import os
 import sys
 from typing import Callable, Sequence
+
+from vispe._checks import did_you_mean
 
 # subcommand -> (module:function taking argv, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -62,11 +68,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd not in SUBCOMMANDS:
-        print(f"vispe: unknown command {cmd!r}; choose one of {sorted(SUBCOMMANDS)}\n\n{_usage()}", file=sys.stderr)
+        print(f"vispe: unknown command {cmd!r}; choose one of {sorted(SUBCOMMANDS)}{did_you_mean(cmd, SUBCOMMANDS)}\n\n{_usage()}",
+              file=sys.stderr)
         return 2
     debug = "--debug" in rest or os.environ.get(DEBUG_ENV, "") not in ("", "0")
     rest = [a for a in rest if a != "--debug"]
     try:
+        if cmd in _LIGHTNING:  # a misspelt recipe or a broken config file is refused before Lightning is imported
+            from vispe.recipes import check_config_files, expand_recipe_args
+
+            rest = expand_recipe_args(rest)
+            check_config_files(rest)
         fn = _load(SUBCOMMANDS[cmd][0])
         # LightningCLI parses its own subcommand, so it receives it back
         rc = fn([cmd, *rest] if cmd in _LIGHTNING else rest)
@@ -81,9 +93,42 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as err:  # one clear sentence; the traceback is for --debug
         if debug:
             raise
-        print(f"vispe {cmd}: error: {_reason(err)}\n(run with --debug or {DEBUG_ENV}=1 for the traceback)", file=sys.stderr)
+        _report_error(f"vispe {cmd}: error: {_reason(err)}", f"(run with --debug or {DEBUG_ENV}=1 for the traceback)")
         return 2
     return int(rc or 0)
+
+
+def _launcher_rank() -> int:
+    """This process's rank under torchrun / ``fabric run`` / Lightning's launcher (0 when not launched)."""
+    for var in ("RANK", "LOCAL_RANK"):
+        value = os.environ.get(var, "")
+        if value.strip().isdigit():
+            return int(value)
+    return 0
+
+
+def _report_error(sentence: str, hint: str) -> None:
+    """Print the sentence once (rank 0) and hand it to a torchrun-style launcher for its failure summary.
+
+    Every process of a distributed job fails on the same config error; printing it from each rank repeats it, and
+    torchrun's summary would otherwise say only "To enable traceback see ...". Other ranks wait a moment before
+    exiting, so rank 0 fails first: the launcher names it as the root cause instead of killing it mid-print.
+    """
+    import json
+    import time
+
+    rank = _launcher_rank()
+    if rank == 0:
+        print(f"{sentence}\n{hint}", file=sys.stderr, flush=True)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        try:
+            with open(error_file, "w") as f:
+                json.dump({"message": sentence, "timestamp": int(time.time())}, f)
+        except OSError:
+            pass
+    if rank != 0 and os.environ.get("WORLD_SIZE", "1") not in ("", "1"):
+        time.sleep(3)
 
 
 def _reason(err: BaseException) -> str:

@@ -16,7 +16,7 @@
 * Data-derived model arguments: ``num_classes``, ``in_chans`` and ``img_size`` are taken from the
   DataModule (``num_classes``, ``in_chans``, ``image_size`` attributes) for any model whose
   ``__init__`` accepts them, so configs state them once.
-* Defaults added when the config has none: TQDM progress bar, CSV logger (plus TensorBoard when
+* Defaults added when the config has none: a TQDM progress bar refreshed every 2 s (30 s in a log), CSV logger (plus TensorBoard when
   installed), learning-rate monitor, and a :class:`FinalLastCheckpoint` with ``last.ckpt`` in the
   logger's versioned folder ``<save_dir>/<name>/version_N/checkpoints``: a rerun never overwrites an
   earlier run, and ``--ckpt_path last`` resumes from the newest version that has a ``last.ckpt``
@@ -43,7 +43,7 @@ import sys
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import lightning.pytorch as pl
 import torch
@@ -52,12 +52,13 @@ from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelChec
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger, Logger
 
-from vispe._checks import check_choice
+from vispe._checks import check_choice, did_you_mean
 from vispe.files import read_checkpoint
-from vispe.runs import find_last_checkpoint  # re-exported: where ``--ckpt_path last`` looks
+from vispe.runs import _version_number, find_last_checkpoint  # noqa: F401  (re-exported: where ``--ckpt_path last`` looks)
+from vispe.recipes import check_config_files, expand_recipe_args
 
-__all__ = ["CKPT_HPARAMS", "AtomicCheckpointIO", "FinalLastCheckpoint", "ResumeTrainLoaderState", "VispeCLI",
-           "expand_recipe_args", "find_last_checkpoint", "launcher_trainer_settings", "main", "run_name"]
+__all__ = ["CKPT_HPARAMS", "AtomicCheckpointIO", "TimedProgressBar", "apply_threads", "FinalLastCheckpoint", "ResumeTrainLoaderState", "VispeCLI",
+           "RunFinished", "checkpoint_finished", "expand_recipe_args", "find_last_checkpoint", "launcher_trainer_settings", "main", "run_name"]
 
 _TRAINER_DEFAULTS = {"accelerator": "auto", "devices": "auto", "num_nodes": 1, "strategy": "auto", "precision": None}
 _DATA_TO_MODEL = {"num_classes": "num_classes", "in_chans": "in_chans", "image_size": "img_size", "visual_dim": "visual_dim"}
@@ -127,6 +128,28 @@ class FinalLastCheckpoint(ModelCheckpoint):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
 
+class TimedProgressBar(TQDMProgressBar):
+    """A TQDM bar that refreshes by time, not by a batch count: every ``interval`` seconds (2 s on a terminal, 30 s
+    in a log file / CI) and at the end of each loop. A fixed ``refresh_rate=10`` at 16 s per step sat at "0/390" for
+    minutes; a per-batch refresh floods a log at hundreds of steps per second."""
+
+    def __init__(self, interval: float | None = None) -> None:
+        super().__init__(refresh_rate=1)
+        self.interval = float(interval) if interval is not None else (2.0 if sys.stderr.isatty() else 30.0)
+        self._last_refresh = 0.0
+
+    def _should_update(self, current: int, total: int) -> bool:
+        import time
+
+        if not self.is_enabled:
+            return False
+        now = time.monotonic()
+        if current == total or current <= 1 or now - self._last_refresh >= self.interval:
+            self._last_refresh = now
+            return True
+        return False
+
+
 class ResumeTrainLoaderState(Callback):
     """Hands the training loader its checkpointed position when a run resumes.
 
@@ -138,6 +161,51 @@ class ResumeTrainLoaderState(Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         trainer.fit_loop._load_combined_loader_states()
+
+
+class RunFinished(Exception):
+    """``--ckpt_path last`` of a run that already reached its ``max_epochs`` / ``max_steps``: nothing to do."""
+
+
+def checkpoint_finished(ckpt: dict[str, Any], max_epochs: int | None, max_steps: int | None) -> str | None:
+    """Why a checkpoint's run is already done under these limits (``'epoch 2 of max_epochs=2'``), else ``None``.
+
+    Mirrors Lightning's fit-loop stop rule: ``max_steps`` reached, or ``max_epochs`` epochs completed (Lightning's
+    default of 1,000 epochs when neither is set).
+    """
+    step = int(ckpt.get("global_step", 0) or 0)
+    if max_steps is not None and max_steps >= 0 and step >= max_steps:
+        return f"step {step} of max_steps={max_steps}"
+    if max_epochs is None:
+        max_epochs = 1000 if max_steps in (None, -1) else -1
+    try:
+        done = int(ckpt["loops"]["fit_loop"]["epoch_progress"]["current"]["processed"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    if max_epochs >= 0 and done >= max_epochs:
+        return f"epoch {done} of max_epochs={max_epochs}"
+    return None
+
+
+def _keep_metrics_until(logger: Logger, step: int) -> None:
+    """A resumed CSV logger continues the run's ``metrics.csv``: rows logged up to the checkpoint's step stay, later
+    ones (logged by the killed run after its last checkpoint, logged again now) go. Lightning's CSV writer deletes
+    an existing file when it starts, so the kept rows are written back once it has."""
+    import csv
+
+    path = Path(logger.log_dir) / "metrics.csv"
+    if not path.is_file():
+        return
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        header = list(reader.fieldnames or [])
+        rows = [r for r in reader if not r.get("step") or int(float(r["step"])) < step]
+    writer = logger.experiment  # creates the writer, which removes the file
+    with open(path, "w", newline="") as f:
+        out = csv.DictWriter(f, fieldnames=header)
+        out.writeheader()
+        out.writerows(rows)
+    writer.metrics_keys = sorted(header)
 
 
 def _int_or_str(value: str) -> int | str:
@@ -204,10 +272,32 @@ class VispeCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser: Any) -> None:
         parser.add_argument(
+            "--threads", type=Optional[Union[int, str]], default=None,
+            help="torch CPU threads per process: a number, 'auto' (this process's share of the cores less what other work "
+                 "keeps busy) or null (torch's default, or $OMP_NUM_THREADS); the CPU recipes set 1, as their timings used",
+        )
+        parser.add_argument(
             "--ckpt_hparams", type=str, default="refuse",
             help="when --ckpt_path's model hyper-parameters differ from the configured model: 'refuse' (default), "
                  "'checkpoint' (build the checkpoint's model) or 'config' (build the configured model, load the weights into it)",
         )
+
+    def parse_arguments(self, parser: Any, args: Any) -> None:
+        """A misspelt option names the closest real ones (``--trainer.max_epoch`` -> ``--trainer.max_epochs``)."""
+        try:
+            super().parse_arguments(parser, args)
+        except argparse.ArgumentError as err:
+            text = str(err)
+            match = re.search(r"unrecognized arguments: (\S+)", text)
+            if match is None:
+                raise
+            options = set(parser._option_string_actions)
+            subparsers = getattr(getattr(parser, "_subcommands_action", None), "_name_parser_map", {}) or {}
+            for sub, subparser in subparsers.items():
+                if not args or sub in args:
+                    options |= set(subparser._option_string_actions)
+            bad = match.group(1).split("=", 1)[0]
+            raise argparse.ArgumentError(None, f"{text}{did_you_mean(bad, sorted(options))}") from None
 
     # -- --ckpt_path: read safely, never swap the model silently ---------------------------
     def _parse_ckpt_path(self) -> None:
@@ -262,12 +352,13 @@ class VispeCLI(LightningCLI):
             kwargs["ckpt_path"] = str(self._last_checkpoint())
         return kwargs
 
-    def _check_last_checkpoint(self) -> None:
-        """``--ckpt_path last`` is resolved only once the Trainer exists: compare its hyper-parameters here."""
+    def _check_last_checkpoint(self, path: Path | None = None) -> None:
+        """``--ckpt_path last`` is resolved only once the Trainer exists: compare its hyper-parameters here (or with
+        ``path``, the checkpoint it will resolve to, before then)."""
         cfg = self.config[self.subcommand]
         if str(cfg.get("ckpt_path")) != "last":
             return
-        path = self._last_checkpoint()
+        path = path if path is not None else self._last_checkpoint()
         if (cfg.get("ckpt_hparams") or "refuse") == "config":
             return
         ckpt = read_checkpoint(path)
@@ -294,6 +385,7 @@ class VispeCLI(LightningCLI):
     # -- before anything is built ----------------------------------------------------------
     def before_instantiate_classes(self) -> None:
         cfg = self.config[self.subcommand] if self.subcommand else self.config
+        apply_threads(cfg.get("threads"))
         self._apply_launcher(cfg)
         self._fill_model_from_data(cfg)
         self._name_run_after_encoding(cfg)
@@ -339,6 +431,35 @@ class VispeCLI(LightningCLI):
             if model_arg in accepted and hasattr(dm, data_attr):
                 model["init_args"][model_arg] = getattr(dm, data_attr)
 
+    # -- --ckpt_path last: the same version folder, or nothing to do ------------------------
+    def _resume_in_same_version(self, logger: Any, first_logger: Any, tcfg: dict[str, Any]) -> None:
+        """A resumed run logs and checkpoints into the version folder it was saved in (one run, one folder of
+        metrics); a run already at its ``max_epochs`` / ``max_steps`` raises :class:`RunFinished` before anything
+        is written."""
+        cfg = self.config[self.subcommand] if self.subcommand else self.config
+        if self.subcommand != "fit" or str(cfg.get("ckpt_path")) != "last" or not isinstance(first_logger, Logger) \
+                or not getattr(first_logger, "save_dir", None):
+            return
+        found = find_last_checkpoint(Path(first_logger.save_dir) / (first_logger.name or ""))
+        if found is None:
+            return  # _last_checkpoint() says so with the fix
+        self._check_last_checkpoint(found)  # another architecture is refused first, finished or not
+        ckpt = read_checkpoint(found)
+        done = checkpoint_finished(ckpt, tcfg.get("max_epochs"), tcfg.get("max_steps"))
+        if done is not None:
+            raise RunFinished(f"{found} is a finished run ({done}); nothing to resume and nothing written. Raise "
+                              f"--trainer.max_epochs / --trainer.max_steps to train it further, or drop --ckpt_path "
+                              f"for a new run")
+        version = found.parent.parent.name
+        if found.parent.name != "checkpoints" or not version.startswith("version_"):
+            return  # an unversioned folder of older runs
+        for lg in logger if isinstance(logger, (list, tuple)) else [logger]:
+            if hasattr(lg, "_version") and getattr(lg, "_experiment", None) is None:
+                lg._version = _version_number(found.parent.parent)
+        for lg in logger if isinstance(logger, (list, tuple)) else [logger]:
+            if isinstance(lg, CSVLogger) and Path(lg.log_dir) == found.parent.parent:
+                _keep_metrics_until(lg, int(ckpt.get("global_step", 0) or 0))
+
     # -- trainer with vispe defaults -------------------------------------------------------
     def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
         tcfg = self._get(self.config_init, "trainer", default={}) or {}
@@ -356,8 +477,9 @@ class VispeCLI(LightningCLI):
                 pass
             kwargs["logger"] = logger
         first_logger = logger[0] if isinstance(logger, (list, tuple)) and logger else logger
+        self._resume_in_same_version(logger, first_logger, tcfg)
         if tcfg.get("enable_progress_bar", True) is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
-            callbacks.append(TQDMProgressBar(refresh_rate=10))
+            callbacks.append(TimedProgressBar())
         if logger is not False and not any(isinstance(c, LearningRateMonitor) for c in callbacks):
             callbacks.append(LearningRateMonitor(logging_interval="step"))
         if tcfg.get("enable_checkpointing", True) is not False and not any(isinstance(c, ModelCheckpoint) for c in callbacks):
@@ -383,6 +505,23 @@ class VispeCLI(LightningCLI):
                 f"Set trainer.devices/num_nodes to match the launcher."
             )
         return trainer
+
+
+def apply_threads(threads: int | str | None) -> int:
+    """``--threads``: set torch's CPU threads (``'auto'``: :func:`vispe.data.loading.auto_threads`; ``None``: leave
+    torch's default) and return the count in use. Anything else raises ``ValueError`` naming the value."""
+    from vispe.data.loading import auto_threads
+
+    if threads is None:
+        return torch.get_num_threads()
+    if threads == "auto":
+        threads = auto_threads()
+    elif isinstance(threads, str) and threads.strip().isdigit():
+        threads = int(threads)
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"--threads={threads!r} is not valid; give a number >= 1, 'auto' or null (torch's default)")
+    torch.set_num_threads(threads)
+    return threads
 
 
 def _plain(value: Any) -> Any:
@@ -442,15 +581,30 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         print(f"--recipe NAME          a shipped recipe, the same as -c vispe/recipes/NAME.yaml in its place: {', '.join(list_recipes())}\n")
     argv = expand_recipe_args(argv)
-    _check_config_files(argv)
+    check_config_files(argv)
     with warnings.catch_warnings():
         # vispe always passes the arguments explicitly (`vispe fit ...` re-dispatches sys.argv)
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
         try:
             VispeCLI(args=argv)
+        except RunFinished as done:
+            print(f"vispe fit: {done}", file=sys.stderr)
+            return 0
         except argparse.ArgumentError as err:
-            raise ValueError(argument_error_sentence(str(err))) from err
+            raise ValueError(_with_option_hint(argument_error_sentence(str(err)))) from err
     return 0
+
+
+def _with_option_hint(sentence: str) -> str:
+    """jsonargparse's "Option 'x' is not accepted" for a class's init argument, with the closest real arguments."""
+    match = re.search(r"class_path '([\w.]+)': Option '(\w+)' is not accepted", sentence)
+    if match is None:
+        return sentence
+    try:
+        params = [p for p in inspect.signature(_import_class(match.group(1)).__init__).parameters if p != "self"]
+    except (ImportError, AttributeError, ValueError, TypeError):
+        return sentence
+    return sentence + did_you_mean(match.group(2), params)
 
 
 def argument_error_sentence(text: str) -> str:
@@ -482,41 +636,6 @@ def argument_error_sentence(text: str) -> str:
     if given and "NestedArg" not in given and given not in sentence:
         sentence += f" (got {given})"
     return sentence
-
-
-def expand_recipe_args(argv: Sequence[str]) -> list[str]:
-    """``--recipe NAME`` (or ``--recipe=NAME``) -> ``-c <vispe/recipes/NAME.yaml>`` in the same place, so options
-    after it override the recipe. Unknown names raise ``ValueError`` listing the shipped recipes."""
-    from vispe.recipes import list_recipes, recipe_path
-
-    out: list[str] = []
-    it = iter(argv)
-    for arg in it:
-        if arg == "--recipe" or arg.startswith("--recipe="):
-            name = arg.split("=", 1)[1] if "=" in arg else next(it, None)
-            if not name or name.startswith("-"):
-                raise ValueError(f"--recipe needs a recipe name or a YAML file; shipped recipes: {list_recipes()}")
-            out += ["-c", str(recipe_path(name))]
-        else:
-            out.append(arg)
-    return out
-
-
-def _check_config_files(argv: Sequence[str]) -> None:
-    """Parse every ``-c/--config`` file as YAML first: jsonargparse's syntax errors give a line but not the file."""
-    import yaml
-
-    paths = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("-c", "--config")]
-    paths += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
-    for path in paths:
-        if not Path(path).is_file():
-            if "\n" in path or ":" in path:  # an inline YAML string, not a file name
-                continue
-            raise FileNotFoundError(f"config file {path!r} does not exist")
-        try:
-            yaml.safe_load(Path(path).read_text())
-        except yaml.YAMLError as err:
-            raise ValueError(f"config file {path!r} is not valid YAML: {' '.join(str(err).split())}") from None
 
 
 if __name__ == "__main__":

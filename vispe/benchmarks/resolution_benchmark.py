@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from vispe.benchmarks.grid import save_figure
+from vispe.benchmarks.grid import POLICY_LINE_NOTE, POLICY_STYLES, accuracy_axes, figure_legend, part_title, save_figure
 from vispe.files import read_json, write_json_atomic
 from vispe.runs import find_last_checkpoint
 
@@ -226,7 +226,7 @@ def train_part(part: Part, out: Path, jobs: int, threads: int, data_dir: str | N
     todo = training_order(part.runs(), out, timings)
 
     def command(enc: str, seed: int) -> list[str]:
-        cmd = _fit_command(part, enc, seed, out, data_dir)
+        cmd = _fit_command(part, enc, seed, out, data_dir) + ["--threads", str(threads)]  # the recipe's own yields
         if find_last_checkpoint(out / f"{enc}-s{seed}") is not None:
             cmd += ["--ckpt_path", "last"]
         return cmd
@@ -380,10 +380,10 @@ def plot_aspect(rows: list[dict[str, Any]], path: Path, policies: Sequence[str] 
         ax.set_xticks(sorted(ticks))
         ax.set_xticklabels([ticks[x] for x in sorted(ticks)], fontsize=7)
         ax.minorticks_off()
-        ax.set(title=f"{part}: aspect ratio at the training token budget", xlabel="aspect ratio width:height (evaluated H x W)",
-               ylabel="top-1 (%)")
-        ax.legend(fontsize=6, ncol=2, title="line: solid interpolate / own, dashed extend", title_fontsize=6)
-    fig.tight_layout()
+        ax.set(title=part_title(part), xlabel="aspect ratio width:height at the training token budget (evaluated H x W)")
+        accuracy_axes(ax)
+    legend = figure_legend(fig, axes[0], POLICY_LINE_NOTE.replace("training size", "training shape (1:1)") + _BAND_NOTE)
+    fig.tight_layout(rect=(0, legend, 1, 1))
     save_figure(fig, path)
 
 
@@ -525,8 +525,9 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
-#: Line style of each evaluation policy in the plots (encodings without policies: solid).
-_POLICY_STYLES = {"extend": "--", "interpolate": "-", "ntk": ":", "yarn": "-."}
+
+
+_BAND_NOTE = ";\nband: spread over seeds (1 s.d.; one seed: binomial s.e.)"
 
 
 def _shown(row: dict[str, Any], policies: Sequence[str]) -> bool:
@@ -553,7 +554,7 @@ def _draw(ax: Any, row: dict[str, Any], colour: Any, label: str, alpha: float,
         points = [(int(s), s) for s in sorted(row["mean"], key=int)]
     xs = [x for x, _ in points]
     m, e = [row["mean"][k] for _, k in points], [row["spread"][k] for _, k in points]
-    ax.plot(xs, m, marker="o", ms=3, color=colour, ls=_POLICY_STYLES.get(row["extrapolation"], "-"), label=label)
+    ax.plot(xs, m, marker="o", ms=3, color=colour, ls=POLICY_STYLES.get(row["extrapolation"], "-"), label=label)
     ax.fill_between(xs, [a - b for a, b in zip(m, e)], [a + b for a, b in zip(m, e)], color=colour, alpha=alpha)
 
 
@@ -577,9 +578,10 @@ def plot(rows: list[dict[str, Any]], path: Path, policies: Sequence[str] = ("ext
         for r in part_rows:
             _draw(ax, r, colour_of[(r["encoding"], None)], _label(r), alpha=0.15)
         ax.axvline(part_rows[0]["train_size"], color="grey", ls=":", lw=1)
-        ax.set(title=part, xlabel="evaluation size (px)", ylabel="top-1 (%)")
-        ax.legend(fontsize=6, ncol=2)
-    fig.tight_layout()
+        ax.set(title=part_title(part), xlabel="evaluation size (px)")
+        accuracy_axes(ax)
+    legend = figure_legend(fig, axes[0], POLICY_LINE_NOTE + _BAND_NOTE)
+    fig.tight_layout(rect=(0, legend, 1, 1))
     save_figure(fig, path)
 
 
@@ -605,9 +607,10 @@ def plot_techniques(rows: list[dict[str, Any]], path: Path, policies: Sequence[s
                   (r.get("technique") or "plain") + ("" if own else f" ({r['extrapolation']})"), alpha=0.12)
         if panel:
             ax.axvline(panel[0]["train_size"], color="grey", ls=":", lw=1)
-        ax.set(title=f"{enc} ({part})", xlabel="evaluation size (px)", ylabel="top-1 (%)")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
+        ax.set(title=f"{enc} ({part_title(part)})", xlabel="evaluation size (px)")
+        accuracy_axes(ax)
+    legend = figure_legend(fig, axes[0], "colour: technique; " + POLICY_LINE_NOTE.replace("\n", " ") + _BAND_NOTE.replace("\n", " "))
+    fig.tight_layout(rect=(0, legend, 1, 1))
     save_figure(fig, path)
 
 

@@ -234,8 +234,9 @@ def _tensor_peak(fn: Callable[[], torch.Tensor], model: nn.Module) -> tuple[torc
 @torch.inference_mode()
 def evaluate_shapes(model: nn.Module, images: Sequence[torch.Tensor], labels: torch.Tensor, shapes: Sequence[tuple[int, int]],
                     mean: Sequence[float], std: Sequence[float], resize: str = "resize", batch_size: int = 256,
-                    device: str | torch.device = "cpu") -> dict[tuple[int, int], dict[str, Any]]:
-    """Top-1 / top-5 accuracy (%) and peak memory of ``model`` on ``images`` brought to each ``H x W``."""
+                    device: str | torch.device = "cpu", on_batch: Callable[[int], None] | None = None) -> dict[tuple[int, int], dict[str, Any]]:
+    """Top-1 / top-5 accuracy (%) and peak memory of ``model`` on ``images`` brought to each ``H x W``
+    (``on_batch(H * W)`` is called after every batch: progress, weighted by the batch's pixels)."""
     device = torch.device(device)
     in_chans = model_in_chans(model)
     out: dict[tuple[int, int], dict[str, Any]] = {}
@@ -259,6 +260,8 @@ def evaluate_shapes(model: nn.Module, images: Sequence[torch.Tensor], labels: to
             pred = logits.topk(k, dim=-1).indices
             top1 += int((pred[:, 0] == y).sum())
             topk += int((pred == y[:, None]).any(-1).sum())
+            if on_batch is not None:
+                on_batch(shape[0] * shape[1])
         if device.type == "cuda":
             memory["cuda_max_allocated_mib"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
         if rss:
@@ -356,17 +359,19 @@ def _recorded(dm_info: dict[str, Any], data_dir: str | None) -> tuple[Callable[[
     import importlib
 
     from vispe.data import eval_sets
+    from vispe.data.loading import locate_recorded_paths
     from vispe.data.image import CIFAR_MEAN, CIFAR_STD, FASHION_MNIST_MEAN, FASHION_MNIST_STD
 
     class_path = str(dm_info.get("class_path", ""))
-    init = dict(dm_info.get("init_args") or {})
     short = class_path.rsplit(".", 1)[-1]
+    init = locate_recorded_paths(dict(dm_info.get("init_args") or {}), dm_info.get("cwd"), f"the checkpoint's {short}",
+                                 "pass --data with the images to evaluate on (or --data-dir for a data set that moved)")
     recorded_dir = init.get("data_dir")
     where = data_dir if data_dir else (recorded_dir if recorded_dir and Path(recorded_dir).exists() else None)
     if short == "CIFAR10JpegDataModule":
-        return (lambda: eval_sets.cifar10_test(where)), eval_sets.CIFAR10_CLASSES, CIFAR_MEAN, CIFAR_STD
+        return (lambda: eval_sets.cifar10_test(where, flag="--data-dir")), eval_sets.CIFAR10_CLASSES, CIFAR_MEAN, CIFAR_STD
     if short == "FashionMNISTDataModule":
-        return (lambda: eval_sets.fashion_mnist_test(where)), eval_sets.FASHION_MNIST_CLASSES, FASHION_MNIST_MEAN, FASHION_MNIST_STD
+        return (lambda: eval_sets.fashion_mnist_test(where, flag="--data-dir")), eval_sets.FASHION_MNIST_CLASSES, FASHION_MNIST_MEAN, FASHION_MNIST_STD
     module, _, name = class_path.rpartition(".")
     cls = getattr(importlib.import_module(module), name)
     accepted = inspect.signature(cls.__init__).parameters
@@ -580,6 +585,7 @@ def run_sweep(
     token_budget: int | None = None,
     resize: Sequence[str] = ("resize",),
     device: str = "cpu",
+    quiet: bool = False,
 ) -> dict[str, Any]:
     """Run the sweep and write ``resolution.{json,md,png}`` into ``out_dir``; returns the JSON dict.
 
@@ -644,6 +650,12 @@ def run_sweep(
     decoded: dict[int, tuple[list[torch.Tensor], torch.Tensor]] = {}
     _, set_policy, active = policy_hooks()
     results = []
+    from vispe.progress import RowProgress
+
+    batches = max((-(-min(len(j["set"].labels), eval_subset or len(j["set"].labels)) // batch_size) for j in jobs), default=1)
+    points = max(jobs, key=lambda j: len(j["points"]))["points"] if jobs else []
+    progress = RowProgress(sum(len(j["policies"]) * len(resize) for j in jobs), batches * max(1, len(points)), quiet=quiet,
+                           work_per_row=batches * sum(sh[0] * sh[1] for _, sh, _ in points) or None)  # work: pixels
     for j in jobs:
         s, es = j["source"], j["set"]
         keep = stratified_indices(es.labels, eval_subset, seed)
@@ -653,6 +665,7 @@ def run_sweep(
                                   s.label, j["label_map"].tolist()])
                 if key in previous:
                     results.append(previous[key])
+                    progress.skip_row()
                     continue
                 if id(es) not in decoded:
                     decoded[id(es)] = (es.load(keep.tolist()), es.labels[keep])
@@ -660,9 +673,11 @@ def run_sweep(
                 if policy is not None:
                     set_policy(s.model, policy)
                 model = s.model.to(device)
-                acc = evaluate_shapes(model, images, j["label_map"][targets], [sh for _, sh, _ in j["points"]], s.mean, s.std,
-                                      rp, batch_size, device)
                 label = s.label + ("" if policy is None else f" ({policy})") + ("" if len(resize) == 1 else f" [{rp}]")
+                progress.start_row(label)
+                acc = evaluate_shapes(model, images, j["label_map"][targets], [sh for _, sh, _ in j["points"]], s.mean, s.std,
+                                      rp, batch_size, device, on_batch=progress.step)
+                progress.end_row()
                 evaluations = [{"sweep": kind, "shape": _shape_name(sh), "height": sh[0], "width": sh[1],
                                 "tokens": (sh[0] // s.patch[0]) * (sh[1] // s.patch[1]), "aspect": sh[1] / sh[0],
                                 **({"aspect_label": name} if name else {}), **acc[tuple(sh)]} for kind, sh, name in j["points"]]
@@ -761,11 +776,11 @@ def plot(report: dict[str, Any], path: str | Path, title: str | None = None) -> 
     has_aspect = any(e["sweep"] == "aspect" for r in results for e in r["evaluations"])
     entries = len(results) + len({r["train_shape"] for r in results})
     ncol = 1 if entries <= 4 else 2 if entries <= 12 else 3
-    legend_in = 0.2 * math.ceil(entries / ncol) + 0.45  # inches below the axes for the legend
+    legend_in = 0.2 * math.ceil(entries / ncol) + 0.75  # inches below the axes for the legend (and its 3-line title)
     fig, axes = plt.subplots(1, 2 if has_aspect else 1, figsize=(15 if has_aspect else 10, 5.0 + legend_in), squeeze=False)
     sources = list(dict.fromkeys(r["source"] for r in results))
     colours = plt.get_cmap("tab10" if len(sources) <= 10 else "tab20").colors
-    styles = {"extend": "-", "interpolate": "--", "ntk": "-.", "yarn": ":"}
+    from vispe.benchmarks.grid import POLICY_LINE_NOTE, POLICY_STYLES as styles, accuracy_axes
     markers = {"resize": "o", "crop": "s", "pad": "^"}
     for sweep, ax in zip(("size", "aspect"), axes[0]):
         ticks: dict[float, str] = {}
@@ -782,7 +797,7 @@ def plot(report: dict[str, Any], path: str | Path, title: str | None = None) -> 
         if sweep == "size":
             for ts in sorted({r["train_shape"] for r in results}):
                 h, w = (int(t) for t in ts.split("x"))
-                ax.axvline(math.sqrt(h * w), color="grey", lw=1.0, ls=(0, (1, 2)), label=f"training shape {ts} (dotted)")
+                ax.axvline(math.sqrt(h * w), color="grey", lw=1.0, ls=":", label=f"training shape {ts} (grey dotted)")
             ax.set_xlabel("evaluated input (side in px; H x W where not square; x = sqrt(H*W))")
             ax.set_title(title or "Top-1 accuracy vs input size")
         else:
@@ -793,12 +808,10 @@ def plot(report: dict[str, Any], path: str | Path, title: str | None = None) -> 
         crowded = sweep == "size" and any(b - a < 0.04 * (xs[-1] - xs[0] or 1) for a, b in zip(xs, xs[1:]))
         ax.set_xticklabels([ticks[x] for x in xs], fontsize=7, rotation=45 if crowded or len(xs) > 10 else 0)
         ax.minorticks_off()
-        ax.set_ylabel("top-1 accuracy (%)")
-        ax.grid(alpha=0.3)
+        accuracy_axes(ax)
     handles, names = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, names, fontsize=8, loc="lower center", ncol=ncol, frameon=False,
-               title="model (extrapolation policy) -- line: solid extend or the encoding's own, dashed interpolate, "
-                     "dash-dot ntk, dotted yarn; marker: o resize, s crop, ^ pad", title_fontsize=8)
+               title=f"model (extrapolation policy); marker: o resize, s crop, ^ pad\n{POLICY_LINE_NOTE}", title_fontsize=8)
     fig.tight_layout(rect=(0, legend_in / (5.0 + legend_in), 1, 1))
     fig.savefig(path, dpi=130)
     plt.close(fig)
@@ -857,6 +870,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     o.add_argument("--out", default="outputs/resolution", help="output folder for resolution.{json,md,png}")
     o.add_argument("--batch-size", type=int, default=256)
     o.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
+    o.add_argument("--quiet", action="store_true", help="no progress on stderr (a line per row when stderr is not a terminal)")
     o.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     o.add_argument("--title", default=None)
     o.add_argument("--no-reuse", action="store_true", help="re-evaluate even results already in --out/resolution.json")
@@ -887,7 +901,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             data_root=args.data_root, split=args.split, classes=classes, allow_class_subset=args.allow_class_subset,
             seed=args.seed, scales=_parse_floats(args.scales, "--scales") if args.scales else None,
             aspect_ratios=parse_aspect_ratios(args.aspect_ratios) if args.aspect_ratios else None,
-            token_budget=args.token_budget, resize=[r.strip() for r in args.resize.split(",") if r.strip()], device=args.device,
+            token_budget=args.token_budget, resize=[r.strip() for r in args.resize.split(",") if r.strip()], device=args.device, quiet=args.quiet,
         )
     except (ValueError, FileNotFoundError) as err:
         print(f"vispe resolution: error: {err}", file=sys.stderr)

@@ -115,8 +115,14 @@ def class_index_map(set_classes: Sequence[str] | None, set_num_classes: int, mod
                              "or pass --allow-class-subset to score a subset of the classes")
         return torch.tensor([list(model_classes).index(c) for c in set_classes], dtype=torch.long)
     if set_num_classes > model_num_classes or (set_num_classes != model_num_classes and not allow_subset):
-        raise ValueError(f"class counts do not match: {both}. Give the model's class names (--classes) so labels "
-                         "are matched by name, or evaluate on a set with the model's classes")
+        # one message with everything the command needs: names to match by, and consent to score only some classes
+        fix = "give the model's class names in head order (--classes FILE: a .txt with one name per line, or a .json list)"
+        if set_classes is not None and set_num_classes < model_num_classes:
+            fix += (f" so {set_name}'s classes are matched by name, plus --allow-class-subset since it holds "
+                    f"{set_num_classes} of the model's {model_num_classes} classes")
+        else:
+            fix += " so labels are matched by name, or evaluate on a set with the model's classes"
+        raise ValueError(f"class counts do not match: {both}. To fix, {fix}")
     return torch.arange(set_num_classes)
 
 
@@ -248,7 +254,7 @@ def torchvision_set(name: str, root: str | None = None, split: str = "test") -> 
         valid = sorted(n for n in dir(tvd) if n[0].isupper() and isinstance(getattr(tvd, n), type)
                        and issubclass(getattr(tvd, n), torch.utils.data.Dataset))
         raise ValueError(f"unknown torchvision dataset {name!r}; choose one of {valid}")
-    folder = resolve_data_path(root, name.lower(), f"torchvision dataset {name}")
+    folder = resolve_data_path(root, name.lower(), f"torchvision dataset {name}", arg="root", flag="--data-root")
     params = inspect.signature(cls.__init__).parameters
     kwargs: dict[str, Any] = {}
     if "train" in params:
@@ -275,9 +281,10 @@ def torchvision_set(name: str, root: str | None = None, split: str = "test") -> 
     return EvalSet(f"torchvision {name} {split} ({len(labels)} images)", labels, lambda i: _pil_to_uint8(ds[i][0]), classes)
 
 
-def cifar10_test(data_dir: str | None = None) -> EvalSet:
-    """The CIFAR-10 test split from ``cifar10_test_jpeg.zip`` alone (the train archive is not needed)."""
-    folder = resolve_data_path(data_dir, NAMED_SETS["cifar10-test"][0], "CIFAR-10 JPEG data")
+def cifar10_test(data_dir: str | None = None, flag: str = "--data-root") -> EvalSet:
+    """The CIFAR-10 test split from ``cifar10_test_jpeg.zip`` alone (the train archive is not needed); ``flag`` is the
+    option that gives ``data_dir`` in the command being run (named when the files are missing)."""
+    folder = resolve_data_path(data_dir, NAMED_SETS["cifar10-test"][0], "CIFAR-10 JPEG data", flag=flag)
     zp = folder / "cifar10_test_jpeg.zip" if folder.is_dir() else folder
     if not zp.is_file():
         raise FileNotFoundError(f"CIFAR-10 test archive not found at {str(zp)!r}")
@@ -286,11 +293,11 @@ def cifar10_test(data_dir: str | None = None) -> EvalSet:
     return out
 
 
-def fashion_mnist_test(data_dir: str | None = None) -> EvalSet:
-    """The Fashion-MNIST test split (``t10k-*-idx*-ubyte[.gz]``)."""
+def fashion_mnist_test(data_dir: str | None = None, flag: str = "--data-root") -> EvalSet:
+    """The Fashion-MNIST test split (``t10k-*-idx*-ubyte[.gz]``); ``flag`` as in :func:`cifar10_test`."""
     from ..files import read_idx
 
-    folder = resolve_data_path(data_dir, NAMED_SETS["fashion-mnist-test"][0], "Fashion-MNIST IDX files")
+    folder = resolve_data_path(data_dir, NAMED_SETS["fashion-mnist-test"][0], "Fashion-MNIST IDX files", flag=flag)
 
     def find(stem: str) -> Path:
         for name in (stem + ".gz", stem):

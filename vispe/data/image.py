@@ -19,7 +19,7 @@ from torch.utils.data import Dataset
 
 from ..files import DamagedFileError, check_idx, check_zip, read_idx
 from .image_datamodule import ImageDataModule, TensorImageDataset, make_pil_to_uint8
-from .loading import resolve_data_path
+from .loading import NumWorkers, resolve_data_path
 
 __all__ = [
     "CIFAR10_CLASSES",
@@ -102,7 +102,7 @@ class CIFAR10JpegDataModule(ImageDataModule):
         cache_dir: str | None = None,
         batch_size: int = 128,
         eval_batch_size: int | None = None,
-        num_workers: int = 0,
+        num_workers: NumWorkers = 0,
         augment: str = "crop_flip",
         train_subset: int | None = None,
         eval_subset: int | None = None,
@@ -185,7 +185,7 @@ class TorchvisionDataModule(ImageDataModule):
         std: tuple[float, ...] = IMAGENET_STD,
         batch_size: int = 128,
         eval_batch_size: int | None = None,
-        num_workers: int = 0,
+        num_workers: NumWorkers = 0,
         augment: str = "crop_flip",
         train_subset: int | None = None,
         eval_subset: int | None = None,
@@ -208,7 +208,7 @@ class TorchvisionDataModule(ImageDataModule):
         if download:
             self.root = Path(root if root else ".")
         else:
-            self.root = resolve_data_path(root, name.lower(), f"torchvision dataset {name}")
+            self.root = resolve_data_path(root, name.lower(), f"torchvision dataset {name}", arg="root")
         self.download = download
         self.train_split, self.test_split = train_split, test_split
         self.num_classes, self.in_chans, self.image_size = _image_shape(num_classes, in_chans, image_size)
@@ -259,7 +259,7 @@ class ImageFolderDataModule(ImageDataModule):
         std: tuple[float, ...] = IMAGENET_STD,
         batch_size: int = 64,
         eval_batch_size: int | None = None,
-        num_workers: int = 0,
+        num_workers: NumWorkers = 0,
         augment: str = "crop_flip",
         train_subset: int | None = None,
         eval_subset: int | None = None,
@@ -271,9 +271,9 @@ class ImageFolderDataModule(ImageDataModule):
         super().__init__(batch_size, eval_batch_size, num_workers, augment, train_subset, eval_subset, seed,
                          resolutions=resolutions, resolution_sampling=resolution_sampling, patch_size=patch_size)
         self.save_hyperparameters()
-        self.train_dir = resolve_data_path(train_dir, "", "ImageFolder train_dir")
-        self.val_dir = resolve_data_path(val_dir, "", "ImageFolder val_dir")
-        self.test_dir = resolve_data_path(test_dir, "", "ImageFolder test_dir") if test_dir else self.val_dir
+        self.train_dir = resolve_data_path(train_dir, "", "ImageFolder train_dir", arg="train_dir")
+        self.val_dir = resolve_data_path(val_dir, "", "ImageFolder val_dir", arg="val_dir")
+        self.test_dir = resolve_data_path(test_dir, "", "ImageFolder test_dir", arg="test_dir") if test_dir else self.val_dir
         classes = sorted(p.name for p in self.train_dir.iterdir() if p.is_dir())
         if not classes:
             raise ValueError(f"ImageFolder train_dir {str(self.train_dir)!r} has no class sub-folders")
@@ -313,7 +313,7 @@ class FashionMNISTDataModule(ImageDataModule):
         in_chans: int = 1,
         batch_size: int = 128,
         eval_batch_size: int | None = None,
-        num_workers: int = 0,
+        num_workers: NumWorkers = 0,
         augment: str = "crop_flip",
         train_subset: int | None = None,
         eval_subset: int | None = None,
@@ -369,7 +369,7 @@ class DigitsDataModule(ImageDataModule):
         val_fraction: float = 0.2,
         batch_size: int = 64,
         eval_batch_size: int | None = None,
-        num_workers: int = 0,
+        num_workers: NumWorkers = 0,
         augment: str = "none",
         train_subset: int | None = None,
         eval_subset: int | None = None,
@@ -381,7 +381,7 @@ class DigitsDataModule(ImageDataModule):
         super().__init__(batch_size, eval_batch_size, num_workers, augment, train_subset, eval_subset, seed,
                          resolutions=resolutions, resolution_sampling=resolution_sampling, patch_size=patch_size)
         self.save_hyperparameters()
-        path = resolve_data_path(data_path, "sklearn-digits/digits.csv.gz", "scikit-learn digits csv.gz")
+        path = resolve_data_path(data_path, "sklearn-digits/digits.csv.gz", "scikit-learn digits csv.gz", arg="data_path")
         if path.is_dir():
             path = path / "digits.csv.gz"
             if not path.is_file():
@@ -440,7 +440,7 @@ class SyntheticDataModule(ImageDataModule):
         noise: float = 0.35,
         batch_size: int = 32,
         eval_batch_size: int | None = None,
-        num_workers: int = 0,
+        num_workers: NumWorkers = 0,
         augment: str = "flip",
         train_subset: int | None = None,
         eval_subset: int | None = None,

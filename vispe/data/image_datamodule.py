@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from .loading import EpochSeededRandomSampler, ResumableDataLoader
+from .loading import EpochSeededRandomSampler, NumWorkers, ResumableDataLoader, resolve_num_workers
 
 __all__ = ["AUGMENTATIONS", "RESOLUTION_SAMPLING", "ClassInterleavedSampler", "ImageDataModule", "class_interleaved_order",
            "parse_resolutions", "TensorImageDataset", "channel_fix", "make_pil_to_uint8", "random_crop_flip", "resize_images"]
@@ -142,7 +142,8 @@ class ImageDataModule(pl.LightningDataModule):
     Args:
         batch_size: per-process batch size.
         eval_batch_size: batch size for validation/test (default: ``batch_size``).
-        num_workers: DataLoader workers.
+        num_workers: DataLoader workers, or ``'auto'`` (:func:`vispe.data.loading.auto_num_workers`: this
+            process's share of the cores less one, at most 4).
         augment: one of :data:`AUGMENTATIONS` (training only).
         train_subset: keep only this many training samples (a fixed, seeded, class-balanced choice).
         eval_subset: keep only this many validation/test samples (same rule).
@@ -156,14 +157,15 @@ class ImageDataModule(pl.LightningDataModule):
             ``dynamic_img_size=True``) -- or ``'sample'`` -- one size per sample: when the sizes differ the batch is
             timm NaFlex's padded patches ``{'patches', 'patch_coord', 'patch_valid'}`` (see docs/mixed-resolution.md).
         patch_size: the model's patch size; needed by ``'sample'`` to lay out the patches, and every resolution
-            must be a multiple of it.
+            must be a multiple of it. Leave it out: the task hands the model's patch size over when training starts
+            (:meth:`use_model_patch_size`); a value given here must equal the model's.
     """
 
     def __init__(
         self,
         batch_size: int = 128,
         eval_batch_size: int | None = None,
-        num_workers: int = 0,
+        num_workers: NumWorkers = 0,
         augment: str = "crop_flip",
         train_subset: int | None = None,
         eval_subset: int | None = None,
@@ -180,14 +182,12 @@ class ImageDataModule(pl.LightningDataModule):
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if eval_batch_size is not None and eval_batch_size < 1:
             raise ValueError(f"eval_batch_size must be >= 1 (or None for batch_size), got {eval_batch_size}")
-        if num_workers < 0:
-            raise ValueError(f"num_workers must be >= 0 (0: load in the main process), got {num_workers}")
         for name, n in (("train_subset", train_subset), ("eval_subset", eval_subset)):
             if n is not None and n < 1:
                 raise ValueError(f"{name}: subset size must be >= 1 (or None for the whole split), got {n}")
         self.batch_size = int(batch_size)
         self.eval_batch_size = int(eval_batch_size or batch_size)
-        self.num_workers = int(num_workers)
+        self.num_workers = resolve_num_workers(num_workers)
         self.augment = augment
         self.train_subset = train_subset
         self.eval_subset = eval_subset
@@ -197,9 +197,6 @@ class ImageDataModule(pl.LightningDataModule):
         if patch_size is not None and (isinstance(patch_size, bool) or not isinstance(patch_size, int) or patch_size < 1):
             raise ValueError(f"patch_size must be a positive int (the model's patch size) or None, got {patch_size!r}")
         self.resolutions = None if resolutions is None else parse_resolutions(resolutions, patch_size)
-        if self.resolutions is not None and resolution_sampling == "sample" and patch_size is None:
-            raise ValueError("resolution_sampling='sample' makes mixed-resolution batches of patches: give patch_size "
-                             "(the model's, e.g. --data.init_args.patch_size 4)")
         self.resolution_sampling = resolution_sampling
         self.patch_size = patch_size
         self.train_set: Dataset | None = None
@@ -294,6 +291,20 @@ class ImageDataModule(pl.LightningDataModule):
         x = self.normalize(x)
         return self.augment_batch(x, generator) if training else x
 
+    def use_model_patch_size(self, patch_size: int, model_name: str = "the model") -> None:
+        """Take the model's patch size (the task calls this when training starts): resolutions are checked against
+        it, and ``'sample'`` lays out its patches with it. A different ``patch_size`` given to the data module is an
+        error naming both."""
+        if self.patch_size is not None and self.patch_size != patch_size:
+            raise ValueError(f"data patch_size={self.patch_size} differs from {model_name}'s patch size {patch_size}; "
+                             f"leave the data module's patch_size out (it takes the model's)")
+        if self.resolutions is not None:
+            try:
+                parse_resolutions([list(r) for r in self.resolutions], patch_size)
+            except ValueError as err:
+                raise ValueError(f"{err} (the patch size of {model_name})") from None
+        self.patch_size = int(patch_size)
+
     def sample_resolutions(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
         """A normalised training batch resized to sizes drawn from :attr:`resolutions`: one for the batch
         (``'batch'``) or one per sample (``'sample'``; a NaFlex padded-patch dict when the sizes differ)."""
@@ -304,6 +315,10 @@ class ImageDataModule(pl.LightningDataModule):
         if bool((draws == draws[0]).all()):
             return resize_images(x, self.resolutions[int(draws[0])])
         from ..models.naflex import patchify_images  # model-side format; imported here to keep data free of models at import
+
+        if self.patch_size is None:  # built outside a vispe task, which would have handed the model's over
+            raise ValueError("resolution_sampling='sample' lays out patches: call use_model_patch_size(model's patch size) "
+                             "or give the data module patch_size")
 
         images: list[torch.Tensor] = [x[0]] * b
         for r in draws.unique().tolist():

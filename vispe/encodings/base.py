@@ -29,7 +29,7 @@ from typing import Any, Callable, ClassVar, Hashable, Mapping, Sequence, TypeVar
 import torch
 import torch.nn as nn
 
-from .._checks import Bool, Choice, Int, Ints, OptionCheck, Real, Str, check_options
+from .._checks import Bool, Choice, Int, Ints, OptionCheck, Real, Str, check_options, did_you_mean
 # the attention kernels live in .attention; re-exported here for the encodings that import them from .base
 from .attention import (
     ATTENTION_BACKENDS,
@@ -555,7 +555,7 @@ def get_encoding_class(name: str) -> type[PositionalEncoding]:
 
         return composed_class(name)
     if not isinstance(name, str) or name not in _REGISTRY:
-        raise ValueError(f"unknown positional encoding {name!r}; choose one of {list_encodings()}")
+        raise ValueError(f"unknown positional encoding {name!r}; choose one of {list_encodings()}{did_you_mean(name, _REGISTRY)}")
     return _REGISTRY[name]
 
 
@@ -651,6 +651,11 @@ def create_encoding(spec: Any, context: EncodingContext | None = None, **kwargs:
     name, options = parse_pos_encoding(spec)
     kwargs = {**options, **kwargs}
     cls = get_encoding_class(name)
+    grid_ndim = len(context.grid_size) if context is not None and context.grid_size else None
+    if grid_ndim is not None and grid_ndim not in cls.grid_ndims:  # else it may run silently on the wrong axes
+        raise ValueError(f"encoding {name!r} takes {'/'.join(map(str, cls.grid_ndims))}-D grids, but the model's grid "
+                         f"{tuple(context.grid_size)} is {grid_ndim}-D; choose one of {list_encodings(grid_ndim=grid_ndim)}"
+                         f"{did_you_mean(name, list_encodings(grid_ndim=grid_ndim))}")
     backend = kwargs.pop("attention_backend", None) if issubclass(cls, AttentionBiasEncoding) else None
     accepted, var_kw = _init_params(cls)
     own = sorted((accepted - _CONTEXT_KEYS) | ({"attention_backend"} if issubclass(cls, AttentionBiasEncoding) else set()))

@@ -14,8 +14,11 @@ from __future__ import annotations
 
 from importlib import resources
 from pathlib import Path
+from typing import Sequence
 
-__all__ = ["list_recipes", "main", "recipe_path"]
+from vispe._checks import did_you_mean
+
+__all__ = ["check_config_files", "expand_recipe_args", "list_recipes", "main", "recipe_path"]
 
 
 def list_recipes() -> list[str]:
@@ -35,8 +38,45 @@ def recipe_path(name_or_path: str | Path) -> Path:
     name = str(name_or_path)
     shipped = list_recipes()
     if name not in shipped:
-        raise ValueError(f"recipe={name!r} is neither a shipped recipe nor a YAML file; shipped recipes: {shipped}")
+        raise ValueError(f"recipe={name!r} is neither a shipped recipe nor a YAML file; shipped recipes: {shipped}"
+                         f"{did_you_mean(name, shipped)}")
     return Path(str(resources.files(__package__).joinpath(f"{name}.yaml")))
+
+
+def expand_recipe_args(argv: Sequence[str]) -> list[str]:
+    """``--recipe NAME`` (or ``--recipe=NAME``) -> ``-c <vispe/recipes/NAME.yaml>`` in the same place, so options
+    after it override the recipe. Unknown names raise ``ValueError`` listing the shipped recipes."""
+    out: list[str] = []
+    it = iter(argv)
+    for arg in it:
+        if arg == "--recipe" or arg.startswith("--recipe="):
+            name = arg.split("=", 1)[1] if "=" in arg else next(it, None)
+            if not name or name.startswith("-"):
+                raise ValueError(f"--recipe needs a recipe name or a YAML file; shipped recipes: {list_recipes()}")
+            out += ["-c", str(recipe_path(name))]
+        else:
+            out.append(arg)
+    return out
+
+
+def check_config_files(argv: Sequence[str]) -> None:
+    """Parse every ``-c/--config`` file as YAML first: jsonargparse's syntax errors give a line but not the file.
+
+    Light (no torch, no Lightning), so ``vispe fit`` refuses a bad recipe or config file in well under a second.
+    """
+    import yaml
+
+    paths = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("-c", "--config")]
+    paths += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+    for path in paths:
+        if not Path(path).is_file():
+            if "\n" in path or ":" in path:  # an inline YAML string, not a file name
+                continue
+            raise FileNotFoundError(f"config file {path!r} does not exist")
+        try:
+            yaml.safe_load(Path(path).read_text())
+        except yaml.YAMLError as err:
+            raise ValueError(f"config file {path!r} is not valid YAML: {' '.join(str(err).split())}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -173,6 +173,17 @@ class ImageClassification(pl.LightningModule):
         eps = self.hparams.label_smoothing
         return x, soft * (1 - eps) + eps / self.num_classes
 
+    def setup(self, stage: str) -> None:
+        """Hand the model's patch size to the data module (its mixed resolutions must tile it; ``'sample'`` lays
+        out patches with it), so a config states it once: in the model."""
+        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        patch = getattr(getattr(self.model, "patch_embed", None), "patch_size", None)
+        if dm is None or patch is None or not hasattr(dm, "use_model_patch_size"):
+            return
+        patch = tuple(patch) if isinstance(patch, (tuple, list)) else (patch, patch)
+        if patch[0] == patch[1]:
+            dm.use_model_patch_size(int(patch[0]), model_name=f"model {self.hparams.model!r}")
+
     # -- steps ------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)
@@ -259,4 +270,5 @@ class ImageClassification(pl.LightningModule):
             checkpoint["vispe_datamodule"] = {
                 "class_path": f"{cls.__module__}.{cls.__qualname__}",
                 "init_args": dict(getattr(dm, "hparams", {})),
+                "cwd": os.getcwd(),  # relative data paths are relative to here (vispe resolution may run elsewhere)
             }
