@@ -407,7 +407,7 @@ def test_bad_input_is_refused_at_construction():
         create_encoding("fire", ctx, init_c=0)
     with pytest.raises(ValueError, match=r"init_threshold=-1.0 is not valid; it must be a finite number > 0 and <= 1e\+06 or None"):
         create_encoding("fire", ctx, init_threshold=-1.0)
-    with pytest.raises(ValueError, match=r"grid_size=\(2, 4, 4\) must have \(2,\) positive sizes"):
+    with pytest.raises(ValueError, match=r"encoding 'fire' takes 2-D grids, but the model's grid \(2, 4, 4\) is 3-D; .*did you mean 'fire_3d'"):
         create_encoding("fire", _ctx((2, 4, 4)))
     with pytest.raises(TypeError, match="valid options"):
         create_encoding("alibi_2d", ctx, mlp_width=4)
