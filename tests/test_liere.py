@@ -320,7 +320,7 @@ def test_bad_input_is_refused_at_construction():
         _liere(coords="corners")
     with pytest.raises(ValueError, match="init_range"):
         _liere(init_range=-1.0)
-    with pytest.raises(ValueError, match=r"grid_size=\(4, 4, 4\) must have 2 axes"):
+    with pytest.raises(ValueError, match=r"encoding 'liere' takes 2-D grids, but the model's grid \(4, 4, 4\) is 3-D; .*did you mean 'liere_3d'"):
         create_encoding("liere", EncodingContext(dim=32, num_heads=2, depth=1, grid_size=(4, 4, 4)))
     with pytest.raises(ValueError, match="head_dim=1"):
         create_encoding("liere", EncodingContext(dim=2, num_heads=2, depth=1, grid_size=(4, 4)))
