@@ -136,3 +136,39 @@ def test_two_process_step_equals_one_process_step(tmp_path, mode):
                 mismatched.append((name, k, (grads[k] - g).abs().max().item()))
                 break
     assert not mismatched, mismatched
+
+
+def test_vispe_fit_under_model_parallel_strategy_resumes_and_is_swept(tmp_path):
+    """`vispe fit` under Lightning's ModelParallelStrategy (FSDP2 via the task's configure_model, 2 CPU processes):
+    a sharded checkpoint folder is written, `--ckpt_path last` resumes it into the same version folder, and
+    `vispe resolution` evaluates it (the shards read whole in one process)."""
+    import subprocess
+    import sys
+
+    base = [sys.executable, "-m", "vispe.cli", "fit", "--recipe", "smoke", "--trainer.accelerator", "cpu",
+            "--trainer.devices", "2", "--trainer.strategy", "ModelParallelStrategy",
+            "--trainer.strategy.data_parallel_size", "2", "--trainer.strategy.tensor_parallel_size", "1",
+            "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def run(args):
+        done = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done
+
+    run(base + ["--trainer.max_epochs", "1"])
+    last = tmp_path / "runs/smoke/rope_mixed/version_0/checkpoints/last.ckpt"
+    assert last.is_dir() and (last / ".metadata").is_file()  # one shard per rank, not a single file
+    assert len(list(last.glob("*.distcp"))) == 2
+    run(base + ["--trainer.max_epochs", "2", "--ckpt_path", "last"])
+    from vispe.files import read_checkpoint
+
+    ckpt = read_checkpoint(last)
+    assert ckpt["epoch"] == 1 and not (tmp_path / "runs/smoke/rope_mixed/version_1").exists()
+    assert any(k.startswith("model.pos_encoding.freqs") for k in ckpt["state_dict"])
+    run([sys.executable, "-m", "vispe.cli", "resolution", str(last), "--sizes", "8,16", "--out", str(tmp_path / "res"),
+         "--quiet"])
+    import json
+
+    report = json.loads((tmp_path / "res" / "resolution.json").read_text())
+    assert report["results"], report

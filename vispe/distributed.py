@@ -25,7 +25,7 @@ from typing import Any
 
 import torch.nn as nn
 
-__all__ = ["shard_model", "sync_batchnorm", "transformer_blocks"]
+__all__ = ["configure_sharding", "shard_model", "sync_batchnorm", "transformer_blocks"]
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
@@ -51,3 +51,25 @@ def sync_batchnorm(model: nn.Module) -> nn.Module:
     """``SyncBatchNorm`` in place of every BatchNorm (LOOPE's context network), for multi-process training on CUDA
     (PyTorch's ``SyncBatchNorm`` has no CPU kernel)."""
     return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+
+
+def configure_sharding(task: Any, *modules: nn.Module) -> None:
+    """A task's ``configure_model`` under Lightning's ``ModelParallelStrategy``: FSDP2 over the mesh's data-parallel
+    dimension (:func:`shard_model`) for each vispe host given; nothing under any other strategy. Lightning may call
+    ``configure_model`` more than once: a module already sharded is left as it is."""
+    mesh = getattr(task, "device_mesh", None)
+    if mesh is None:
+        return
+    if "tensor_parallel" in (mesh.mesh_dim_names or ()) and mesh["tensor_parallel"].size() > 1:
+        raise ValueError(
+            f"vispe shards with FSDP2 only; the ModelParallelStrategy mesh has tensor_parallel_size="
+            f"{mesh['tensor_parallel'].size()}: set --trainer.strategy.tensor_parallel_size 1 and "
+            f"--trainer.strategy.data_parallel_size to the number of processes"
+        )
+    dp = mesh["data_parallel"] if "data_parallel" in (mesh.mesh_dim_names or ()) else mesh
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in modules:
+        if not isinstance(module, FSDPModule):
+            shard_model(module, mesh=dp)
+

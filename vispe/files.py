@@ -99,6 +99,8 @@ def read_checkpoint(path: PathLike, map_location: Any = "cpu", what: str = "chec
     reference is refused by PyTorch's weights-only unpickler before it is looked up or called), and
     :class:`DamagedFileError` for an empty, truncated or random file.
     """
+    if Path(path).is_dir() and (Path(path) / ".metadata").is_file():
+        return _read_distributed_checkpoint(Path(path), map_location, what)
     path = _existing_file(path, what)
     try:
         with torch.serialization.safe_globals(list(SAFE_GLOBALS)):
@@ -122,6 +124,30 @@ def read_checkpoint(path: PathLike, map_location: Any = "cpu", what: str = "chec
             path, f"is truncated or not a PyTorch {what} ({size} bytes; {_first_line(err)})",
             "the write or download was probably interrupted: save or download it again",
         ) from None
+
+
+def _read_distributed_checkpoint(path: Path, map_location: Any, what: str) -> Any:
+    """A sharded checkpoint folder (``torch.distributed.checkpoint``: Lightning's ``ModelParallelStrategy`` / FSDP)
+    read whole in one process: the shards consolidated by ``dcp_to_torch_save`` (no process group) into a temporary
+    file, loaded like any checkpoint, plus Lightning's ``meta.pt`` (epoch, step, loops, hyper-parameters)."""
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        full = Path(tmp) / "consolidated.pt"
+        try:
+            dcp_to_torch_save(path, full)
+        except Exception as err:  # a missing or damaged shard
+            raise DamagedFileError(
+                path, f"is a sharded {what} that cannot be read whole ({_first_line(err)})",
+                "check that every rank's shard file (__N_0.distcp) is in the folder",
+            ) from None
+        ckpt = read_checkpoint(full, map_location, what)
+    meta = path / "meta.pt"
+    if meta.is_file():
+        ckpt.update(read_checkpoint(meta, map_location, what))
+    return ckpt
 
 
 def read_safetensors(path: PathLike, what: str = "safetensors file") -> dict[str, torch.Tensor]:

@@ -313,8 +313,10 @@ def _file_key(path: str | Path, *extra: Any) -> str:
 def _checkpoint(path: str | Path) -> dict[str, Any]:
     from vispe.files import read_checkpoint
 
+    from vispe.runs import is_distributed_checkpoint
+
     path = Path(path)
-    if not path.is_file():
+    if not path.is_file() and not is_distributed_checkpoint(path):  # a sharded run's checkpoint is a folder
         raise FileNotFoundError(f"checkpoint not found: {str(path)!r}")
     ckpt = read_checkpoint(path)  # weights_only: a checkpoint's pickle never runs code
     if not isinstance(ckpt, dict) or "hyper_parameters" not in ckpt or "state_dict" not in ckpt:

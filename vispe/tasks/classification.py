@@ -257,6 +257,13 @@ class ImageClassification(pl.LightningModule):
             self.logger.log_hyperparams({"world_size": self.trainer.world_size})
 
     # -- optimisation -----------------------------------------------------------------------
+    def configure_model(self) -> None:
+        """Under Lightning's ``ModelParallelStrategy``: FSDP2, one group per transformer block (see
+        :func:`vispe.distributed.configure_sharding`); nothing under other strategies."""
+        from vispe.distributed import configure_sharding
+
+        configure_sharding(self, self.model)
+
     def configure_optimizers(self) -> Any:
         hp = self.hparams
         return adamw_warmup_cosine(self.trainer, param_groups_no_decay(self.model, hp.weight_decay), lr=hp.lr, min_lr=hp.min_lr,

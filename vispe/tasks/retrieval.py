@@ -335,6 +335,13 @@ class VideoTextRetrieval(pl.LightningModule):
         self._eval_epoch_end("test")
 
     # -- optimisation --------------------------------------------------------------------
+    def configure_model(self) -> None:
+        """Under Lightning's ``ModelParallelStrategy``: FSDP2, one group per transformer block (see
+        :func:`vispe.distributed.configure_sharding`); nothing under other strategies."""
+        from vispe.distributed import configure_sharding
+
+        configure_sharding(self, self.visual)
+
     def configure_optimizers(self) -> Any:
         hp = self.hparams
         groups = param_groups_no_decay(self.visual, hp.weight_decay)

@@ -139,6 +139,13 @@ class ThreeCellTask(LightningModule):
     def on_test_epoch_end(self) -> None:
         self._eval_epoch_end(self.test_metrics, "test")
 
+    def configure_model(self) -> None:
+        """Under Lightning's ``ModelParallelStrategy``: FSDP2, one group per transformer block (see
+        :func:`vispe.distributed.configure_sharding`); nothing under other strategies."""
+        from vispe.distributed import configure_sharding
+
+        configure_sharding(self, self.model)
+
     def configure_optimizers(self):
         hp = self.hparams
         # shared with the other tasks: no decay on biases, norms and the model's no_weight_decay() names
