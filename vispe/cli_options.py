@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
 
@@ -269,7 +268,3 @@ class Options:
             if c.kind == "requires" and a_set and not b_set:
                 raise ValueError(f"{a.label(style)} needs {b.label(style)}: {c.reason}")
 
-
-def finite_list(values: Sequence[float]) -> bool:
-    """Every item a finite real number."""
-    return all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values)

@@ -512,6 +512,6 @@ def read_image(source: PathLike | bytes, name: str | None = None) -> torch.Tenso
                                "check the file, or remove it from the set") from None
 
 
-def pil_loader(path: str) -> torch.Tensor:
+def image_loader(path: str) -> torch.Tensor:
     """``torchvision.datasets.ImageFolder``'s ``loader``: :func:`read_image` (a module-level function, so it pickles)."""
     return read_image(path)

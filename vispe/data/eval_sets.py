@@ -17,7 +17,6 @@ Subsets are a fixed, seeded, class-stratified sample (:func:`stratified_indices`
 from __future__ import annotations
 
 import csv
-import io
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
