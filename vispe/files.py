@@ -90,9 +90,9 @@ def write_error(path: PathLike, err: BaseException, what: str = "file") -> FileW
     cause = _WRITE_CAUSES.get(code, "") if code is not None else ""
     detail = getattr(err, "strerror", None) or str(err) or type(err).__name__
     text = f"{cause} ({detail})" if cause else detail
-    out = FileWriteError(code or errno.EIO, f"could not write the {what} {str(path)!r}: {text}; nothing was replaced "
-                                            f"(free space or fix the permissions, then run again)")
-    out.filename = str(path)
+    out = FileWriteError(f"could not write the {what} {str(path)!r}: {text}; nothing was replaced "
+                         "(free space or fix the permissions, then run again)")
+    out.errno = code or errno.EIO  # one-argument OSError: its text is the sentence alone
     return out
 
 
