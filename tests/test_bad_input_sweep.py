@@ -9,6 +9,7 @@ import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
+from bad_input import full_disk
 
 import vispe.benchmarks.resolution_sweep as sweep
 from vispe.benchmarks.resolution_sweep import OPTIONS, evaluate_shapes, main, run_sweep, weights_sources
@@ -216,8 +217,6 @@ def test_results_foreign_resolution_json_is_named(fx, tmp_path, capsys):
 
 
 def test_results_stale_temp_removed_and_failed_write_named(fx, tmp_path, capsys, monkeypatch):
-    import errno
-
     import vispe.files as files
 
     out = tmp_path / "o"
@@ -230,11 +229,7 @@ def test_results_stale_temp_removed_and_failed_write_named(fx, tmp_path, capsys,
     capsys.readouterr()
     before = (out / "resolution.json").read_text()
 
-    def full(self, data):  # every write of the file fails as on a full disk
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(files._RecordingWriter, "write", lambda self, data: files._RecordingWriter.__dict__["_orig"](self, data))
-    monkeypatch.setattr(files._RecordingWriter, "_orig", full, raising=False)
+    full_disk(monkeypatch, after=16)  # the disk is full: the results file cannot be written
     with pytest.raises(files.FileWriteError, match=r"resolution.json.*the disk is full"):
         main([fx["ckpt"], "--data", str(fx["imgs"]), "--sizes", "16,8", "--out", str(out)])
     assert (out / "resolution.json").read_text() == before  # the previous file is intact

@@ -94,11 +94,14 @@ class FinalLastCheckpoint(ModelCheckpoint):
     val_check_interval: 40``) would leave step 120 behind as ``last.ckpt``. This one saves once more
     when training ends normally and the last save is older than the final step."""
 
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        super().setup(trainer, pl_module, stage)
-        # temp files of a save that a kill interrupted (AtomicCheckpointIO: .<name>.<random>.tmp) are not checkpoints
-        if stage == "fit" and self.dirpath and trainer.is_global_zero:
-            remove_stale_temp_files(self.dirpath, "*.ckpt")
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_fit_start(trainer, pl_module)
+        # temp files of a save that a kill interrupted (AtomicCheckpointIO: .<name>.<random>.tmp) are not checkpoints:
+        # removed from this run's folder and from the folder of the checkpoint it resumes (known once it is restored)
+        if trainer.is_global_zero:
+            resumed = trainer.ckpt_path
+            for folder in {self.dirpath, str(Path(resumed).parent) if resumed and "://" not in str(resumed) else None} - {None}:
+                remove_stale_temp_files(folder, "*.ckpt")
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_end(trainer, pl_module)
