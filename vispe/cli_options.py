@@ -31,11 +31,20 @@ import torch
 from vispe._checks import OptionCheck, Satisfies
 
 __all__ = [
-    "Conflict", "Option", "Options", "check_device", "device_rule", "floats_text", "int_text", "json_object_text",
+    "Conflict", "Option", "Options", "TextError", "check_device", "device_rule", "floats_text", "int_text", "json_object_text",
     "strings_text",
 ]
 
 Style = Literal["cli", "python"]
+
+
+class TextError(ValueError):
+    """A text parser's refusal: ``str()`` is a whole sentence (for a direct caller), ``expected`` what the value must
+    be (for :class:`Option`, which adds the flag and the text typed)."""
+
+    def __init__(self, sentence: str, expected: str) -> None:
+        super().__init__(sentence)
+        self.expected = expected
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -188,7 +197,7 @@ class Option:
             try:
                 value = self.parse(str(text))
             except ValueError as err:
-                what = str(err) or (self.rule.describe() if self.rule is not None else "valid")
+                what = getattr(err, "expected", None) or str(err) or (self.rule.describe() if self.rule is not None else "valid")
                 raise ValueError(f"{self.cli_name}={text!r} is not valid; it must be {what}") from None
         self.check(value, "cli", text=text)
         return value

@@ -49,7 +49,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from vispe._checks import AnyOf, Choice, Int, Real, Satisfies, Seq, Str
-from vispe.cli_options import Conflict, Option, Options, device_rule, floats_text, int_text, json_object_text, strings_text
+from vispe.cli_options import Conflict, Option, Options, TextError, device_rule, floats_text, int_text, json_object_text, strings_text
 from vispe.files import read_json, write_json_atomic
 
 __all__ = [
@@ -109,11 +109,12 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
         except ValueError:
             hw = None
         if hw is None or min(hw) <= 0 or max(hw) > MAX_SIDE:
-            raise ValueError(f"sizes from 1 to {MAX_SIDE} px or HxW shapes separated by commas (e.g. 16,32,24x48); {item!r} is not one")
+            expected = f"sizes from 1 to {MAX_SIDE} px or HxW shapes separated by commas (e.g. 16,32,24x48); {item!r} is not one"
+            raise TextError(f"--sizes takes positive {expected}", expected)
         if hw not in out:
             out.append(hw)
     if not out:
-        raise ValueError("sizes or HxW shapes separated by commas (e.g. 16,32,24x48)")
+        raise TextError(f"--sizes is empty: {text!r}", "sizes or HxW shapes separated by commas (e.g. 16,32,24x48)")
     return out
 
 
@@ -124,8 +125,9 @@ def _ratio(item: str) -> float:
     except ValueError:
         w = h = -1.0
     if not (math.isfinite(w) and math.isfinite(h) and w > 0 and h > 0) or not 1 / MAX_ASPECT <= w / h <= MAX_ASPECT:
-        raise ValueError(f"width:height ratios of finite positive numbers between 1:{MAX_ASPECT:g} and {MAX_ASPECT:g}:1 "
-                         f"(e.g. 1:2,1:1,2:1); {item!r} is not one")
+        expected = (f"width:height ratios of finite positive numbers between 1:{MAX_ASPECT:g} and {MAX_ASPECT:g}:1 "
+                    f"(e.g. 1:2,1:1,2:1); {item!r} is not one")
+        raise TextError(f"--aspect-ratios takes {expected}", expected)
     return w / h
 
 
@@ -133,7 +135,7 @@ def parse_aspect_ratios(text: str) -> list[tuple[float, str]]:
     """``"1:2,1:1,2:1"`` (width:height) or decimals -> ``[(width / height, label), ...]``."""
     out = [(_ratio(item), item) for item in filter(None, str(text).replace(" ", "").split(","))]
     if not out:
-        raise ValueError("width:height ratios separated by commas (e.g. 1:2,1:1,2:1)")
+        raise TextError(f"--aspect-ratios is empty: {text!r}", "width:height ratios separated by commas (e.g. 1:2,1:1,2:1)")
     return out
 
 
@@ -171,7 +173,8 @@ OPTIONS = Options("vispe resolution", [
            help="normalisation mean for --model, one value or one per input channel (default: timm's pretrained_cfg)"),
     Option("std", Seq(Real(1e-6, 1e3), min_length=1), floats_text,
            help="normalisation std for --model, one value or one per input channel"),
-    Option("sizes", Seq(AnyOf(_SIDE, Seq(_SIDE, length=2)), min_length=1), parse_shapes,
+    # empty from Python: no size sweep, only the aspect-ratio one (the command line's parser refuses empty text)
+    Option("sizes", Seq(AnyOf(_SIDE, Seq(_SIDE, length=2))), parse_shapes,
            help="sizes and HxW shapes, e.g. 16,32,24x48 (default 0.5x..2x the training size)"),
     Option("scales", Seq(Real(0, 64, low_open=True), min_length=1), floats_text,
            help="sizes as multiples of each model's training size, e.g. 1,2,3,4 (4 = 16x the area)"),
