@@ -6,6 +6,7 @@ per category. A case vispe does not handle yet is marked ``xfail(strict=True)`` 
 """
 from __future__ import annotations
 
+import errno
 from typing import Callable, Iterable
 
 import pytest
@@ -28,3 +29,33 @@ def expect_clear_error(fn: Callable[[], object], needles: Iterable[str], exc: ty
     missing = [n for n in needles if str(n).lower() not in text]
     assert not missing, f"error {type(info.value).__name__}: {info.value!s} does not name {missing}"
     return info.value
+
+
+class _FullDisk:
+    """A file whose writes fail as on a full disk once ``after`` bytes are written (what the OS does, not torch)."""
+
+    def __init__(self, f, after):
+        self.f, self.after, self.written = f, after, 0
+
+    def write(self, data):
+        self.written += len(data)
+        if self.written > self.after:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return self.f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+
+def full_disk(monkeypatch, after: int) -> None:
+    """Every file vispe opens for writing through ``os.fdopen`` (its atomic writer) fills the disk after ``after`` bytes."""
+    import os
+
+    real = os.fdopen
+    monkeypatch.setattr(os, "fdopen", lambda *a, **k: _FullDisk(real(*a, **k), after))

@@ -741,7 +741,8 @@ def test_cli_bad_yaml(case, old, new, needles, tmp_path, capsys):
     assert not (tmp_path / "runs").exists(), case
 
 
-@pytest.mark.parametrize("text, needles", [("- a\n- b\n", ["unexpected config", "- a"]), ("", ["unexpected config"])])
+@pytest.mark.parametrize("text, needles", [("- a\n- b\n", ["odd.yaml", "is a YAML list", "not a LightningCLI config"]),
+                                           ("", ["odd.yaml", "is empty", "not a LightningCLI config"])])
 def test_cli_config_that_is_not_a_mapping(text, needles, tmp_path, capsys):
     from vispe.train_cli import main as fit_main
 

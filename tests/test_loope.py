@@ -226,7 +226,13 @@ def test_released_loader_whole_model_and_mismatches():
     assert any("wrap_pos_hilbert" in a for a in report.adapted)  # 0-based curve: the report says it differs
     assert torch.equal(model.pos_encoding.context.head.weight, sd["pos_embedding.art_conv.12.weight"])
     local = _loope(dim=8, grid=(4, 4), patch=(16, 16))  # head='local': the Linear(N, N) has nowhere to go
-    report = load_released_loope(local, _released_artpe_state_dict())
+    with pytest.raises(ValueError, match=r"fits the loope encoding only in part") as info:
+        load_released_loope(local, _released_artpe_state_dict())
+    assert "need order_scale='index', head='linear'" in str(info.value)
+    assert "this encoding has order_scale='normalized', head='local'" in str(info.value)
+    before = local.context.head.weight.detach().clone()
+    assert torch.equal(local.context.head.weight, before)  # refused: nothing was loaded
+    report = load_released_loope(local, _released_artpe_state_dict(), allow_partial=True)  # the part that fits, on request
     assert any(d.startswith("art_conv.12.weight") for d in report.dropped)
     assert "context.head.weight" in report.new and "context.head.bias" in report.new
 

@@ -129,7 +129,7 @@ def test_untileable_size_fails_before_evaluating(ckpts, tmp_path, capsys):
     assert "checkpoint not found" in capsys.readouterr().err
     with pytest.raises(ValueError, match="has no extrapolation='extend'"):
         load_classifier(_checkpoint(ckpts["learned"][0]), "extend")
-    with pytest.raises(ValueError, match="--sizes takes positive sizes or HxW"):
+    with pytest.raises(ValueError, match="--sizes takes positive sizes from 1 to 16384 px or HxW shapes .*'2x3x4' is not one"):
         parse_shapes("16,2x3x4")
 
 

@@ -83,11 +83,14 @@ class OptionCheck:
 
 
 def _bounds(low: float | None, high: float | None, low_open: bool, high_open: bool) -> str:
+    def show(v: float) -> str:  # an int bound in full (2**20, not 1.04858e+06)
+        return str(v) if isinstance(v, int) else f"{v:g}"
+
     parts = []
     if low is not None:
-        parts.append(f"{'>' if low_open else '>='} {low:g}")
+        parts.append(f"{'>' if low_open else '>='} {show(low)}")
     if high is not None:
-        parts.append(f"{'<' if high_open else '<='} {high:g}")
+        parts.append(f"{'<' if high_open else '<='} {show(high)}")
     return " and ".join(parts)
 
 

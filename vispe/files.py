@@ -11,14 +11,20 @@
   directory present, every member inside the file).
 * IDX files, raw or gzip (Fashion-MNIST): :func:`check_idx` (header and size agree; for ``.gz`` the gzip trailer's
   length) and :func:`read_idx`.
-* JSON (manifests, specs): :func:`read_json` (line and column of a syntax error); results are written with
-  :func:`write_json_atomic` (a temporary file and a rename).
+* JSON (manifests, specs): :func:`read_json` (line and column of a syntax error).
+* Images: :func:`read_image` / :func:`image_to_uint8`, the one decoder of training, evaluation and the resolution
+  sweep (every PIL mode converted by a stated rule or refused; non-finite pixels and decompression bombs refused).
+
+Writers: :func:`write_atomic` / :func:`write_json_atomic` write through a temporary file in the same folder and a
+rename, remove the temporary file when the write fails, and name the file and the cause (disk full, permission) in
+a :class:`FileWriteError`. :func:`file_digest` is a file's SHA-256 (the identity of a model file).
 
 Every refusal is a :class:`DamagedFileError` (a ``ValueError``) or :class:`UnsafeCheckpointError`, or
 ``FileNotFoundError`` for a path that does not exist.
 """
 from __future__ import annotations
 
+import errno
 import gzip
 import json
 import os
@@ -36,6 +42,13 @@ import torch
 
 __all__ = [
     "DamagedFileError",
+    "FileWriteError",
+    "ImageDecodeError",
+    "file_digest",
+    "image_to_uint8",
+    "read_image",
+    "write_atomic",
+    "write_json_atomic",
     "UnsafeCheckpointError",
     "check_idx",
     "check_zip",
@@ -44,7 +57,7 @@ __all__ = [
     "read_json",
     "read_safetensors",
     "read_state_dict",
-    "write_json_atomic",
+    "remove_stale_temp_files",
     "write_text_atomic",
 ]
 
@@ -61,6 +74,141 @@ class DamagedFileError(ValueError):
 
 class UnsafeCheckpointError(DamagedFileError):
     """A checkpoint's pickle refers to Python code; it was refused before anything in it ran."""
+
+
+class FileWriteError(OSError):
+    """A file could not be written; the message names the file and the cause (disk full, permission, ...)."""
+
+
+_WRITE_CAUSES = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded",
+                 errno.EACCES: "permission denied", errno.EPERM: "permission denied", errno.EROFS: "the file system is read-only",
+                 errno.ENOENT: "the folder does not exist", errno.EFBIG: "the file is too large for the file system"}
+
+
+def write_error(path: PathLike, err: BaseException, what: str = "file") -> FileWriteError:
+    """A :class:`FileWriteError` naming ``path`` and the cause of ``err`` (an ``OSError``'s errno in words)."""
+    code = getattr(err, "errno", None)
+    cause = _WRITE_CAUSES.get(code, "") if code is not None else ""
+    detail = getattr(err, "strerror", None) or str(err) or type(err).__name__
+    text = f"{cause} ({detail})" if cause else detail
+    out = FileWriteError(f"could not write the {what} {str(path)!r}: {text}; nothing was replaced "
+                         "(free space or fix the permissions, then run again)")
+    out.errno = code or errno.EIO  # one-argument OSError: its text is the sentence alone
+    return out
+
+
+class _RecordingWriter:
+    """A binary file that remembers the first ``OSError`` of a write: a writer that catches it (``torch.save``'s
+    zip writer reports only "unexpected pos") no longer hides the cause."""
+
+    def __init__(self, f: Any) -> None:
+        self.f, self.error = f, None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as err:
+            self.error = self.error or err
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.f, name)
+
+
+def write_atomic(path: PathLike, write: Any, what: str = "file", prefix: str | None = None) -> None:
+    """Write ``path`` through ``write(binary_file)`` into a temporary file beside it, fsync, then rename.
+
+    A failure (disk full, permission, an exception of ``write``) leaves the previous file untouched, removes the
+    temporary file and raises :class:`FileWriteError` naming ``path`` and the cause (other exceptions pass through
+    unchanged after the clean-up). The temporary file is ``.<name>.<random>.tmp`` (``prefix`` overrides
+    ``.<name>.``), so :func:`remove_stale_temp_files` can find what a killed process left.
+    """
+    import tempfile
+
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=prefix or f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as err:
+        raise write_error(path, err, what) from None
+    recorder = None
+    try:
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; the result is an ordinary file
+        with os.fdopen(fd, "wb") as f:
+            recorder = _RecordingWriter(f)
+            write(recorder)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as err:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        cause = recorder.error if recorder is not None and recorder.error is not None else err
+        if isinstance(cause, OSError) and not isinstance(cause, FileWriteError):
+            raise write_error(path, cause, what) from None
+        if isinstance(err, RuntimeError) and "pos" in str(err):  # torch's zip writer lost the cause: say what is known
+            raise write_error(path, OSError(errno.EIO, f"the writer failed ({_first_line(err)})"), what) from None
+        raise
+    try:  # make the rename itself durable
+        dfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError:
+        pass
+
+
+def write_json_atomic(path: PathLike, obj: Any, what: str = "JSON file") -> None:
+    """Write ``obj`` as JSON through :func:`write_atomic`: a killed call leaves the previous file, never half of one."""
+    data = json.dumps(obj, indent=2, default=str).encode()
+    write_atomic(path, lambda f: f.write(data), what)
+
+
+def remove_stale_temp_files(folder: PathLike, name: str) -> list[Path]:
+    """Remove the temporary files :func:`write_atomic` left for ``folder/name`` (``.<name>.*.tmp``: a process killed
+    mid-write). Call it when the run that owns ``name`` starts again; returns what was removed."""
+    folder = Path(folder)
+    removed = []
+    if folder.is_dir():
+        for tmp in folder.glob(f".{name}.*.tmp"):
+            try:
+                tmp.unlink()
+                removed.append(tmp)
+            except OSError:
+                pass
+    return removed
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def file_digest(path: PathLike, algorithm: str = "sha256") -> str:
+    """The hex digest of a file's bytes (read in 1 MiB blocks); cached per (path, size, mtime) within the process.
+    A folder (a sharded checkpoint) digests its files' names and digests, in name order."""
+    import hashlib
+
+    path = Path(path)
+    if path.is_dir():
+        h = hashlib.new(algorithm)
+        for child in sorted(p for p in path.iterdir() if p.is_file()):
+            h.update(f"{child.name}\0{file_digest(child, algorithm)}\0".encode())
+        return h.hexdigest()
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns, algorithm)
+    if key not in _DIGESTS:
+        h = hashlib.new(algorithm)
+        with path.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        _DIGESTS[key] = h.hexdigest()
+    return _DIGESTS[key]
+
+
+_DIGESTS: dict[tuple[str, int, int, str], str] = {}
 
 
 def _existing_file(path: PathLike, what: str) -> Path:
@@ -267,25 +415,17 @@ def read_idx(path: PathLike, what: str = "IDX file") -> np.ndarray:
 # ----------------------------------------------------------------------------------------------------------------
 # JSON
 # ----------------------------------------------------------------------------------------------------------------
-def write_text_atomic(path: PathLike, text: str) -> None:
-    """Write ``text`` through a temporary file in the same folder and a rename: a killed or failed write leaves the
-    previous file (never half of one) and no temporary file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        tmp.replace(path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+def write_text_atomic(path: PathLike, text: str, what: str = "file") -> None:
+    """Write ``text`` (UTF-8) through :func:`write_atomic`: a killed or failed write leaves the previous file."""
+    data = text.encode("utf-8")
+    write_atomic(path, lambda f: f.write(data), what)
 
 
 def read_json(path: PathLike, what: str = "JSON file") -> Any:
     """Parse a JSON file; a syntax error names the file, line and column."""
     path = _existing_file(path, what)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark is not JSON's first character
     except UnicodeDecodeError as err:
         raise DamagedFileError(path, f"is not UTF-8 text ({err.reason} at byte {err.start}), so not a {what}", "pass the JSON file itself") from None
     try:
@@ -297,6 +437,114 @@ def read_json(path: PathLike, what: str = "JSON file") -> Any:
         ) from None
 
 
-def write_json_atomic(path: PathLike, obj: Any) -> None:
-    """Write ``obj`` as JSON through a temporary file and a rename: a killed call leaves the previous file, never half of one."""
-    write_text_atomic(path, json.dumps(obj, indent=2, default=str))
+# ----------------------------------------------------------------------------------------------------------------
+# images: the one decoder of training, evaluation and the resolution sweep
+# ----------------------------------------------------------------------------------------------------------------
+class ImageDecodeError(DamagedFileError):
+    """An image file cannot be decoded into pixels vispe can trust (unreadable, a mode without a rule, values out of
+    range, non-finite pixels, a decompression bomb); the message names the file and what is wrong."""
+
+
+#: How each PIL mode becomes ``uint8`` pixels (one grey channel or three RGB channels). Documented in
+#: docs/files-and-inputs.md; a mode not listed is refused naming the file and the mode.
+IMAGE_MODE_RULES: dict[str, str] = {
+    "L": "grey, as stored",
+    "1": "grey: 0 -> 0, 1 -> 255",
+    "RGB": "as stored",
+    "RGBX": "RGB (the padding byte dropped)",
+    "RGBA": "RGB composited over black (each channel x alpha / 255)",
+    "RGBa": "RGB as stored (already multiplied by alpha)",
+    "LA": "grey composited over black (grey x alpha / 255)",
+    "La": "grey as stored (already multiplied by alpha)",
+    "P": "palette colours -> RGB; a transparent palette entry is composited over black",
+    "PA": "palette colours -> RGB composited over black",
+    "CMYK": "RGB by PIL's formula (R = 255 - min(255, C + K), ...; no ICC profile applied)",
+    "YCbCr": "RGB by PIL's conversion", "LAB": "RGB by PIL's conversion", "HSV": "RGB by PIL's conversion",
+    "I;16": "16-bit grey scaled by its bit depth: round(v x 255 / 65535)",
+    "I;16L": "16-bit grey, as I;16", "I;16B": "16-bit grey, as I;16", "I;16N": "16-bit grey, as I;16",
+    "I": "32-bit integer grey read as 16-bit: values must lie in [0, 65535], then as I;16",
+    "F": "32-bit float grey: values must be finite and in [0, 1], then round(v x 255)",
+}
+
+
+def _image_name(source: Any, name: str | None) -> str:
+    return name if name is not None else str(source)
+
+
+def image_to_uint8(img: Any, name: str = "image") -> torch.Tensor:
+    """A PIL image -> ``uint8`` ``(C, H, W)`` (``C`` = 1 grey or 3 RGB) by the rule of its mode (:data:`IMAGE_MODE_RULES`).
+
+    A mode without a rule, integer values outside 16 bits, float values outside ``[0, 1]`` and non-finite pixels
+    raise :class:`ImageDecodeError` naming ``name`` (the file) and the mode. A multi-frame file (GIF, TIFF pages)
+    gives its first frame; the EXIF orientation is not applied (as torchvision's loader).
+    """
+    mode = img.mode
+    if mode not in IMAGE_MODE_RULES:
+        raise ImageDecodeError(name, f"is a {mode!r} image, a PIL mode vispe has no conversion rule for",
+                               f"convert it to 8-bit RGB or grey, or 16-bit grey (modes vispe reads: {sorted(IMAGE_MODE_RULES)})")
+    if mode in ("L", "RGB"):
+        a = np.asarray(img)
+    elif mode == "1":
+        a = np.asarray(img.convert("L"))
+    elif mode in ("RGBX", "RGBa", "La"):
+        a = np.asarray(img)[..., :3] if mode != "La" else np.asarray(img)[..., 0]
+    elif mode in ("RGBA", "LA", "P", "PA"):
+        if mode == "P" and "transparency" not in img.info:
+            a = np.asarray(img.convert("RGB"))
+        else:
+            rgba = np.asarray(img.convert("RGBA") if mode in ("P", "PA") else img).astype(np.float32)
+            a = np.rint(rgba[..., :-1] * (rgba[..., -1:] / 255.0)).astype(np.uint8)
+            if mode == "LA":
+                a = a[..., 0]
+    elif mode in ("CMYK", "YCbCr", "LAB", "HSV"):
+        a = np.asarray(img.convert("RGB"))
+    elif mode.startswith("I"):
+        v = np.asarray(img).astype(np.int64)
+        if v.size and (v.min() < 0 or v.max() > 65535):
+            raise ImageDecodeError(name, f"is a {mode!r} (32-bit integer) image with values in [{v.min()}, {v.max()}]; "
+                                         "vispe reads integer images as 16-bit values in [0, 65535]",
+                                   "save it as 8-bit or 16-bit grey, or scale it into [0, 65535]")
+        a = np.rint(v * (255.0 / 65535.0)).astype(np.uint8)
+    else:  # "F"
+        v = np.asarray(img, dtype=np.float32)
+        bad = ~np.isfinite(v)
+        if bad.any():
+            y, x = np.argwhere(bad)[0]
+            raise ImageDecodeError(name, f"holds {int(bad.sum())} non-finite pixels (NaN or inf; the first at row {y}, column {x}) "
+                                         "in a float ('F') image", "fix or drop the image")
+        if v.size and (v.min() < 0 or v.max() > 1):
+            raise ImageDecodeError(name, f"is a float ('F') image with values in [{v.min():g}, {v.max():g}]; vispe reads float "
+                                         "images as values in [0, 1]", "scale it into [0, 1] or save it as 8/16-bit")
+        a = np.rint(v * 255.0).astype(np.uint8)
+    t = torch.from_numpy(np.array(a, dtype=np.uint8, order="C", copy=True))
+    return t[None] if t.ndim == 2 else t.permute(2, 0, 1).contiguous()
+
+
+def read_image(source: PathLike | bytes, name: str | None = None) -> torch.Tensor:
+    """Decode an image file (a path, or its bytes with ``name`` for messages) -> ``uint8`` ``(C, H, W)`` through
+    :func:`image_to_uint8`. Unreadable or truncated data and decompression bombs (more than twice
+    ``PIL.Image.MAX_IMAGE_PIXELS``) raise :class:`ImageDecodeError` naming the file; a missing path ``FileNotFoundError``."""
+    import io
+
+    from PIL import Image
+
+    label = _image_name(source, name)
+    if not isinstance(source, (bytes, bytearray)) and not Path(source).is_file():
+        raise FileNotFoundError(f"image {label!r} does not exist")
+    try:
+        with Image.open(io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else source) as img:
+            img.load()
+            return image_to_uint8(img, label)
+    except Image.DecompressionBombError as err:
+        raise ImageDecodeError(label, f"is refused as a possible decompression bomb ({err})",
+                               "if the file is trusted, raise PIL.Image.MAX_IMAGE_PIXELS before reading it") from None
+    except ImageDecodeError:
+        raise
+    except (OSError, ValueError, EOFError, SyntaxError, struct.error, zlib.error) as err:
+        raise ImageDecodeError(label, f"is not a readable image ({_first_line(err)})",
+                               "check the file, or remove it from the set") from None
+
+
+def image_loader(path: str) -> torch.Tensor:
+    """``torchvision.datasets.ImageFolder``'s ``loader``: :func:`read_image` (a module-level function, so it pickles)."""
+    return read_image(path)

@@ -201,7 +201,21 @@ def validate_segments(segments: Sequence[Segment], spatial_merge_size: int = 1) 
             raise TypeError(f"segment {i} is {seg!r}; use vispe.positions.Text(n) or Visual(T, H, W)")
     if not out:
         raise ValueError("the sample has no tokens (all Text segments have n=0)")
+    total = sum(seg.n if isinstance(seg, Text) else seg.num_tokens for seg in out)
+    if total > MAX_SEQUENCE_TOKENS:
+        biggest = max(range(len(out)), key=lambda j: out[j].n if isinstance(out[j], Text) else out[j].num_tokens)
+        raise ValueError(
+            f"the sample has {total:,} tokens (the largest segment, {out[biggest]}, alone "
+            f"{out[biggest].n if isinstance(out[biggest], Text) else out[biggest].num_tokens:,}); positions are built for at most "
+            f"{MAX_SEQUENCE_TOKENS:,} tokens ({MAX_SEQUENCE_TOKENS * NUM_COORDS_MAX * 8 / 2**30:.0f} GiB of int64 positions)"
+        )
     return out
+
+
+#: The longest sequence whose positions are built (2^30 tokens, far beyond any model's context): a larger one is
+#: refused naming the segment, before an allocation that would fail or exhaust memory.
+MAX_SEQUENCE_TOKENS = 2**30
+NUM_COORDS_MAX = 3
 
 
 def num_tokens(segments: Sequence[Segment], spatial_merge_size: int = 1) -> int:

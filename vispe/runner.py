@@ -78,7 +78,8 @@ def load_recipe(recipe: str | Path | Mapping[str, Any]) -> dict[str, Any]:
     except yaml.YAMLError as err:
         raise ValueError(f"recipe {str(path)!r} is not valid YAML: {' '.join(str(err).split())}") from None
     if not isinstance(config, dict):
-        raise ValueError(f"recipe {str(path)!r} is not a LightningCLI config (a mapping with trainer/model/data)")
+        what = "empty" if config is None else f"a YAML {type(config).__name__}"
+        raise ValueError(f"recipe {str(path)!r} is {what}, not a LightningCLI config (a mapping with trainer/model/data)")
     return config
 
 
@@ -159,6 +160,27 @@ def build(
     return RunResult(trainer=cli.trainer, model=cli.model, datamodule=cli.datamodule, config=config, run_dir=run_dir)
 
 
+def _refuse_other_model(ckpt_path: str, result: RunResult) -> None:
+    """The resume check of ``vispe fit --ckpt_path``: the checkpoint's model hyper-parameters against the built model's."""
+    from vispe.files import read_checkpoint
+    from vispe.train_cli import find_last_checkpoint, refuse_other_model
+
+    path = Path(ckpt_path)
+    if str(ckpt_path) == "last" and result.run_dir is not None:
+        found = find_last_checkpoint(result.run_dir.parent)
+        path = found if found is not None else path
+    if not path.is_file():
+        if str(ckpt_path) in ("last", "best", "hpc") or "://" in str(ckpt_path) or str(ckpt_path).startswith("registry:"):
+            return  # resolved by the Trainer
+        raise FileNotFoundError(f"ckpt_path {str(ckpt_path)!r} does not exist; pass a checkpoint file to resume from")
+    ckpt = read_checkpoint(path)
+    hparams = dict(ckpt.get("hyper_parameters") or {}) if isinstance(ckpt, dict) else {}
+    model_cfg = {"class_path": (result.config.get("model") or {}).get("class_path"),
+                 "init_args": {k: v for k, v in dict(result.model.hparams).items() if not k.startswith("_")}}
+    refuse_other_model(path, hparams, model_cfg, "Resume from a checkpoint of this model, or pass ckpt_hparams='config' "
+                                                 "to load its weights into the configured model", what="ckpt_path")
+
+
 def _save_config_callback() -> Any:
     from lightning.pytorch.cli import SaveConfigCallback
 
@@ -173,9 +195,20 @@ def run(
     out_dir: str | Path | None = None,
     callbacks: Sequence[Any] = (),
     ckpt_path: str | None = None,
+    ckpt_hparams: Literal["refuse", "config"] = "refuse",
 ) -> RunResult:
-    """:func:`build` then ``trainer.fit``; :attr:`RunResult.metrics` holds what training logged."""
+    """:func:`build` then ``trainer.fit``; :attr:`RunResult.metrics` holds what training logged.
+
+    ``ckpt_path`` resumes a run. As with ``vispe fit``, a checkpoint file saved from a model with other
+    hyper-parameters (another encoding, another width) is refused naming each difference, before any step;
+    ``ckpt_hparams='config'`` loads its weights into the configured model anyway (they must fit it).
+    """
+    from vispe._checks import check_choice
+
+    check_choice("ckpt_hparams", ckpt_hparams, ("refuse", "config"))
     result = build(recipe, overrides, seed=seed, out_dir=out_dir, callbacks=callbacks)
+    if ckpt_path is not None and ckpt_hparams == "refuse":
+        _refuse_other_model(ckpt_path, result)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", ".*does not have many workers.*")
         result.trainer.fit(result.model, datamodule=result.datamodule, ckpt_path=ckpt_path)

@@ -24,7 +24,8 @@
 * A run killed at any step and resumed with ``--ckpt_path last`` equals the uninterrupted run: the
   training loader (:class:`vispe.data.ResumableDataLoader`) continues the epoch where the checkpoint left it.
 * Checkpoints are written atomically (temp file in the same folder, fsync, ``os.replace``, the permissions the
-  user's umask gives any new file) and read through
+  user's umask gives any new file; a failed write removes its temp file and names the checkpoint and the cause, e.g.
+  a full disk; temp files a kill left behind are removed when the run starts again) and read through
   :func:`vispe.files.read_checkpoint` (``torch.load(weights_only=True)``: a checkpoint's pickle never runs code;
   a damaged file is named with what to do).
 * ``--ckpt_path`` of a checkpoint whose model hyper-parameters differ from the configured model is refused
@@ -40,7 +41,6 @@ import inspect
 import os
 import re
 import sys
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
@@ -53,12 +53,14 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.loggers import CSVLogger, Logger
 
 from vispe._checks import check_choice, did_you_mean
-from vispe.files import read_checkpoint
+from vispe.files import read_checkpoint, remove_stale_temp_files, write_atomic
 from vispe.runs import _version_number, find_last_checkpoint  # noqa: F401  (re-exported: where ``--ckpt_path last`` looks)
 from vispe.recipes import check_config_files, expand_recipe_args
 
 __all__ = ["CKPT_HPARAMS", "AtomicCheckpointIO", "TimedProgressBar", "apply_threads", "FinalLastCheckpoint", "ResumeTrainLoaderState", "VispeCLI",
-           "RunFinished", "checkpoint_finished", "expand_recipe_args", "find_last_checkpoint", "launcher_trainer_settings", "main", "run_name"]
+           "RunFinished", "checkpoint_finished", "expand_recipe_args", "find_last_checkpoint", "launcher_trainer_settings", "main",
+           "refuse_other_model", "run_name"]
+
 
 _TRAINER_DEFAULTS = {"accelerator": "auto", "devices": "auto", "num_nodes": 1, "strategy": "auto", "precision": None}
 _DATA_TO_MODEL = {"num_classes": "num_classes", "in_chans": "in_chans", "image_size": "img_size", "visual_dim": "visual_dim"}
@@ -86,34 +88,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise TypeError(f"{type(self).__name__} takes no storage_options, got {storage_options!r}")
         if "://" in str(path):  # remote filesystems: Lightning's own path
             return super().save_checkpoint(checkpoint, path, storage_options)
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a checkpoint is an ordinary file
-            with os.fdopen(fd, "wb") as f:
-                torch.save(checkpoint, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
-        try:  # make the rename itself durable
-            dfd = os.open(path.parent, os.O_RDONLY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
-        except OSError:
-            pass
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+        # temp file beside the target, fsync, rename; a failure removes the temp file and names the file and the cause
+        write_atomic(path, lambda f: torch.save(checkpoint, f), "checkpoint")
 
 
 class FinalLastCheckpoint(ModelCheckpoint):
@@ -121,6 +97,15 @@ class FinalLastCheckpoint(ModelCheckpoint):
     epoch ends, so a run stopped by ``max_steps`` between two of them (``max_steps: 130,
     val_check_interval: 40``) would leave step 120 behind as ``last.ckpt``. This one saves once more
     when training ends normally and the last save is older than the final step."""
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_fit_start(trainer, pl_module)
+        # temp files of a save that a kill interrupted (AtomicCheckpointIO: .<name>.<random>.tmp) are not checkpoints:
+        # removed from this run's folder and from the folder of the checkpoint it resumes (known once it is restored)
+        if trainer.is_global_zero:
+            resumed = trainer.ckpt_path
+            for folder in {self.dirpath, str(Path(resumed).parent) if resumed and "://" not in str(resumed) else None} - {None}:
+                remove_stale_temp_files(folder, "*.ckpt")
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_end(trainer, pl_module)
@@ -322,14 +307,9 @@ class VispeCLI(LightningCLI):
             return
         if policy == "refuse" and cfg.get("model") is not None:
             self._fill_model_from_data(cfg)  # data-derived arguments (num_classes ...) take part in the comparison
-            diffs = _hparam_differences(cfg.get("model"), hparams)
-            if diffs:
-                raise ValueError(
-                    f"--ckpt_path {str(ckpt_path)!r} was saved from a model with other hyper-parameters than the configured "
-                    f"model: {'; '.join(diffs)}. Pass --ckpt_hparams checkpoint to build the checkpoint's model, "
-                    f"--ckpt_hparams config to build the configured one (the checkpoint's weights must fit it), "
-                    f"or make the config match"
-                )
+            refuse_other_model(ckpt_path, hparams, cfg.get("model"),
+                               "Pass --ckpt_hparams checkpoint to build the checkpoint's model, --ckpt_hparams config to "
+                               "build the configured one (the checkpoint's weights must fit it), or make the config match")
             return
         if "_class_path" in hparams:
             hparams = {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
@@ -551,6 +531,15 @@ def run_name(model_cfg: Any) -> str | None:
     name = re.sub(r"\[[^\]]*\]", "", str(name))  # per-part options of a composition
     name = re.sub(r"[^\w.+-]+", "_", name).strip("_")
     return name or None
+
+
+def refuse_other_model(ckpt_path: Any, hparams: dict[str, Any], model_cfg: Any, fix: str, what: str = "--ckpt_path") -> None:
+    """Raise ``ValueError`` naming every hyper-parameter (encoding, architecture, ...) in which the checkpoint's model
+    differs from the configured one: resuming it would train another model than the one asked for."""
+    diffs = _hparam_differences(model_cfg, hparams)
+    if diffs:
+        raise ValueError(f"{what} {str(ckpt_path)!r} was saved from a model with other hyper-parameters than the configured "
+                         f"model: {'; '.join(diffs)}. {fix}")
 
 
 def _hparam_differences(model_cfg: Any, hparams: dict[str, Any]) -> list[str]:

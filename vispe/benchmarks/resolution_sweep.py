@@ -48,6 +48,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from vispe._checks import AnyOf, Choice, Int, Real, Satisfies, Seq, Str
+from vispe.cli_options import Conflict, Option, Options, TextError, device_rule, floats_text, int_text, json_object_text, strings_text
 from vispe.files import read_json, write_json_atomic
 
 __all__ = [
@@ -89,6 +91,14 @@ def extrapolation_modes(encoding: str | None) -> tuple[str, ...]:
 # ------------------------------------------------------------------------------------------
 # shapes
 # ------------------------------------------------------------------------------------------
+#: Largest side (pixels) and token budget the sweep evaluates: far beyond any ViT's memory on one device, and a
+#: clear refusal instead of an allocator failure deep in the model.
+MAX_SIDE = 16384
+MAX_TOKEN_BUDGET = 65536
+#: Aspect ratios (width / height) between 1/MAX_ASPECT and MAX_ASPECT.
+MAX_ASPECT = 256.0
+
+
 def parse_shapes(text: str) -> list[tuple[int, int]]:
     """``"16,24,32x48"`` -> ``[(16, 16), (24, 24), (32, 48)]`` (``HxW`` or a square side), in the order given."""
     out = []
@@ -98,37 +108,108 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
             hw = (int(parts[0]), int(parts[0])) if len(parts) == 1 else (int(parts[0]), int(parts[1])) if len(parts) == 2 else None
         except ValueError:
             hw = None
-        if hw is None or min(hw) <= 0:
-            raise ValueError(f"--sizes takes positive sizes or HxW shapes separated by commas (e.g. 16,32,24x48), got {item!r} in {text!r}")
+        if hw is None or min(hw) <= 0 or max(hw) > MAX_SIDE:
+            expected = f"sizes from 1 to {MAX_SIDE} px or HxW shapes separated by commas (e.g. 16,32,24x48); {item!r} is not one"
+            raise TextError(f"--sizes takes positive {expected}", expected)
         if hw not in out:
             out.append(hw)
     if not out:
-        raise ValueError(f"--sizes is empty: {text!r}")
+        raise TextError(f"--sizes is empty: {text!r}", "sizes or HxW shapes separated by commas (e.g. 16,32,24x48)")
     return out
 
 
-def _parse_floats(text: str, what: str) -> list[float]:
+def _ratio(item: str) -> float:
+    """``"w:h"`` or a decimal -> ``w / h``; ``ValueError`` unless both are finite and > 0 and the ratio is in range."""
     try:
-        vals = [float(s) for s in str(text).replace(" ", "").split(",") if s]
+        w, h = (float(t) for t in item.split(":")) if ":" in item else (float(item), 1.0)
     except ValueError:
-        vals = []
-    if not vals or any(not (v > 0 and math.isfinite(v)) for v in vals):
-        raise ValueError(f"{what} takes positive numbers separated by commas, got {text!r}")
-    return vals
+        w = h = -1.0
+    if not (math.isfinite(w) and math.isfinite(h) and w > 0 and h > 0) or not 1 / MAX_ASPECT <= w / h <= MAX_ASPECT:
+        expected = (f"width:height ratios of finite positive numbers between 1:{MAX_ASPECT:g} and {MAX_ASPECT:g}:1 "
+                    f"(e.g. 1:2,1:1,2:1); {item!r} is not one")
+        raise TextError(f"--aspect-ratios takes {expected}", expected)
+    return w / h
 
 
 def parse_aspect_ratios(text: str) -> list[tuple[float, str]]:
     """``"1:2,1:1,2:1"`` (width:height) or decimals -> ``[(width / height, label), ...]``."""
-    out = []
-    for item in filter(None, str(text).replace(" ", "").split(",")):
-        try:
-            w, h = (float(t) for t in item.split(":")) if ":" in item else (float(item), 1.0)
-        except ValueError:
-            w = h = -1.0
-        if not (w > 0 and h > 0):
-            raise ValueError(f"--aspect-ratios takes width:height ratios (e.g. 1:2,1:1,2:1), got {item!r}")
-        out.append((w / h, item))
+    out = [(_ratio(item), item) for item in filter(None, str(text).replace(" ", "").split(","))]
+    if not out:
+        raise TextError(f"--aspect-ratios is empty: {text!r}", "width:height ratios separated by commas (e.g. 1:2,1:1,2:1)")
     return out
+
+
+def _is_ratio_pair(v: Any) -> bool:
+    return (isinstance(v, (list, tuple)) and len(v) == 2 and Real(1 / MAX_ASPECT, MAX_ASPECT).is_valid(v[0])
+            and isinstance(v[1], str))
+
+
+_SIDE = Int(1, MAX_SIDE)
+#: The sweep's options, declared once: ``vispe resolution``'s flags and :func:`run_sweep` / :func:`weights_sources`'s
+#: keywords are checked by the same rules (see :mod:`vispe.cli_options`).
+OPTIONS = Options("vispe resolution", [
+    Option("checkpoints", positional=True, help="Lightning checkpoints of vispe.tasks.ImageClassification"),
+    Option("model", cli_only=True, help="timm ViT name (vit_small_patch16_224, deit_*) or vispe_* model"),
+    Option("weights", cli_only=True, help="local .pth / .safetensors state dict of --model (nothing downloads)"),
+    Option("pos_encoding", cli_only=True,
+           help="comma-separated encodings to load the weights under (default learned = timm's APE); others are a zero-shot swap"),
+    Option("model_kwargs", Satisfies(lambda v: isinstance(v, dict), "a dict of model arguments"), json_object_text,
+           help="JSON of extra model arguments (e.g. '{\"depth\": 2, \"img_size\": 64}')"),
+    Option("allow_partial", switch=True, default=False,
+           help="score --model weights that leave model tensors newly initialised or drop some of the file's "
+                "(other than a swapped encoding's own); refused by default"),
+    Option("data", help="folder of class sub-folders, .zip, .csv/.json list, torchvision:<Name>, cifar10-test or "
+                        "fashion-mnist-test (default: each checkpoint's recorded test split)"),
+    Option("data_root", help="root of --data for torchvision/named sets (default $VISPE_DATA_ROOT/<folder>)"),
+    Option("data_dir", help="override the data location recorded in the checkpoints"),
+    Option("split", Str(), default="test", help="split of a torchvision dataset"),
+    Option("classes", cli_only=True, help="the model's class names in head order: comma-separated, or a .txt/.json file"),
+    Option("allow_class_subset", switch=True, default=False, help="score a set holding only some of the model's classes"),
+    Option("eval_subset", Int(1), int_text, flag="--num-images", aliases=("--eval-subset",), metavar="N",
+           help="evaluate a fixed class-stratified sample of this many images (seeded by --seed)"),
+    Option("seed", Int(0, 2**63 - 1), int_text, default=0,
+           help="seed of the image sample and of a swapped encoding's new parameters"),
+    Option("mean", Seq(Real(-1e3, 1e3), min_length=1), floats_text,
+           help="normalisation mean for --model, one value or one per input channel (default: timm's pretrained_cfg)"),
+    Option("std", Seq(Real(1e-6, 1e3), min_length=1), floats_text,
+           help="normalisation std for --model, one value or one per input channel"),
+    # empty from Python: no size sweep, only the aspect-ratio one (the command line's parser refuses empty text)
+    Option("sizes", Seq(AnyOf(_SIDE, Seq(_SIDE, length=2))), parse_shapes,
+           help="sizes and HxW shapes, e.g. 16,32,24x48 (default 0.5x..2x the training size)"),
+    Option("scales", Seq(Real(0, 64, low_open=True), min_length=1), floats_text,
+           help="sizes as multiples of each model's training size, e.g. 1,2,3,4 (4 = 16x the area)"),
+    Option("aspect_ratios", Seq(Satisfies(_is_ratio_pair, f"a (width/height in [1/{MAX_ASPECT:g}, {MAX_ASPECT:g}], label) pair"),
+                                min_length=1), parse_aspect_ratios,
+           help="width:height ratios at a fixed token budget, e.g. 1:2,2:3,1:1,3:2,2:1"),
+    Option("token_budget", Int(1, MAX_TOKEN_BUDGET), int_text,
+           help="tokens of the aspect-ratio shapes (default: the training grid's)"),
+    Option("resize", Seq(Choice(RESIZE_POLICIES), min_length=1, distinct=True), strings_text, default=("resize",),
+           help=f"comma-separated resize policies from {list(RESIZE_POLICIES)}"),
+    Option("extrapolation", Choice(EXTRAPOLATION_CHOICES), default="native",
+           help="PE policy where the encoding declares policies: as built, forced, both (extend + interpolate) or all"),
+    Option("labels", Seq(Str(), min_length=1), strings_text, help="comma-separated legend labels, one per checkpoint"),
+    Option("out_dir", flag="--out", default="outputs/resolution", help="output folder for resolution.{json,md,png}"),
+    Option("batch_size", Int(1, 2**20), int_text, default=256, help="images per forward pass"),
+    Option("device", device_rule(), default="cpu", help="cpu or cuda[:i]"),
+    Option("threads", Int(1, 4096), int_text, cli_only=True, help="torch CPU threads"),
+    Option("title", Str()),
+    Option("no_reuse", switch=True, default=False, cli_only=True,
+           help="re-evaluate even results already in --out/resolution.json"),
+    Option("quiet", switch=True, default=False,
+           help="no progress on stderr (a line per row when stderr is not a terminal)"),
+], conflicts=[
+    Conflict("sizes", "scales", "--sizes gives the shapes themselves, --scales multiples of each model's training size; pass one"),
+    Conflict("token_budget", "aspect_ratios", "the token budget sets the size of the aspect-ratio shapes", "requires"),
+    Conflict("model", "weights", "a model name and its local weights file go together", "requires"),
+    Conflict("weights", "model", "a model name and its local weights file go together", "requires"),
+    Conflict("pos_encoding", "model", "a checkpoint keeps the encoding it was trained with; --pos-encoding applies to --model/--weights", "requires"),
+    Conflict("model_kwargs", "model", "a checkpoint rebuilds the model it recorded; --model-kwargs applies to --model/--weights", "requires"),
+    Conflict("mean", "model", "a checkpoint keeps the normalisation its data module recorded; --mean applies to --model/--weights", "requires"),
+    Conflict("std", "model", "a checkpoint keeps the normalisation its data module recorded; --std applies to --model/--weights", "requires"),
+    Conflict("allow_partial", "model", "checkpoints always load strictly; --allow-partial applies to --model/--weights", "requires"),
+    Conflict("labels", "checkpoints", "--labels names the checkpoints, one label each", "requires"),
+    Conflict("split", "data", "--split picks the split of a --data torchvision:<Name> set", "requires"),
+])
 
 
 def aspect_shapes(ratios: Sequence[float], tokens: int, patch: tuple[int, int]) -> list[tuple[int, int]]:
@@ -234,9 +315,13 @@ def _tensor_peak(fn: Callable[[], torch.Tensor], model: nn.Module) -> tuple[torc
 @torch.inference_mode()
 def evaluate_shapes(model: nn.Module, images: Sequence[torch.Tensor], labels: torch.Tensor, shapes: Sequence[tuple[int, int]],
                     mean: Sequence[float], std: Sequence[float], resize: str = "resize", batch_size: int = 256,
-                    device: str | torch.device = "cpu", on_batch: Callable[[int], None] | None = None) -> dict[tuple[int, int], dict[str, Any]]:
+                    device: str | torch.device = "cpu", name: str = "the model",
+                    on_batch: Callable[[int], None] | None = None) -> dict[tuple[int, int], dict[str, Any]]:
     """Top-1 / top-5 accuracy (%) and peak memory of ``model`` on ``images`` brought to each ``H x W``
-    (``on_batch(H * W)`` is called after every batch: progress, weighted by the batch's pixels)."""
+    (``on_batch(H * W)`` is called after every batch: progress, weighted by the batch's pixels).
+
+    Non-finite logits stop the evaluation (``ValueError`` naming ``name``, the shape and the batch): an accuracy
+    computed from NaN scores is not a measurement."""
     device = torch.device(device)
     in_chans = model_in_chans(model)
     out: dict[tuple[int, int], dict[str, Any]] = {}
@@ -256,6 +341,10 @@ def evaluate_shapes(model: nn.Module, images: Sequence[torch.Tensor], labels: to
                 logits, memory["tensor_peak_mib"] = _tensor_peak(lambda x=x: model(x), model)
             else:
                 logits = model(x)
+            bad = ~torch.isfinite(logits).all(-1)
+            if bool(bad.any()):
+                raise ValueError(f"{name} gives non-finite logits (NaN/inf) for {int(bad.sum())} of {len(bad)} images at "
+                                 f"{shape[0]}x{shape[1]} (images {i}..{i + len(bad) - 1}); its accuracy would be meaningless")
             k = min(5, logits.shape[-1])
             pred = logits.topk(k, dim=-1).indices
             top1 += int((pred[:, 0] == y).sum())
@@ -305,9 +394,21 @@ def _vit(model: nn.Module) -> nn.Module:
 
 
 def _file_key(path: str | Path, *extra: Any) -> str:
-    p = Path(path)
-    st = p.stat()
-    return json.dumps([str(p.resolve()), st.st_size, st.st_mtime_ns, *extra], default=str)
+    """A model's identity for reusing results: its file's SHA-256 (not its name or time) and how it was built."""
+    from vispe.files import file_digest
+
+    return json.dumps([file_digest(path), *extra], default=str)
+
+
+def check_finite_model(model: nn.Module, where: str) -> None:
+    """Refuse a model with a non-finite parameter or buffer (naming the first such tensor): it cannot be scored."""
+    for kind, tensors in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, t in tensors:
+            if t.is_floating_point() or t.is_complex():
+                bad = ~torch.isfinite(t)
+                if bool(bad.any()):
+                    raise ValueError(f"{where}: {kind} {name} {tuple(t.shape)} holds {int(bad.sum())} non-finite values (NaN/inf); "
+                                     "a model with non-finite weights cannot be scored (a damaged file or a diverged run)")
 
 
 def _checkpoint(path: str | Path) -> dict[str, Any]:
@@ -403,9 +504,22 @@ def _recorded(dm_info: dict[str, Any], data_dir: str | None) -> tuple[Callable[[
         labels = _labels_of(ds)
         if labels is None:
             labels = torch.tensor([int(ds[i][1]) for i in range(len(ds))])
-        return eval_sets.EvalSet(f"{name} test split ({len(ds)} images)", labels.long(), lambda i: ds[i][0], classes)
+        return eval_sets.EvalSet(f"{name} test split ({len(ds)} images)", labels.long(), lambda i: ds[i][0], classes,
+                                 lambda: _recorded_content(class_path, init))
 
     return own_set, classes, mean, std
+
+
+def _recorded_content(class_path: str, init: dict[str, Any]) -> Any:
+    """A recorded DataModule's content identity: its arguments and the files under the paths among them."""
+    from vispe.data.eval_sets import file_stats
+
+    files = []
+    for v in init.values():
+        if isinstance(v, (str, Path)) and str(v) and Path(v).exists():
+            p = Path(v)
+            files += [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file())
+    return [class_path, init, file_stats(files)]
 
 
 def checkpoint_source(path: str | Path, data_dir: str | None = None, label: str | None = None) -> ModelSource:
@@ -417,6 +531,9 @@ def checkpoint_source(path: str | Path, data_dir: str | None = None, label: str 
         module = load_classifier(ckpt)
     except (RuntimeError, TypeError, KeyError) as err:  # weights that do not fit the recorded hyper-parameters
         raise ValueError(f"{str(path)!r}: its weights do not rebuild its recorded model ({type(err).__name__}: {' '.join(str(err).split())[:400]})") from None
+    except ValueError as err:  # a recorded option vispe refuses (an unknown encoding, ...): say which file records it
+        raise ValueError(f"{str(path)!r} records a model vispe cannot build: {err}") from None
+    check_finite_model(module, f"checkpoint {str(path)!r}")
     own_set, classes, mean, std = _recorded(ckpt["vispe_datamodule"], data_dir)
     vit = _vit(module)
     name, _ = _encoding_spec(dict(ckpt["hyper_parameters"]))
@@ -478,17 +595,24 @@ def _rope_vit_hint(name: str, ref: nn.Module) -> str:
 
 def weights_sources(model_name: str, weights: str | Path, encodings: Sequence[str] = ("learned",),
                     model_kwargs: dict[str, Any] | None = None, mean: Sequence[float] | None = None,
-                    std: Sequence[float] | None = None, classes: Sequence[str] | None = None, init_seed: int = 0) -> list[ModelSource]:
+                    std: Sequence[float] | None = None, classes: Sequence[str] | None = None, init_seed: int = 0,
+                    allow_partial: bool = False) -> list[ModelSource]:
     """One :class:`ModelSource` per encoding: the weights of ``weights`` (a timm ViT state dict, ``.pth`` /
     ``.safetensors``) in the vispe model of ``model_name`` (a timm ViT name or a ``vispe_*`` model) with that
     encoding, loaded through :func:`vispe.models.checkpoint.load_timm_checkpoint`. ``learned`` keeps timm's APE;
     other encodings are a zero-shot swap (the APE table is dropped, the encoding's own parameters are new, drawn
-    from ``init_seed`` so that the same command gives the same numbers)."""
+    from ``init_seed`` so that the same command gives the same numbers).
+
+    The model must be the file's: a load that leaves any tensor outside a swapped encoding newly initialised (a
+    deeper model than the file's), or drops any of the file's tensors other than its position table, is refused
+    unless ``allow_partial``; non-finite weights are refused always."""
     import timm
 
     from vispe.models import VispeVisionTransformer
     from vispe.models.checkpoint import _as_state_dict, _unwrap, load_timm_checkpoint
 
+    OPTIONS.check(dict(model_kwargs=model_kwargs, mean=list(mean) if mean is not None else None,
+                       std=list(std) if std is not None else None, seed=init_seed))
     state = _unwrap(_as_state_dict(weights))
     head = state.get("head.weight")
     if head is None or head.ndim != 2:
@@ -522,13 +646,42 @@ def weights_sources(model_name: str, weights: str | Path, encodings: Sequence[st
             model = build(enc)
         report = load_timm_checkpoint(model, state)
         model.eval()
+        _check_complete_load(report, enc, model_name, weights, allow_partial)
+        check_finite_model(model, f"--weights {str(weights)!r} in --model {model_name!r} ({enc})")
+        chans = model_in_chans(model)
+        for what, values in (("mean", mean), ("std", std)):
+            if len(values) not in (1, chans):
+                raise ValueError(f"--{what} has {len(values)} values ({', '.join(f'{v:g}' for v in values)}) but --model "
+                                 f"{model_name!r} takes {chans} input channels; give {chans} values (or one for all channels)")
         out.append(ModelSource(
-            enc, model, _file_key(weights, model_name, enc, sorted((model_kwargs or {}).items())), model.pos_encoding_name,
+            enc, model, _file_key(weights, model_name, enc, sorted((model_kwargs or {}).items()), init_seed, allow_partial),
+            model.pos_encoding_name,
             tuple(model.patch_embed.img_size), tuple(model.patch_embed.patch_size), int(model.num_classes),
             tuple(classes) if classes is not None else None, mean, std,
             f"{model_name} + {Path(weights).name} ({len(report.kept)} kept, {len(report.resampled)} resampled, "
             f"{len(report.new)} new (seed {init_seed}), {len(report.dropped)} dropped)", None, bool(model.patch_embed.dynamic_img_pad)))
     return out
+
+
+#: What a zero-shot encoding swap drops from a timm file by design: its position table and rotary frequencies.
+_POSITION_KEYS = ("pos_embed", "rope.freqs", "dist_token")
+
+
+def _check_complete_load(report: Any, encoding: str, model_name: str, weights: str | Path, allow_partial: bool) -> None:
+    """Refuse a load that leaves the evaluated model partly random: a new tensor outside the encoding (or inside it when
+    the encoding is ``learned``, timm's own), or a dropped file tensor other than the position table."""
+    swapped = encoding != "learned"
+    new = [k for k in report.new if not (swapped and k.startswith("pos_encoding."))]
+    dropped = [k for k in report.dropped if not k.startswith(_POSITION_KEYS)]
+    if (new or dropped) and not allow_partial:
+        parts = []
+        if new:
+            parts.append(f"leaves {len(new)} model tensors newly initialised ({', '.join(new[:3])}{', ...' if len(new) > 3 else ''})")
+        if dropped:
+            parts.append(f"drops {len(dropped)} of the file's tensors ({', '.join(dropped[:3])}{', ...' if len(dropped) > 3 else ''})")
+        raise ValueError(f"--weights {str(weights)!r} in --model {model_name!r} ({encoding}) {' and '.join(parts)}: the scored "
+                         "model would be partly random; give the model the file's architecture (--model-kwargs), "
+                         "or pass --allow-partial to score it anyway")
 
 
 # ------------------------------------------------------------------------------------------
@@ -561,6 +714,41 @@ def _default_shapes(source: ModelSource, scales: Sequence[float] | None) -> list
 
 def _shape_name(shape: Sequence[int]) -> str:
     return f"{shape[0]}x{shape[1]}"
+
+
+def _result_key(source: ModelSource, eval_set: Any, **evaluation: Any) -> str:
+    """What produced a result: the model (its file's SHA-256 and how it was built), the image set's content, every
+    evaluation option, and the vispe / torch versions. A result is reused only when all of them are equal."""
+    import vispe
+
+    return json.dumps({"model": source.key, "label": source.label, "mean": list(source.mean), "std": list(source.std),
+                       "images": eval_set.description, "images_content": eval_set.content_key(), **evaluation,
+                       "vispe": vispe.__version__, "torch": torch.__version__}, sort_keys=True, default=str)
+
+
+def _previous_results(path: Path) -> dict[str, dict[str, Any]]:
+    """Earlier results in ``resolution.json`` by key; the file must be a sweep's (an object with a results list)."""
+    if not path.is_file():
+        return {}
+    from vispe.files import DamagedFileError
+
+    saved = read_json(path, "earlier sweep results")
+    lists = [saved.get("results"), saved.get("other_results", [])] if isinstance(saved, dict) else None
+    if lists is None or not all(isinstance(x, list) and all(isinstance(r, dict) for r in x) for x in lists):
+        raise DamagedFileError(path, f"is not a resolution sweep's results (a JSON object with a 'results' list; "
+                                     f"this holds a {type(saved).__name__})",
+                               "choose another --out folder, or move the file away (or pass --no-reuse to overwrite it)")
+    return {r["key"]: r for r in lists[0] + lists[1] if "key" in r}
+
+
+def _remove_stale_temp(path: Path) -> None:
+    """Temporary files of ``resolution.json`` left by a sweep that died while writing (a kill, a full disk)."""
+    from vispe.files import remove_stale_temp_files
+
+    remove_stale_temp_files(path.parent, path.name)
+    legacy = path.with_name(path.name + ".tmp")  # the fixed name earlier versions wrote through
+    if legacy.is_file():
+        legacy.unlink()
 
 
 def run_sweep(
@@ -596,19 +784,15 @@ def run_sweep(
     """
     from vispe.data.eval_sets import class_index_map, open_eval_set, stratified_indices
 
-    if extrapolation not in EXTRAPOLATION_CHOICES:
-        raise ValueError(f"extrapolation={extrapolation!r} is not valid; choose one of {list(EXTRAPOLATION_CHOICES)}")
-    bad_resize = [r for r in resize if r not in RESIZE_POLICIES]
-    if bad_resize or not resize:
-        raise ValueError(f"resize policies {bad_resize or list(resize)} are not valid; choose from {list(RESIZE_POLICIES)}")
+    OPTIONS.check(dict(checkpoints=list(checkpoints), sizes=sizes, extrapolation=extrapolation, labels=labels,
+                       eval_subset=eval_subset, batch_size=batch_size, title=title, split=split, seed=seed, scales=scales,
+                       aspect_ratios=aspect_ratios, token_budget=token_budget, resize=list(resize), device=device, data=data))
     if not checkpoints and not sources:
         raise ValueError("give at least one checkpoint or --model NAME --weights FILE")
     if labels is not None and len(labels) != len(checkpoints):
         raise ValueError(f"{len(labels)} labels for {len(checkpoints)} checkpoints")
-    if eval_subset is not None and eval_subset < 1:
-        raise ValueError(f"--num-images must be >= 1, got {eval_subset}")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} but CUDA is not available; use --device cpu")
+    if sizes is not None and len(sizes) == 0 and not aspect_ratios:
+        raise ValueError("nothing to evaluate: sizes is empty and no aspect_ratios are given")
 
     # 1) sources, shapes, policies, the image set and its class mapping: all before any compute
     srcs = [checkpoint_source(p, data_dir, labels[i] if labels is not None else None) for i, p in enumerate(checkpoints)]
@@ -643,12 +827,8 @@ def run_sweep(
 
     # 2) decode the stratified sample of each set once
     out = Path(out_dir)
-    previous: dict[str, dict[str, Any]] = {}
-    if reuse and (out / "resolution.json").is_file():
-        saved = read_json(out / "resolution.json", "earlier sweep results")
-        for r in saved.get("results", []) + saved.get("other_results", []):
-            if "key" in r:
-                previous[r["key"]] = r
+    previous = _previous_results(out / "resolution.json") if reuse else {}
+    _remove_stale_temp(out / "resolution.json")
     decoded: dict[int, tuple[list[torch.Tensor], torch.Tensor]] = {}
     _, set_policy, active = policy_hooks()
     results = []
@@ -663,8 +843,9 @@ def run_sweep(
         keep = stratified_indices(es.labels, eval_subset, seed)
         for policy in j["policies"]:
             for rp in resize:
-                key = json.dumps([s.key, policy, rp, [(k, list(sh)) for k, sh, _ in j["points"]], es.description, eval_subset, seed,
-                                  s.label, j["label_map"].tolist()])
+                key = _result_key(s, es, policy=policy, resize=rp, points=[(k, list(sh)) for k, sh, _ in j["points"]],
+                                  eval_subset=eval_subset, seed=seed, label_map=j["label_map"].tolist(), device=str(device),
+                                  batch_size=batch_size)
                 if key in previous:
                     results.append(previous[key])
                     progress.skip_row()
@@ -678,7 +859,7 @@ def run_sweep(
                 label = s.label + ("" if policy is None else f" ({policy})") + ("" if len(resize) == 1 else f" [{rp}]")
                 progress.start_row(label)
                 acc = evaluate_shapes(model, images, j["label_map"][targets], [sh for _, sh, _ in j["points"]], s.mean, s.std,
-                                      rp, batch_size, device, on_batch=progress.step)
+                                      rp, batch_size, device, name=label, on_batch=progress.step)
                 progress.end_row()
                 evaluations = [{"sweep": kind, "shape": _shape_name(sh), "height": sh[0], "width": sh[1],
                                 "tokens": (sh[0] // s.patch[0]) * (sh[1] // s.patch[1]), "aspect": sh[1] / sh[0],
@@ -712,7 +893,7 @@ def run_sweep(
     others = [r for k, r in previous.items() if k not in used]
     if others:
         report["other_results"] = others
-    write_json_atomic(out / "resolution.json", report)
+    write_json_atomic(out / "resolution.json", report, "sweep results")
     (out / "resolution.md").write_text(markdown_table(report))
     plot(report, out / "resolution.png", title=title)
     return report
@@ -721,7 +902,7 @@ def run_sweep(
 def _write_partial(out: Path, results: list[dict[str, Any]], previous: dict[str, dict[str, Any]]) -> None:
     """Save finished evaluations so an interrupted sweep can be resumed (they are reused by key)."""
     done = {r["key"]: r for r in list(previous.values()) + results}
-    write_json_atomic(out / "resolution.json", {"partial": True, "results": list(done.values())})
+    write_json_atomic(out / "resolution.json", {"partial": True, "results": list(done.values())}, "sweep results")
 
 
 # ------------------------------------------------------------------------------------------
@@ -838,78 +1019,37 @@ def _read_classes(text: str | None) -> list[str] | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="vispe resolution", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("checkpoints", nargs="*", help="Lightning checkpoints of vispe.tasks.ImageClassification")
-    g = p.add_argument_group("timm / vispe model from a local weights file")
-    g.add_argument("--model", default=None, help="timm ViT name (vit_small_patch16_224, deit_*) or vispe_* model")
-    g.add_argument("--weights", default=None, help="local .pth / .safetensors state dict of --model (nothing downloads)")
-    g.add_argument("--pos-encoding", default=None,
-                   help="comma-separated encodings to load the weights under (default learned = timm's APE); others are a zero-shot swap")
-    g.add_argument("--model-kwargs", default=None, help="JSON of extra model arguments (e.g. '{\"depth\": 2, \"img_size\": 64}')")
-    d = p.add_argument_group("image set")
-    d.add_argument("--data", default=None,
-                   help="folder of class sub-folders, .zip, .csv/.json list, torchvision:<Name>, cifar10-test or fashion-mnist-test "
-                        "(default: each checkpoint's recorded test split)")
-    d.add_argument("--data-root", default=None, help="root of --data for torchvision/named sets (default $VISPE_DATA_ROOT/<folder>)")
-    d.add_argument("--data-dir", default=None, help="override the data location recorded in the checkpoints")
-    d.add_argument("--split", default="test", help="split of a torchvision dataset")
-    d.add_argument("--classes", default=None, help="the model's class names in head order: comma-separated, or a .txt/.json file")
-    d.add_argument("--allow-class-subset", action="store_true", help="score a set holding only some of the model's classes")
-    d.add_argument("--num-images", "--eval-subset", dest="num_images", type=int, default=None,
-                   help="evaluate a fixed class-stratified sample of this many images (seeded by --seed)")
-    d.add_argument("--seed", type=int, default=0, help="seed of the image sample and of a swapped encoding's new parameters")
-    d.add_argument("--mean", default=None, help="normalisation mean for --model (default: timm's pretrained_cfg)")
-    d.add_argument("--std", default=None, help="normalisation std for --model")
-    s = p.add_argument_group("sizes, shapes, policies")
-    s.add_argument("--sizes", default=None, help="sizes and HxW shapes, e.g. 16,32,24x48 (default 0.5x..2x the training size)")
-    s.add_argument("--scales", default=None, help="sizes as multiples of each model's training size, e.g. 1,2,3,4 (4 = 16x the area)")
-    s.add_argument("--aspect-ratios", default=None, help="width:height ratios at a fixed token budget, e.g. 1:2,2:3,1:1,3:2,2:1")
-    s.add_argument("--token-budget", type=int, default=None, help="tokens of the aspect-ratio shapes (default: the training grid's)")
-    s.add_argument("--resize", default="resize", help=f"comma-separated resize policies from {list(RESIZE_POLICIES)}")
-    s.add_argument("--extrapolation", default="native", choices=EXTRAPOLATION_CHOICES,
-                   help="PE policy where the encoding declares policies: as built, forced, both (extend + interpolate) or all")
-    o = p.add_argument_group("run and output")
-    o.add_argument("--labels", default=None, help="comma-separated legend labels, one per checkpoint")
-    o.add_argument("--out", default="outputs/resolution", help="output folder for resolution.{json,md,png}")
-    o.add_argument("--batch-size", type=int, default=256)
-    o.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
-    o.add_argument("--quiet", action="store_true", help="no progress on stderr (a line per row when stderr is not a terminal)")
-    o.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    o.add_argument("--title", default=None)
-    o.add_argument("--no-reuse", action="store_true", help="re-evaluate even results already in --out/resolution.json")
-    args = p.parse_args(list(argv) if argv is not None else None)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    OPTIONS.add_to(p, {
+        "timm / vispe model from a local weights file": ["model", "weights", "pos_encoding", "model_kwargs", "allow_partial"],
+        "image set": ["data", "data_root", "data_dir", "split", "classes", "allow_class_subset", "eval_subset", "seed", "mean", "std"],
+        "sizes, shapes, policies": ["sizes", "scales", "aspect_ratios", "token_budget", "resize", "extrapolation"],
+        "run and output": ["labels", "out_dir", "batch_size", "device", "quiet", "threads", "title", "no_reuse"],
+    })
+    ns = p.parse_args(list(argv) if argv is not None else None)
     try:
-        if (args.model is None) != (args.weights is None):
-            raise ValueError("--model and --weights go together (a model name and its local weights file)")
-        if args.pos_encoding and args.model is None:
-            raise ValueError("--pos-encoding applies to --model/--weights; a checkpoint keeps the encoding it was trained with")
-        classes = _read_classes(args.classes)
+        a = OPTIONS.from_namespace(ns)  # every value and every pair checked before anything is read or built
+        if a["threads"] is not None:
+            torch.set_num_threads(a["threads"])
+        classes = _read_classes(ns.classes)
         sources = []
-        if args.model is not None:
+        if a["model"] is not None:
             from vispe.encodings.spec import parse_encoding_list
 
-            kwargs = json.loads(args.model_kwargs) if args.model_kwargs else None
-            if kwargs is not None and not isinstance(kwargs, dict):
-                raise ValueError(f"--model-kwargs must be a JSON object, got {args.model_kwargs!r}")
-            encs = [label for label, _, _ in parse_encoding_list(args.pos_encoding)] if args.pos_encoding else ["learned"]
-            sources = weights_sources(args.model, args.weights, encs, kwargs,
-                                      _parse_floats(args.mean, "--mean") if args.mean else None,
-                                      _parse_floats(args.std, "--std") if args.std else None, classes, init_seed=args.seed)
+            encs = [label for label, _, _ in parse_encoding_list(a["pos_encoding"])] if a["pos_encoding"] else ["learned"]
+            sources = weights_sources(a["model"], a["weights"], encs, a["model_kwargs"], a["mean"], a["std"], classes,
+                                      init_seed=a["seed"], allow_partial=a["allow_partial"])
         report = run_sweep(
-            args.checkpoints, parse_shapes(args.sizes) if args.sizes else None, args.extrapolation, args.out,
-            labels=args.labels.split(",") if args.labels else None, eval_subset=args.num_images, data_dir=args.data_dir,
-            batch_size=args.batch_size, title=args.title, reuse=not args.no_reuse, sources=sources, data=args.data,
-            data_root=args.data_root, split=args.split, classes=classes, allow_class_subset=args.allow_class_subset,
-            seed=args.seed, scales=_parse_floats(args.scales, "--scales") if args.scales else None,
-            aspect_ratios=parse_aspect_ratios(args.aspect_ratios) if args.aspect_ratios else None,
-            token_budget=args.token_budget, resize=[r.strip() for r in args.resize.split(",") if r.strip()], device=args.device, quiet=args.quiet,
+            a["checkpoints"], a["sizes"], a["extrapolation"], a["out_dir"], labels=a["labels"], eval_subset=a["eval_subset"],
+            data_dir=a["data_dir"], batch_size=a["batch_size"], title=a["title"], reuse=not a["no_reuse"], sources=sources,
+            data=a["data"], data_root=a["data_root"], split=a["split"], classes=classes,
+            allow_class_subset=a["allow_class_subset"], seed=a["seed"], scales=a["scales"], aspect_ratios=a["aspect_ratios"],
+            token_budget=a["token_budget"], resize=list(a["resize"]), device=a["device"], quiet=a["quiet"],
         )
     except (ValueError, FileNotFoundError) as err:
         print(f"vispe resolution: error: {err}", file=sys.stderr)
         return 2
     print(markdown_table(report))
-    print(f"wrote {Path(args.out) / 'resolution.json'}, resolution.md, resolution.png")
+    print(f"wrote {Path(a['out_dir']) / 'resolution.json'}, resolution.md, resolution.png")
     return 0
 
 

@@ -17,7 +17,6 @@ Subsets are a fixed, seeded, class-stratified sample (:func:`stratified_indices`
 from __future__ import annotations
 
 import csv
-import io
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +26,8 @@ import numpy as np
 import torch
 
 from .image import CIFAR10_CLASSES
+from .image_datamodule import channel_fix
+from ..files import image_to_uint8, read_image
 from .loading import resolve_data_path
 
 __all__ = [
@@ -50,6 +51,20 @@ class EvalSet:
     labels: torch.Tensor
     read: Callable[[int], torch.Tensor] = field(repr=False)  # index -> uint8 (C, H, W)
     classes: tuple[str, ...] | None = None
+    #: what identifies the images' content (file paths, sizes and modification times, or archive CRCs); a changed
+    #: file changes :meth:`content_key` and so re-runs a sweep that reused results by key
+    content: Callable[[], Any] | None = field(default=None, repr=False)
+
+    def content_key(self) -> str:
+        """SHA-256 of :attr:`content` (and of the labels and class names); computed once."""
+        if not hasattr(self, "_content_key"):
+            import hashlib
+            import json
+
+            payload = json.dumps([self.content() if self.content is not None else None, self.labels.tolist(),
+                                  list(self.classes) if self.classes is not None else None], default=str)
+            self._content_key = hashlib.sha256(payload.encode()).hexdigest()
+        return self._content_key
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -129,30 +144,23 @@ def class_index_map(set_classes: Sequence[str] | None, set_num_classes: int, mod
 # ------------------------------------------------------------------------------------------
 # sources
 # ------------------------------------------------------------------------------------------
-def _pil_to_uint8(img: Any) -> torch.Tensor:
-    img = img.convert("L") if img.mode in ("L", "I", "I;16", "F", "1") else img.convert("RGB")
-    a = torch.from_numpy(np.asarray(img).copy())
-    return a[None] if a.ndim == 2 else a.permute(2, 0, 1).contiguous()
-
-
-def _open_image(path: Path) -> torch.Tensor:
-    from PIL import Image
-
-    try:
-        with Image.open(path) as img:
-            return _pil_to_uint8(img)
-    except OSError as err:
-        raise ValueError(f"cannot read image {str(path)!r} ({type(err).__name__}: {err})") from None
+def file_stats(paths: Sequence[Path | str]) -> list[tuple[str, int, int]]:
+    """``(path, size, mtime_ns)`` of each file: the content identity of a set of image files."""
+    out = []
+    for p in paths:
+        st = Path(p).stat()
+        out.append((str(Path(p).resolve()), st.st_size, st.st_mtime_ns))
+    return out
 
 
 def _from_names(description: str, items: list[tuple[Any, str]], read: Callable[[Any], torch.Tensor],
-                classes: Sequence[str] | None = None) -> EvalSet:
+                classes: Sequence[str] | None = None, content: Callable[[], Any] | None = None) -> EvalSet:
     """Items labelled by class name -> an EvalSet whose classes are the names (sorted unless given)."""
     classes = tuple(classes) if classes is not None else tuple(sorted({c for _, c in items}))
     index = {c: i for i, c in enumerate(classes)}
     keys = [k for k, _ in items]
     labels = torch.tensor([index[c] for _, c in items], dtype=torch.long)
-    return EvalSet(description, labels, lambda i: read(keys[i]), classes)
+    return EvalSet(description, labels, lambda i: read(keys[i]), classes, content)
 
 
 def image_folder(root: str | Path) -> EvalSet:
@@ -176,7 +184,8 @@ def image_folder(root: str | Path) -> EvalSet:
     if empty:
         raise ValueError(f"class folders of {str(root)!r} with no images: {empty}; remove them or add images "
                          "(an empty class still counts towards the classes matched against the model's head)")
-    return _from_names(f"image folder {root.name}/ ({len(items)} images)", items, _open_image)
+    return _from_names(f"image folder {root.name}/ ({len(items)} images)", items, read_image,
+                       content=lambda: file_stats([p for p, _ in items]))
 
 
 def image_zip(path: str | Path) -> EvalSet:
@@ -192,18 +201,20 @@ def image_zip(path: str | Path) -> EvalSet:
     holder: dict[str, zipfile.ZipFile] = {}
 
     def read(member: str) -> torch.Tensor:
-        from PIL import Image
-
         if "z" not in holder:
             holder["z"] = zipfile.ZipFile(path)
         try:
-            with Image.open(io.BytesIO(holder["z"].read(member))) as img:
-                return _pil_to_uint8(img)
-        except (OSError, zipfile.BadZipFile) as err:
-            raise ValueError(f"member {member!r} of {str(path)!r} is not a readable image ({type(err).__name__}: {err})") from None
+            data = holder["z"].read(member)
+        except (OSError, zipfile.BadZipFile, EOFError) as err:  # CRC mismatch, cut member
+            raise ValueError(f"member {member!r} of {str(path)!r} is damaged ({type(err).__name__}: {err})") from None
+        return read_image(data, f"{path}:{member}")
 
     classes = CIFAR10_CLASSES if {c for _, c in items} == set(CIFAR10_CLASSES) else None
-    return _from_names(f"{path.name} ({len(items)} images)", items, read, classes)
+    def content() -> Any:  # the archive's member names, CRCs and sizes: a changed member changes its CRC
+        with zipfile.ZipFile(path) as z:
+            return [(i.filename, i.CRC, i.file_size) for i in z.infolist()]
+
+    return _from_names(f"{path.name} ({len(items)} images)", items, read, classes, content)
 
 
 def image_list(path: str | Path) -> EvalSet:
@@ -220,8 +231,13 @@ def image_list(path: str | Path) -> EvalSet:
         rows = [(r.get("path"), r.get("label")) if isinstance(r, dict) else tuple(r) if isinstance(r, (list, tuple)) and len(r) == 2
                 else (None, None) for r in raw]
     else:
-        with open(path, newline="") as f:
-            rows = [tuple(r[:2]) for r in csv.reader(f) if r and not r[0].startswith("#")]
+        try:  # utf-8-sig: a byte-order mark (spreadsheet exports) is not part of the first path
+            with open(path, newline="", encoding="utf-8-sig") as f:
+                rows = [tuple(r[:2]) for r in csv.reader(f) if r and not r[0].startswith("#")]
+        except UnicodeDecodeError as err:
+            raise ValueError(f"{str(path)!r} is not UTF-8 text ({err.reason} at byte {err.start}); save the image list as UTF-8") from None
+        except csv.Error as err:
+            raise ValueError(f"{str(path)!r} is not a readable CSV image list ({err})") from None
         if rows and [c.strip().lower() for c in rows[0]] == ["path", "label"]:
             rows = rows[1:]
     bad = [i for i, r in enumerate(rows) if len(r) != 2 or r[0] in (None, "") or r[1] in (None, "")]
@@ -239,8 +255,8 @@ def image_list(path: str | Path) -> EvalSet:
         idx = torch.tensor([int(lab) for lab in labels], dtype=torch.long)
         if int(idx.min()) < 0:
             raise ValueError(f"{str(path)!r}: class indices must be >= 0, got {int(idx.min())}")
-        return EvalSet(desc, idx, lambda i: _open_image(files[i]), None)
-    return _from_names(desc, list(zip(files, labels)), _open_image)
+        return EvalSet(desc, idx, lambda i: read_image(files[i]), None, lambda: file_stats([path, *files]))
+    return _from_names(desc, list(zip(files, labels)), read_image, content=lambda: file_stats([path, *files]))
 
 
 def torchvision_set(name: str, root: str | None = None, split: str = "test") -> EvalSet:
@@ -254,8 +270,11 @@ def torchvision_set(name: str, root: str | None = None, split: str = "test") -> 
         valid = sorted(n for n in dir(tvd) if n[0].isupper() and isinstance(getattr(tvd, n), type)
                        and issubclass(getattr(tvd, n), torch.utils.data.Dataset))
         raise ValueError(f"unknown torchvision dataset {name!r}; choose one of {valid}")
-    folder = resolve_data_path(root, name.lower(), f"torchvision dataset {name}", arg="root", flag="--data-root")
     params = inspect.signature(cls.__init__).parameters
+    if "root" not in params:
+        raise ValueError(f"torchvision:{name} is not a dataset read from disk (its constructor takes no root folder); "
+                         "give a torchvision dataset stored under --data-root, a folder, a .zip or an image list")
+    folder = resolve_data_path(root, name.lower(), f"torchvision dataset {name}", arg="root", flag="--data-root")
     kwargs: dict[str, Any] = {}
     if "train" in params:
         if split not in ("train", "test"):
@@ -269,6 +288,9 @@ def torchvision_set(name: str, root: str | None = None, split: str = "test") -> 
         ds = cls(str(folder), **kwargs)
     except RuntimeError as err:  # torchvision's "Dataset not found or corrupted"
         raise FileNotFoundError(f"torchvision {name} not found under {str(folder)!r} (nothing is downloaded): {err}") from None
+    except TypeError as err:  # a constructor that needs more than root / train / split
+        raise ValueError(f"torchvision:{name} cannot be opened with root, train/split and download=False only ({err}); "
+                         "evaluate it from a folder or an image list instead") from None
     targets = getattr(ds, "targets", None)
     if targets is None:
         targets = getattr(ds, "labels", None)
@@ -278,7 +300,19 @@ def torchvision_set(name: str, root: str | None = None, split: str = "test") -> 
     if len(labels) == 0:
         raise ValueError(f"torchvision {name} ({split}) under {str(folder)!r} is empty")
     classes = tuple(ds.classes) if getattr(ds, "classes", None) else None
-    return EvalSet(f"torchvision {name} {split} ({len(labels)} images)", labels, lambda i: _pil_to_uint8(ds[i][0]), classes)
+    return EvalSet(f"torchvision {name} {split} ({len(labels)} images)", labels, lambda i: _tv_image(ds, i, name), classes,
+                   lambda: file_stats(sorted(p for p in Path(folder).rglob("*") if p.is_file())))
+
+
+def _tv_image(ds: Any, i: int, name: str) -> torch.Tensor:
+    """Item ``i`` of a torchvision dataset as uint8 through the one decoder (a PIL image, or a uint8 tensor as is)."""
+    img = ds[i][0]
+    if isinstance(img, torch.Tensor):
+        if img.dtype != torch.uint8 or img.ndim != 3:
+            raise ValueError(f"torchvision {name} item {i} is a {img.dtype} tensor of shape {tuple(img.shape)}; "
+                             "vispe reads PIL images or uint8 (C, H, W) tensors")
+        return img
+    return image_to_uint8(img, f"torchvision {name} item {i}")
 
 
 def cifar10_test(data_dir: str | None = None, flag: str = "--data-root") -> EvalSet:
@@ -305,11 +339,12 @@ def fashion_mnist_test(data_dir: str | None = None, flag: str = "--data-root") -
                 return folder / name
         raise FileNotFoundError(f"Fashion-MNIST file {stem}(.gz) not found in {str(folder)!r}")
 
-    x = torch.from_numpy(read_idx(find("t10k-images-idx3-ubyte")).copy())[:, None]
-    y = torch.from_numpy(read_idx(find("t10k-labels-idx1-ubyte")).astype(np.int64))
+    files = [find("t10k-images-idx3-ubyte"), find("t10k-labels-idx1-ubyte")]
+    x = torch.from_numpy(read_idx(files[0]).copy())[:, None]
+    y = torch.from_numpy(read_idx(files[1]).astype(np.int64))
     if len(x) != len(y):
         raise ValueError(f"Fashion-MNIST test files in {str(folder)!r} hold {len(x)} images but {len(y)} labels")
-    return EvalSet(f"Fashion-MNIST test ({len(y)} images)", y, lambda i: x[i], FASHION_MNIST_CLASSES)
+    return EvalSet(f"Fashion-MNIST test ({len(y)} images)", y, lambda i: x[i], FASHION_MNIST_CLASSES, lambda: file_stats(files))
 
 
 def open_eval_set(spec: str, data_root: str | None = None, split: str = "test") -> EvalSet:

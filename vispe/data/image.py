@@ -6,7 +6,6 @@ Locations come from arguments or ``$VISPE_DATA_ROOT``; missing files raise at co
 """
 from __future__ import annotations
 
-import io
 import zipfile
 import zlib
 from pathlib import Path
@@ -17,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from ..files import DamagedFileError, check_idx, check_zip, read_idx
-from .image_datamodule import ImageDataModule, TensorImageDataset, make_pil_to_uint8
+from ..files import DamagedFileError, ImageDecodeError, check_idx, check_zip, read_idx, read_image
+from .image_datamodule import ImageDataModule, TensorImageDataset, channel_fix, make_pil_to_uint8
 from .loading import NumWorkers, resolve_data_path
 
 __all__ = [
@@ -51,7 +50,6 @@ def _image_shape(num_classes: int, in_chans: int, image_size: int) -> tuple[int,
 # ------------------------------------------------------------------------------------------
 def load_cifar10_zip(zip_path: str | Path, limit_per_class: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode ``<split>/<class>/NNNN.jpg`` members straight from the zip -> uint8 (N, 3, 32, 32), labels."""
-    from PIL import Image
 
     check_zip(zip_path, "CIFAR-10 archive", member_suffix=".jpg")
     with zipfile.ZipFile(zip_path) as z:
@@ -75,12 +73,16 @@ def load_cifar10_zip(zip_path: str | Path, limit_per_class: int | None = None) -
                 raise ValueError(f"member {n!r} of {zip_path} is not in a CIFAR-10 class folder {CIFAR10_CLASSES}")
             labels[i] = CIFAR10_CLASSES.index(cls)
             try:
-                img = Image.open(io.BytesIO(z.read(n))).convert("RGB")
-            except (zipfile.BadZipFile, OSError, EOFError, zlib.error) as err:  # CRC mismatch, cut member, bad JPEG
+                data = z.read(n)
+            except (zipfile.BadZipFile, OSError, EOFError, zlib.error) as err:  # CRC mismatch, cut member
                 raise DamagedFileError(zip_path, f"member {n!r} is damaged ({type(err).__name__}: {err})", "download or copy the archive again") from None
-            if img.size != (32, 32):
-                raise DamagedFileError(zip_path, f"member {n!r} is {img.size[0]}x{img.size[1]} px, CIFAR-10 images are 32x32", "check that it is the CIFAR-10 JPEG archive")
-            images[i] = np.asarray(img)
+            try:
+                img = channel_fix(read_image(data, f"{zip_path}:{n}"), 3)  # the one decoder (its mode rules)
+            except ImageDecodeError as err:
+                raise DamagedFileError(zip_path, f"member {n!r} is damaged ({err.problem})", "download or copy the archive again") from None
+            if tuple(img.shape[-2:]) != (32, 32):
+                raise DamagedFileError(zip_path, f"member {n!r} is {img.shape[-1]}x{img.shape[-2]} px, CIFAR-10 images are 32x32", "check that it is the CIFAR-10 JPEG archive")
+            images[i] = img.permute(1, 2, 0).numpy()
     return torch.from_numpy(images).permute(0, 3, 1, 2).contiguous(), torch.from_numpy(labels)
 
 
@@ -158,9 +160,13 @@ class _Uint8Wrap(Dataset):
     def __len__(self) -> int:
         return len(self.ds)
 
+    def _name(self, i: int) -> str:
+        samples = getattr(self.ds, "samples", None)  # ImageFolder: the file
+        return str(samples[i][0]) if samples is not None else f"{type(self.ds).__name__} item {i}"
+
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
         img, label = self.ds[i]
-        return self.tf(img), int(label)
+        return self.tf(img, self._name(i)), int(label)
 
 
 class TorchvisionDataModule(ImageDataModule):
@@ -288,8 +294,10 @@ class ImageFolderDataModule(ImageDataModule):
     def build_datasets(self) -> tuple[Dataset, Dataset, Dataset]:
         from torchvision.datasets import ImageFolder
 
+        from ..files import image_loader
+
         def make(root: Path) -> Dataset:
-            ds = ImageFolder(str(root))
+            ds = ImageFolder(str(root), loader=image_loader)  # vispe's one decoder (mode rules, bombs, non-finite pixels)
             if ds.classes != self.classes:
                 raise ValueError(f"class folders of {str(root)!r} {ds.classes} differ from train_dir's {self.classes}")
             return _Uint8Wrap(ds, self.image_size, self.in_chans)

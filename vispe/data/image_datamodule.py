@@ -369,17 +369,23 @@ def channel_fix(x: torch.Tensor, in_chans: int) -> torch.Tensor:
     return x[:in_chans]
 
 
-def make_pil_to_uint8(image_size: int, in_chans: int) -> Callable[[Any], torch.Tensor]:
-    """Per-sample transform for file datasets: resize (shorter side) + centre crop to ``image_size``, uint8 CHW."""
+def make_pil_to_uint8(image_size: int, in_chans: int) -> Callable[[Any, str], torch.Tensor]:
+    """Per-sample transform for file datasets: the image (a PIL image, decoded by :func:`vispe.files.image_to_uint8`'s
+    mode rules, or a uint8 ``(C, H, W)`` tensor from :func:`vispe.files.read_image`) -> resize (shorter side) + centre
+    crop to ``image_size``, uint8 CHW with ``in_chans`` channels. ``name`` names the image in errors."""
     from torchvision.transforms import v2
 
+    from ..files import image_to_uint8
+
     tf = v2.Compose([
-        v2.ToImage(),
         v2.Resize(image_size, interpolation=v2.InterpolationMode.BICUBIC, antialias=True),
         v2.CenterCrop(image_size),
     ])
 
-    def apply(img: Any) -> torch.Tensor:
-        return channel_fix(tf(img).as_subclass(torch.Tensor), in_chans)
+    def apply(img: Any, name: str = "image") -> torch.Tensor:
+        x = img if isinstance(img, torch.Tensor) else image_to_uint8(img, name)
+        if x.dtype != torch.uint8 or x.ndim != 3:
+            raise ValueError(f"{name}: a {x.dtype} tensor of shape {tuple(x.shape)}; file datasets give PIL images or uint8 (C, H, W)")
+        return channel_fix(tf(x), in_chans)
 
     return apply

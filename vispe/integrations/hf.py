@@ -653,9 +653,16 @@ def restore_position_scheme(model: nn.Module, **options: Any) -> nn.Module:
     rec = getattr(model.config, CONFIG_KEY, None)
     if rec is None:
         return model
+    expected = f"expected {{'scheme': one of {list(POSITION_SCHEMES)}, 'options': {{name: value}}, 'unrecorded_options': [names]}}"
     if not isinstance(rec, dict) or rec.get("scheme") not in POSITION_SCHEMES:
-        raise ValueError(f"config.{CONFIG_KEY}={rec!r} is not a vispe record; expected {{'scheme': one of {list(POSITION_SCHEMES)}, 'options': {{...}}}}")
-    missing = [k for k in rec.get("unrecorded_options", []) if k not in options]
+        raise ValueError(f"config.{CONFIG_KEY}={rec!r} is not a vispe record; {expected}")
+    if not isinstance(rec.get("options", {}), dict) or not all(isinstance(k, str) for k in rec.get("options", {})):
+        raise ValueError(f"config.{CONFIG_KEY}['options']={rec.get('options')!r} is not a mapping of option names to values "
+                         f"(the config.json was edited or written by something else); {expected}")
+    unrecorded = rec.get("unrecorded_options", [])
+    if not isinstance(unrecorded, list) or not all(isinstance(k, str) for k in unrecorded):
+        raise ValueError(f"config.{CONFIG_KEY}['unrecorded_options']={unrecorded!r} is not a list of option names; {expected}")
+    missing = [k for k in unrecorded if k not in options]
     if missing:
         raise ValueError(f"the saved {rec['scheme']!r} scheme used options config.json cannot hold: {missing}; pass them to restore_position_scheme / from_pretrained")
     return apply_position_scheme(model, rec["scheme"], **{**rec.get("options", {}), **options})

@@ -27,7 +27,7 @@ import torch.nn as nn
 
 __all__ = [
     "LoadReport", "adapt_timm_state_dict", "load_timm_checkpoint", "timm_checkpoint_filter",
-    "adapt_released_loope_state_dict", "load_released_loope",
+    "adapt_released_loope_state_dict", "load_released_loope", "released_loope_options",
 ]
 
 _logger = logging.getLogger("vispe")
@@ -337,14 +337,73 @@ def adapt_released_loope_state_dict(
     return out, report
 
 
-def load_released_loope(target: nn.Module, checkpoint: str | os.PathLike | Mapping[str, Any]) -> LoadReport:
+def released_loope_options(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``loope`` options and model sizes a released ``ArtPE`` (or ``ViT_Art``) state dict needs, read from its
+    shapes: ``head='linear'`` (a ``Linear(N, N)`` head over ``N`` patches) with ``linear_bias`` when it has one,
+    ``order_scale='index'`` (the released code's raw curve steps), and ``embed_dim`` / ``in_chans`` / ``patch_size``
+    / ``num_patches`` where the tensors show them."""
+    sd = _unwrap(state_dict)
+    if any(k.startswith("pos_embedding.") for k in sd):
+        sd = {k[len("pos_embedding."):]: v for k, v in sd.items() if k.startswith("pos_embedding.")}
+    out: dict[str, Any] = {"order_scale": "index"}
+    head = sd.get("art_conv.12.weight")
+    if isinstance(head, torch.Tensor) and head.ndim == 2:
+        out.update(head="linear", linear_bias="art_conv.12.bias" in sd, num_patches=int(head.shape[0]))
+    cls = sd.get("cls_token")
+    if isinstance(cls, torch.Tensor) and cls.ndim >= 1:
+        out["embed_dim"] = int(cls.shape[-1])
+    conv = sd.get("art_conv.0.weight")
+    if isinstance(conv, torch.Tensor) and conv.ndim == 4:
+        out.update(in_chans=int(conv.shape[1]) - 2, patch_size=tuple(int(v) for v in conv.shape[2:]))
+    return out
+
+
+def _encoding_values(encoding: nn.Module) -> dict[str, Any]:
+    ctx = encoding.context
+    out: dict[str, Any] = {"order_scale": encoding.order_scale, "embed_dim": int(encoding.dim)}
+    if ctx is not None:
+        head = ctx.head
+        out.update(head=ctx.head_kind, num_patches=int(ctx.num_patches),
+                   linear_bias=ctx.head_kind == "linear" and getattr(head, "bias", None) is not None,
+                   in_chans=int(ctx.cnn[0].in_channels) - 2, patch_size=tuple(int(v) for v in ctx.cnn[0].kernel_size))
+    return out
+
+
+def load_released_loope(target: nn.Module, checkpoint: str | os.PathLike | Mapping[str, Any], allow_partial: bool = False) -> LoadReport:
     """Load a released LOOPE ``ArtPE`` (or ``ViT_Art``) state dict into a ``loope`` encoding.
 
     ``target`` is the encoding or a vispe model whose ``pos_encoding`` is one; ``checkpoint`` a state dict
     or a ``.pth`` file. Returns the :class:`LoadReport` (kept / permuted / new / dropped), also logged.
+
+    As strict as :func:`load_timm_checkpoint`: a state dict that keeps nothing of the encoding is refused, and so is
+    one that fits only in part (encoding tensors left newly initialised, or checkpoint tensors of other shapes),
+    with the options the released weights need (:func:`released_loope_options`: ``head='linear'``,
+    ``order_scale='index'``, sizes) against this encoding's; ``allow_partial=True`` loads the part that fits.
     """
     encoding = getattr(target, "pos_encoding", target)
-    out, report = adapt_released_loope_state_dict(_as_state_dict(checkpoint), encoding)
+    source = f"{os.fspath(checkpoint)!r}" if not isinstance(checkpoint, Mapping) else "the state dict"
+    state = _as_state_dict(checkpoint)
+    out, report = adapt_released_loope_state_dict(state, encoding)
+    target_keys = list(encoding.state_dict())
+    if not report.kept and not report.permuted:
+        raise ValueError(
+            f"{source} keeps nothing of the loope encoding: 0 of {len(target_keys)} encoding tensors found a match "
+            f"({len(report.dropped)} checkpoint tensors dropped{', e.g. ' + ', '.join(report.dropped[:3]) if report.dropped else ''}); "
+            "it is not a released LOOPE ArtPE / ViT_Art state dict"
+        )
+    misfit = [d for d in report.dropped if "(checkpoint " in d or "(the encoding has no" in d]
+    if (report.new or misfit) and not allow_partial:
+        needed, have = released_loope_options(state), _encoding_values(encoding)
+        differ = {k: v for k, v in needed.items() if have.get(k, v) != v}
+        fix = (f"the released weights need {', '.join(f'{k}={v!r}' for k, v in differ.items())} "
+               f"(this encoding has {', '.join(f'{k}={have.get(k)!r}' for k in differ)})" if differ else
+               f"the released weights need {', '.join(f'{k}={v!r}' for k, v in needed.items())}")
+        raise ValueError(
+            f"{source} fits the loope encoding only in part: {len(report.new)} encoding tensors would stay newly initialised "
+            f"({', '.join(report.new[:3]) or 'none'}) and {len(misfit)} checkpoint tensors do not fit ({', '.join(misfit[:2]) or 'none'}); "
+            f"{fix}. Build the encoding with them (e.g. pos_encoding='loope[head=linear,order_scale=index]'), "
+            "or pass allow_partial=True to load the part that fits"
+        )
     encoding.load_state_dict(out, strict=False)
     encoding.clear_cache()
     _log(report)

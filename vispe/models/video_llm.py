@@ -46,7 +46,8 @@ from timm.layers import Mlp
 from torch import nn
 
 from ..encodings import EncodingContext, create_encoding
-from ..encodings.base import sdpa
+from .._checks import Int, Real, check_options
+from ..encodings.base import check_context_fields, sdpa
 from ..encodings.multimodal_rope import MultimodalRotary
 from ..positions import (
     SCHEMES,
@@ -219,6 +220,9 @@ class VideoLLM(nn.Module):
         name, rope_kwargs = parse_pos_encoding(pos_scheme)
         if name not in SCHEMES:
             raise ValueError(f"pos_scheme {name!r} is not a multimodal scheme; choose one of {list(SCHEMES)}")
+        check_context_fields(type(self).__name__, dim=dim, num_heads=num_heads, depth=depth)  # num_heads=0 named, not divided by
+        check_options(type(self).__name__, {"vocab_size": Int(1), "spatial_merge_size": Int(1), "mlp_ratio": Real(0, 1e3, low_open=True)},
+                      {"vocab_size": vocab_size, "spatial_merge_size": spatial_merge_size, "mlp_ratio": mlp_ratio})
         if dim % num_heads or (dim // num_heads) % 2:
             raise ValueError(f"dim={dim} must split into num_heads={num_heads} heads of even width (got head_dim {dim / num_heads})")
         self.vocab_size, self.dim, self.num_heads = vocab_size, dim, num_heads

@@ -50,6 +50,7 @@ from ..encodings import (
     create_encoding,
     get_encoding_class,
 )
+from .._checks import Int, Ints, check_options
 from ..encodings.base import check_context_fields
 from .layers import (NOT_PREPARED, PEAttention, PEBlock, drop_patches, encoding_embed_tokens, encoding_keep_tokens, encoding_prepare,
                      record_auxiliary_loss, run_blocks, take_auxiliary_loss)
@@ -111,6 +112,10 @@ torch.fx.wrap("_as_video")  # opaque under any FX tracer (see vispe.models.layer
 torch.fx.wrap("_tubelet_grid")
 for _fn in ("encoding_prepare", "encoding_embed_tokens", "encoding_keep_tokens"):
     torch.fx.wrap(_fn)
+
+
+#: the clip size a video ViT is built for: frame count and (H, W) (or one side), refused naming the option when bad
+_INPUT_SIZE_CHECKS = {"num_frames": Int(1), "img_size": Ints(1, length=(1, 2), scalar_ok=True)}
 
 
 class TubeletEmbed(nn.Module):
@@ -186,6 +191,7 @@ class VispeVideoViT(nn.Module):
         if global_pool == "token" and not class_token:
             raise ValueError("global_pool='token' needs class_token=True; use global_pool='avg' without a class token")
         check_context_fields(type(self).__name__, dim_name="embed_dim", embed_dim=embed_dim, num_heads=num_heads, depth=depth)
+        check_options(type(self).__name__, _INPUT_SIZE_CHECKS, {"num_frames": num_frames, "img_size": img_size})
         norm_layer = norm_layer or partial(LayerNorm, eps=1e-6)
         img = _triple(img_size)
         img = img * 2 if len(img) == 1 else img
@@ -369,6 +375,8 @@ class VispeVideoViT(nn.Module):
 
     def set_input_size(self, img_size: int | Sequence[int] | None = None, num_frames: int | None = None) -> None:
         """Change the training lattice (e.g. before fine-tuning at another size); encodings adapt their tables."""
+        check_options(f"{type(self).__name__}.set_input_size", _INPUT_SIZE_CHECKS,
+                      {k: v for k, v in (("num_frames", num_frames), ("img_size", img_size)) if v is not None})
         img = self.img_size if img_size is None else _triple(img_size)
         img = img * 2 if len(img) == 1 else img
         frames = self.num_frames if num_frames is None else num_frames

@@ -74,9 +74,15 @@ def check_config_files(argv: Sequence[str]) -> None:
                 continue
             raise FileNotFoundError(f"config file {path!r} does not exist")
         try:
-            yaml.safe_load(Path(path).read_text())
+            config = yaml.safe_load(Path(path).read_text())
         except yaml.YAMLError as err:
             raise ValueError(f"config file {path!r} is not valid YAML: {' '.join(str(err).split())}") from None
+        except UnicodeDecodeError as err:
+            raise ValueError(f"config file {path!r} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+        if not isinstance(config, dict):
+            what = "empty" if config is None else f"a YAML {type(config).__name__}"
+            raise ValueError(f"config file {path!r} is {what}, not a LightningCLI config (a mapping with trainer / model / "
+                             "data keys, e.g. vispe/recipes/cifar10.yaml)")
 
 
 def main(argv: list[str] | None = None) -> int:
