@@ -33,6 +33,24 @@ def _early_sweep_report() -> dict:
     return {**report, "results": results}
 
 
+def _fourx_report() -> dict:
+    """``resolution-benchmark-fmnist-4x.json`` holds one evaluation list per run (1x-4x the training size, seed 0):
+    give its rows the sweep's fields so the same plot draws them (a policy of ``extend``/``interpolate`` goes into
+    the label, as the sweep labels its rows)."""
+    data = _json("fmnist-4x")
+    results = []
+    for r in data["rows"]:
+        own = r["extrapolation"] not in ("extend", "interpolate")
+        evaluations = []
+        for e in r["evaluations"]:
+            h, w = (int(v) for v in e["shape"].split("x"))
+            evaluations.append({"sweep": "size", "shape": e["shape"], "height": h, "width": w, "aspect": w / h, "top1": e["top1"]})
+        results.append({"label": r["encoding"] if own else f"{r['encoding']} ({r['extrapolation']})", "source": r["encoding"],
+                        "encoding": r["encoding"], "extrapolation": None if own else r["extrapolation"], "resize": "resize",
+                        "train_shape": r["train_shape"], "evaluations": evaluations})
+    return {"meta": data["meta"], "results": results}
+
+
 def main() -> None:
     rb.plot(_json("fmnist")["rows"], FIGURES / "resolution_fmnist.png")
     rb.plot(_json("cifar10")["rows"], FIGURES / "resolution_cifar10.png")
@@ -42,6 +60,8 @@ def main() -> None:
     rb.plot(mixed["rows"], FIGURES / "resolution_fmnist_mixed.png")
     rb.plot_aspect(headline["aspect_rows"] + mixed["aspect_rows"], FIGURES / "resolution_fmnist_aspect_mixed.png")
     rs.plot(_early_sweep_report(), FIGURES / "cifar10_resolution.png", title="CIFAR-10: top-1 accuracy vs input size")
+    rs.plot(_fourx_report(), FIGURES / "resolution_fmnist_4x.png",
+            title="Fashion-MNIST: top-1 accuracy from 1x to 4x the training size (seed 0)")
 
 
 if __name__ == "__main__":
