@@ -10,12 +10,14 @@ Each fenced ``bash`` / ``python`` block of a covered file follows a marker comme
 * ``skip TEXT``: commands containing TEXT do not run; the block must say ``not run in CI`` where a reader sees it;
 * ``covered TEXT => FILE[::TEST]``: commands containing TEXT run elsewhere in CI (that file, or that test in it);
   a Python snippet containing TEXT is covered as a whole;
-* ``setup COMMAND``: a ``vispe`` command run before the block (what the docs assume exists, e.g. a checkpoint).
+* ``setup COMMAND``: a ``vispe`` / ``python -c`` command run before the block (what the docs assume exists: a
+  checkpoint, a weights file, a manifest).
 
 ``cmd1 & cmd2 &`` and ``wait`` run the commands one after the other.
 
 Commands run in one scratch folder per file, in document order (a later block may read what an earlier one wrote),
-with tiny fixtures: ``data/cifar10-jpeg`` zips, ``data/fashion-mnist`` IDX files, an image folder ``my_images/`` and a 1,000-class timm state dict.
+with tiny fixtures: ``data/cifar10-jpeg`` zips, ``data/fashion-mnist`` IDX files, an image folder ``my_images/``, a
+1,000-class timm state dict and ``vispe/recipes/*.yaml``.
 ``vispe`` commands run in this process (no interpreter start per command) and must exit 0.
 
 Python snippets run statement by statement; a trailing comment checks the statement:
