@@ -3,15 +3,21 @@
 Each fenced ``bash`` / ``python`` block of a covered file follows a marker comment (invisible on the site)::
 
     <!-- ci: run -->                                   run as written
-    <!-- ci: smoke | replace A => B | add ARGS | skip TEXT | covered TEXT => FILE[::TEST] -->
+    <!-- ci: smoke | replace A => B | add ARGS | skip TEXT | covered TEXT => FILE[::TEST] | setup COMMAND -->
 
 * ``replace A => B``: text replaced in the block before it runs (tiny sizes, a few images, a folder of the test's);
 * ``add ARGS``: appended to every ``vispe fit|validate|test|predict`` / ``train/fit.py`` command (a few steps);
 * ``skip TEXT``: commands containing TEXT do not run; the block must say ``not run in CI`` where a reader sees it;
-* ``covered TEXT => FILE[::TEST]``: commands containing TEXT run elsewhere in CI (that file, or that test in it).
+* ``covered TEXT => FILE[::TEST]``: commands containing TEXT run elsewhere in CI (that file, or that test in it);
+  a Python snippet containing TEXT is covered as a whole;
+* ``setup COMMAND``: a ``vispe`` / ``python -c`` command run before the block (what the docs assume exists: a
+  checkpoint, a weights file, a manifest).
+
+``cmd1 & cmd2 &`` and ``wait`` run the commands one after the other.
 
 Commands run in one scratch folder per file, in document order (a later block may read what an earlier one wrote),
-with tiny fixtures: ``data/cifar10-jpeg`` zips, an image folder ``my_images/`` and a 1,000-class timm state dict.
+with tiny fixtures: ``data/cifar10-jpeg`` zips, ``data/fashion-mnist`` IDX files, an image folder ``my_images/``, a
+1,000-class timm state dict and ``vispe/recipes/*.yaml``.
 ``vispe`` commands run in this process (no interpreter start per command) and must exit 0.
 
 Python snippets run statement by statement; a trailing comment checks the statement:
@@ -40,13 +46,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 #: files whose every bash/python block carries a marker and runs here
-COVERED = ["README.md", "configs/README.md", "docs/training.md", "docs/mixed-resolution.md", "docs/resolution-options.md",
-           "docs/composed-encodings.md", "docs/encodings-2d.md", "docs/speed-gpu.md"]
+COVERED = ["README.md", "configs/README.md", "docs/training.md", "docs/mixed-resolution.md",
+           "docs/resolution-options.md", "docs/composed-encodings.md", "docs/encodings-2d.md", "docs/speed-gpu.md",
+           "docs/resolution.md", "docs/hf-integration.md", "docs/three-cell.md", "docs/video-retrieval.md",
+           "docs/video-models.md", "docs/speed.md", "docs/resolution-benchmark.md", "docs/results.md",
+           "docs/runner.md", "docs/files-and-inputs.md", "docs/scaling-out.md", "docs/catalogue-2026.md",
+           "docs/index.md", "docs/library.md", "docs/option-checks.md", "docs/three-cell-results.md"]
 #: files whose blocks are not marked yet (each listed so a new file cannot slip through unseen)
-NOT_YET_COVERED = ["docs/catalogue-2026.md", "docs/files-and-inputs.md", "docs/hf-integration.md", "docs/index.md",
-                   "docs/library.md", "docs/option-checks.md", "docs/resolution-benchmark.md", "docs/resolution.md",
-                   "docs/results.md", "docs/runner.md", "docs/scaling-out.md", "docs/speed.md", "docs/three-cell-results.md", "docs/three-cell.md",
-                   "docs/video-models.md", "docs/video-retrieval.md"]
+NOT_YET_COVERED: list[str] = []
 
 BLOCK = re.compile(r"(?:^<!-- ci: (?P<marker>.*?) -->\n)?^```(?P<lang>bash|python)\n(?P<body>.*?)^```", re.M | re.S)
 FIT_COMMANDS = ("fit", "validate", "test", "predict")
@@ -64,7 +71,7 @@ def _directives(marker: str) -> tuple[str, list[tuple[str, str]]]:
     out = []
     for p in parts[1:]:
         word, _, rest = p.partition(" ")
-        assert word in ("replace", "add", "skip", "covered"), f"unknown marker directive {p!r}"
+        assert word in ("replace", "add", "skip", "covered", "setup"), f"unknown marker directive {p!r}"
         out.append((word, rest))
     return parts[0], out
 
@@ -72,7 +79,13 @@ def _directives(marker: str) -> tuple[str, list[tuple[str, str]]]:
 def _commands(body: str) -> list[str]:
     """Shell lines of a block: continuation lines joined, comments and blank lines dropped."""
     joined = re.sub(r"\\\n\s*", " ", body)
-    return [line.strip() for line in joined.splitlines() if line.strip() and not line.strip().startswith("#")]
+    out = []
+    for line in joined.splitlines():
+        if not line.strip() or line.strip().startswith("#"):
+            continue
+        line = re.sub(r"^\s*wait\s*(;|$)", "", line)  # background jobs run in turn here: nothing to wait for
+        out += [part.strip() for part in re.split(r"\s&(?:\s+|$)", line) if part.strip()]
+    return out
 
 
 def _wild(text: str) -> re.Pattern:
@@ -97,11 +110,21 @@ def _scratch(tmp: Path) -> Path:
         (tmp / "my_images" / c).mkdir(parents=True)
         for i in range(2):
             Image.fromarray(rng.integers(0, 255, (48, 40, 3), dtype=np.uint8)).save(tmp / "my_images" / c / f"{i}.png")
+    d = tmp / "data" / "fashion-mnist"  # data/fashion-mnist: IDX files, 10 classes x 4 images per split
+    d.mkdir(parents=True)
+    for split in ("train", "t10k"):
+        labels = np.repeat(np.arange(10, dtype=np.uint8), 4)
+        images = rng.integers(0, 255, (len(labels), 28, 28), dtype=np.uint8)
+        (d / f"{split}-images-idx3-ubyte").write_bytes(bytes([0, 0, 8, 3]) + np.array(images.shape, ">i4").tobytes() + images.tobytes())
+        (d / f"{split}-labels-idx1-ubyte").write_bytes(bytes([0, 0, 8, 1]) + np.array([len(labels)], ">i4").tobytes() + labels.tobytes())
     # a class-name file for a 1,000-class head whose names include the folders'
     names = [f"imagenet_class_{i}" for i in range(1000 - len(CIFAR_CLASSES))] + list(CIFAR_CLASSES)
     (tmp / "imagenet_classes.txt").write_text("\n".join(names) + "\n")
     shutil.copytree(ROOT / "configs", tmp / "configs")
     shutil.copytree(ROOT / "train", tmp / "train")
+    (tmp / "vispe" / "recipes").mkdir(parents=True)  # `-c vispe/recipes/<name>.yaml` as in a checkout (YAML only)
+    for recipe in (ROOT / "vispe" / "recipes").glob("*.yaml"):
+        shutil.copy(recipe, tmp / "vispe" / "recipes")
     return tmp
 
 
@@ -220,10 +243,20 @@ def test_docs_commands_run(rel, tmp_path, monkeypatch, capsys):
                 old, new = (s.strip() for s in rest.split(" => "))
                 assert old in body, f"{where}: 'replace {old}' matches nothing in the block"
                 body = body.replace(old, new)
+        for word, rest in directives:
+            if word == "setup":
+                _run_shell(rest, env, f"{where} (setup)")
         if b["lang"] == "python":
+            whole = [target for word, rest in directives if word == "covered" for text, target in [rest.split(" => ")]
+                     if text.strip() in body]
+            if whole:
+                _covered_elsewhere(whole[0].strip(), where)
+                counts["covered"] += 1
+                continue
             if "vit_s16.pth" in body:
                 _timm_weights(tmp_path, "vit_small_patch16_224")
-            counts["checks"] += _run_python(body, where)
+            with torch.set_grad_enabled(True):  # a snippet's torch.set_grad_enabled(False) ends with it
+                counts["checks"] += _run_python(body, where)
             counts[mode] += 1
             continue
         skips = [rest for word, rest in directives if word == "skip"]
