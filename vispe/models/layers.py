@@ -287,9 +287,10 @@ def record_auxiliary_loss(host: nn.Module) -> None:
     """At the end of a host's training forward: compute the encoding's auxiliary loss (SeqPE's regularisers) while
     the forward's parameters are live. Under FSDP2 the parameters are sharded again once the forward returns, so a
     loss computed afterwards by the task would read sharded weights. Encodings without one cost nothing. Inside a
-    compiled graph nothing is recorded (the graph stays whole; the task computes the loss after the forward)."""
+    compiled or FX-traced graph nothing is recorded (the graph stays whole; the task computes the loss after the
+    forward)."""
     enc = host.pos_encoding
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or torch.fx._symbolic_trace.is_fx_tracing():
         return
     if host.training and torch.is_grad_enabled() and type(enc).auxiliary_loss is not PositionalEncoding.auxiliary_loss:
         host.__dict__["_pending_auxiliary_loss"] = enc.auxiliary_loss()
