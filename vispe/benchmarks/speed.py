@@ -268,8 +268,10 @@ def _guard(entry: Entry, what: str, fn: Callable[[], Any], log: Callable[[str], 
     try:
         return fn()
     except Exception as err:
-        entry.error = f"{what}: {type(err).__name__}: {err}"
-        log(f"  ! {entry.config}/{entry.mode}/{entry.label}: {entry.error}")
+        # the JSON keeps the first line (compiler errors run to pages of generated code); the log keeps it all
+        first = (str(err).strip().splitlines() or [""])[0]
+        entry.error = f"{what}: {type(err).__name__}: {first[:500]}"
+        log(f"  ! {entry.config}/{entry.mode}/{entry.precision}/{entry.label}: {what}: {type(err).__name__}: {err}")
         return None
 
 
