@@ -1,7 +1,14 @@
 """GPU checks after the first H100 run: LieRE's chunked eigh backward, FlexAttention kernel options for iRPE,
 and the dense (SDPA attn_mask) path for biases under torch.compile."""
-import json, os, sys, time, traceback
-import torch, timm, vispe
+import json
+import os
+import sys
+import time
+
+import timm
+import torch
+
+import vispe  # noqa: F401  (registers the vispe_* models)
 import torch.nn.functional as F
 from vispe.encodings import attention as att
 import torch._dynamo.config as dc
