@@ -172,3 +172,29 @@ def test_vispe_fit_under_model_parallel_strategy_resumes_and_is_swept(tmp_path):
 
     report = json.loads((tmp_path / "res" / "resolution.json").read_text())
     assert report["results"], report
+
+
+def test_scaling_benchmark_command_runs_each_strategy(tmp_path, capsys):
+    """`vispe bench scaling` on a tiny setting: one row per encoding and strategy, efficiencies and memory ratios
+    against the single process; bad options fail before any process starts."""
+    import json
+
+    from vispe.cli import main as cli_main
+
+    rc = cli_main(["bench", "scaling", "--encodings", "rope_mixed", "--depth", "1", "--steps", "1", "--warmup", "0",
+                   "--global-batch", "4", "--out-dir", str(tmp_path)])
+    assert rc == 0
+    rows = json.loads((tmp_path / "scaling.json").read_text())["rows"]
+    assert [(r["strategy"], r["processes"]) for r in rows] == [("single", 1), ("ddp", 2), ("fsdp2", 2)]
+    for r in rows:
+        assert "error" not in r and r["samples_per_s"] > 0 and r["peak_bytes"] > 0
+    assert rows[0]["efficiency"] == 1.0
+    # an FSDP2 rank keeps half of the parameters, gradients and AdamW state that a DDP rank keeps in full
+    assert rows[2]["peak_bytes"] < rows[1]["peak_bytes"]
+    assert "| rope_mixed | fsdp2 | 2 |" in capsys.readouterr().out
+    from vispe.benchmarks.scaling import main as scaling_main
+
+    for argv, match in ((["--strategies", "dpp"], "unknown strategy 'dpp'.*did you mean 'ddp'"),
+                        (["--global-batch", "3"], "multiple of --nproc 2"), (["--encodings", "ropee"], "ropee")):
+        with pytest.raises(ValueError, match=match):
+            scaling_main(argv)

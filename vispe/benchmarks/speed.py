@@ -636,8 +636,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "speed":  # 'vispe bench speed ...' arrives as ['speed', ...]
         argv = argv[1:]
+    elif argv and argv[0] == "scaling":
+        from .scaling import main as scaling_main
+
+        return scaling_main(argv[1:])
     elif argv and not argv[0].startswith("-"):
-        print(f"vispe bench: unknown benchmark {argv[0]!r}; choose 'speed'", file=sys.stderr)
+        print(f"vispe bench: unknown benchmark {argv[0]!r}; choose 'speed' or 'scaling'", file=sys.stderr)
         return 2
     args = build_parser().parse_args(argv)
     t_start = time.perf_counter()
