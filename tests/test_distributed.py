@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 
 import pytest
 import torch
@@ -60,11 +59,12 @@ def _single_process_grads(name):
     return loss.item(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
 
 
-def _worker(rank, world, port, names, out_dir, mode):
+def _worker(rank, world, init_file, names, out_dir, mode):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    # a file rendezvous: no TCP port to race for with other jobs on the machine
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     try:
         x, y = _batch()
@@ -107,15 +107,10 @@ def _distributed_step(name, mode, x, y, world):
     return sum(v.item() for v in losses) / world, grads
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
 def test_two_process_step_equals_one_process_step(tmp_path, mode):
-    mp.spawn(_worker, args=(2, _free_port(), ENCODINGS, str(tmp_path), mode), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, str(tmp_path / "rendezvous"), ENCODINGS, str(tmp_path), mode), nprocs=2, join=True)
     got = torch.load(tmp_path / f"{mode}.pt", weights_only=False)
     mismatched = []
     for name in ENCODINGS:

@@ -19,7 +19,6 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -111,7 +110,7 @@ def _measure(encoding: str, strategy: str, rank: int, world: int, args: dict[str
     return {"step_s": statistics.median(times), "samples_per_s": batch / statistics.median(times), "peak_bytes": peak}
 
 
-def _worker(rank: int, world: int, port: int, strategy: str, args: dict[str, Any], out: str) -> None:
+def _worker(rank: int, world: int, init_file: str, strategy: str, args: dict[str, Any], out: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -119,7 +118,8 @@ def _worker(rank: int, world: int, port: int, strategy: str, args: dict[str, Any
     backend = "nccl" if args["device"] == "cuda" else "gloo"
     if args["device"] == "cuda":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    # a file rendezvous: no TCP port to race for with other jobs on the machine
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=600))
     try:
         rows = {}
@@ -135,11 +135,6 @@ def _worker(rank: int, world: int, port: int, strategy: str, args: dict[str, Any
     finally:
         dist.destroy_process_group()
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(args: dict[str, Any], log=print) -> list[dict[str, Any]]:
@@ -163,7 +158,8 @@ def run(args: dict[str, Any], log=print) -> list[dict[str, Any]]:
         log(f"[{strategy}] {args['nproc']} processes: {', '.join(args['encodings'])}")
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "ranks.json")
-            mp.spawn(_worker, args=(args["nproc"], _free_port(), strategy, args, out), nprocs=args["nproc"], join=True)
+            mp.spawn(_worker, args=(args["nproc"], os.path.join(tmp, "rendezvous"), strategy, args, out), nprocs=args["nproc"],
+                     join=True)
             per_rank = json.loads(Path(out).read_text())
         for enc in args["encodings"]:
             ranks = [r[enc] for r in per_rank]
