@@ -43,11 +43,10 @@ def _batch(size=16):
     return torch.randn(GLOBAL_BATCH, 3, size, size, generator=g), torch.randint(0, 5, (GLOBAL_BATCH,), generator=g)
 
 
-def _loss(model, x, y):
-    out = model(x)
-    loss = torch.nn.functional.cross_entropy(out, y)
-    aux = getattr(model, "auxiliary_loss", None)
-    extra = aux() if callable(aux) else None
+def _loss(model, x, y, runner=None):
+    """Cross-entropy of ``runner`` (the model, or its DDP wrapper) plus the model's auxiliary loss, as the tasks add it."""
+    loss = torch.nn.functional.cross_entropy((model if runner is None else runner)(x), y)
+    extra = model.auxiliary_loss()
     return loss if extra is None else loss + extra
 
 
@@ -89,10 +88,8 @@ def _distributed_step(name, mode, x, y, world):
 
     model = _model(name)
     if mode == "ddp":
-        wrapped = DDP(model)
-        loss = torch.nn.functional.cross_entropy(wrapped(x), y)
-        extra = model.auxiliary_loss()
-        loss = loss if extra is None else loss + extra
+        wrapped = DDP(model)  # kept alive through backward: its reducer all-reduces the gradients there
+        loss = _loss(model, x, y, runner=wrapped)
         loss.backward()
         grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
     else:
