@@ -466,6 +466,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", default=None,
                    help="run a prepared plan instead of the size/mode options: a shipped name ('gpu': ViT-S/16 and ViT-B/16, "
                    "224 and 448 px, eager and compiled, fp32 / bf16 autocast / pure bf16, batch 128) or a YAML file")
+    p.add_argument("--parts", default=None,
+                   help="with --plan: run only these parts, comma-separated plan part names (e.g. the parts an earlier run "
+                   "listed as skipped)")
     p.add_argument("--dry-run", action="store_true",
                    help="with --plan: every part on the tiny CPU model (depth 1, batch 2, one round, two encodings)")
     p.add_argument("--budget-s", type=float, default=None,
@@ -524,6 +527,8 @@ def _checked_choices(args: argparse.Namespace):
             raise ValueError(f"--precisions: unknown precision {pr!r}; choose from {list(PRECISIONS)}")
     if args.dry_run and not args.plan:
         raise ValueError("--dry-run shrinks a --plan; give --plan NAME too")
+    if args.parts and not args.plan:
+        raise ValueError("--parts selects parts of a --plan; give --plan NAME too")
     if args.budget_s is not None and not (math.isfinite(args.budget_s) and args.budget_s > 0):
         raise ValueError(f"--budget-s must be a positive number of seconds, got {args.budget_s}")
     for opt, text in (("--img-sizes", args.img_sizes), ("--frames", args.frames)):
@@ -661,6 +666,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.plan:
         parts, budget = load_plan(args.plan, args, specs_for, device)
+        if args.parts:
+            wanted = _split(args.parts)
+            known = list(dict.fromkeys(p.name.split("#")[0] for p in parts))
+            unknown = [w for w in wanted if w not in known]
+            if unknown:
+                raise ValueError(f"--parts: {', '.join(unknown)} not in plan {args.plan!r}; its parts: {', '.join(known)}")
+            parts = [p for p in parts if p.name.split("#")[0] in wanted]
         if args.budget_s is not None:
             budget = args.budget_s
     else:
