@@ -74,7 +74,8 @@ class LearnableFourierFeatures(nn.Module):
             return torch.cat([proj.cos(), proj.sin()], dim=-1) / math.sqrt(self.fourier_dim)
 
     def forward(self, coords: torch.Tensor) -> torch.Tensor:
-        return self.mlp(self.fourier(coords)).flatten(-2)
+        # the features are float32 whatever the model's dtype; the MLP runs in its weights' dtype (a pure-bf16 model)
+        return self.mlp(self.fourier(coords).to(self.mlp[0].weight.dtype)).flatten(-2)
 
 
 @register_encoding("lff")

@@ -35,7 +35,9 @@ def spectral_decomposition(skew: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     """
     b = skew.shape[-1]
     with torch.autocast(device_type=skew.device.type, enabled=False):
-        evals, evecs = torch.linalg.eigh(1j * skew.double().to(torch.complex128))
+        # i S built as complex(0, S): a Python complex scalar (1j * S) has no CUDA inductor lowering
+        s64 = skew.double()
+        evals, evecs = torch.linalg.eigh(torch.complex(torch.zeros_like(s64), s64))
         top = evecs[..., b // 2 :]
         basis = torch.stack([top.real, top.imag], dim=-1).flatten(-2) * math.sqrt(2.0)
         return basis.float(), evals[..., b // 2 :].float(), evals
