@@ -25,10 +25,8 @@ VIDEO = [n for n in list_encodings(grid_ndim=3) if n not in MULTIMODAL]
 #: ranks draw for their own samples); one choice makes the draw the same in every process
 SCHEME_OPTS = {"hope": dict(gamma=0.75, gamma_choices=(0.5,)), "v2pe": dict(delta=0.25, delta_choices=(0.125,))}
 GLOBAL_BATCH = 4
-#: known failures, asserted to fail so a fix is noticed: SeqPE's contrastive loss under FSDP2 (its second pass through
-#: the position encoder, outside the blocks' graph) reads a root parameter whose storage FSDP2 has already freed in
-#: backward ("setStorage ... storage of size 0"); with contrastive_weight=0 it trains and matches.
-KNOWN_FAILURES = {("fsdp2", "image", "seqpe"): "setStorage", ("fsdp2", "video", "seqpe_3d"): "setStorage"}
+#: known failures, asserted to fail so a fix is noticed: (mode, family, encoding) -> a fragment of the error
+KNOWN_FAILURES: dict[tuple[str, str, str], str] = {}
 #: image sizes per rank in the mixed-grid check (rank r trains on SIZES[r]); one process sees both halves
 SIZES = (16, 24)
 

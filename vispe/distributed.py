@@ -38,12 +38,16 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
 
 def shard_model(model: nn.Module, mesh: Any = None, reshard_after_forward: bool = True, **fsdp_kwargs: Any) -> nn.Module:
     """Apply FSDP2 (``torch.distributed.fsdp.fully_shard``) to each transformer block, then to the whole model (the
-    root group: embeddings, head, the positional encoding's parameters). Returns ``model`` (sharded in place)."""
+    root group: embeddings, head, the positional encoding's parameters). ``reshard_after_forward`` applies to the
+    blocks; the root group is never resharded between forward and backward. Returns ``model`` (sharded in place)."""
     from torch.distributed.fsdp import fully_shard
 
     for block in transformer_blocks(model):
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, **fsdp_kwargs)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, **fsdp_kwargs)
+    # the root group stays gathered from forward to the end of backward: backward needs it at once, and an auxiliary
+    # loss (SeqPE's contrastive term) reaches the encoding's root parameters by a path that bypasses the root's output,
+    # so FSDP2's pre-backward gather would come too late for it
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, **fsdp_kwargs)
     return model
 
 
