@@ -8,6 +8,7 @@ import math
 import pytest
 import timm
 import torch
+from rotary_checks import shifted_block_logits
 
 import vispe  # noqa: F401  (registers the models)
 from vispe.encodings import EncodingContext, PositionGrid, create_encoding
@@ -102,21 +103,9 @@ def test_directions_are_unit_and_spread_uniformly(ndim):
 def test_logits_depend_on_offsets_only(grid, shift):
     torch.manual_seed(0)
     enc = _golden(grid, min_freq=0.1, max_freq=3.0)
-    big = PositionGrid(tuple(g + s for g, s in zip(grid, shift)), 0)
-    idx = big.indices()
-    here = torch.stack([(idx[:, a] < g) for a, g in enumerate(grid)]).all(0).nonzero().squeeze(1)
-    moved = torch.stack([(idx[:, a] >= s) for a, s in enumerate(shift)]).all(0).nonzero().squeeze(1)
-    state = enc.prepare(big)
-    q, k = torch.randn(2, 1, 2, here.numel(), 8).unbind(0)
-    logits = []
-    for rows in (here, moved):
-        qb, kb = torch.randn(2, 1, 2, big.num_patches, 8).unbind(0)
-        qb[..., rows, :], kb[..., rows, :] = q, k
-        qr, kr = enc.rotate_qk(qb, kb, state)
-        logits.append((qr @ kr.transpose(-1, -2))[..., rows[:, None], rows])
-    a, b = logits
+    a, b, crossed = shifted_block_logits(enc, grid, shift, head_dim=8)
     assert (a - b).abs().max() < 1e-5 * a.abs().max()
-    assert (a - q @ k.transpose(-1, -2)).abs().max() > 1e-2  # and it does rotate
+    assert (a - crossed).abs().max() > 1e-2  # positions do matter: keys moved against the queries change the logits
 
 
 def test_every_pair_mixes_every_axis_and_prefix_tokens_are_not_rotated():

@@ -8,6 +8,7 @@ import math
 import pytest
 import timm
 import torch
+from rotary_checks import shifted_block_logits
 
 import vispe  # noqa: F401  (registers the models)
 from vispe.encodings import EncodingContext, PositionGrid, create_encoding
@@ -59,22 +60,9 @@ def test_logits_equal_the_released_axial_pope_2d_and_3d():
 def test_logits_depend_on_offsets_only(grid, shift):
     torch.manual_seed(0)
     enc = _pope(grid, bias_init="uniform")
-    big = PositionGrid(tuple(g + s for g, s in zip(grid, shift)), 0)
-    idx = big.indices()
-    here = torch.stack([(idx[:, a] < g) for a, g in enumerate(grid)]).all(0).nonzero().squeeze(1)
-    moved = torch.stack([(idx[:, a] >= s) for a, s in enumerate(shift)]).all(0).nonzero().squeeze(1)
-    q, k = torch.randn(2, 1, 2, here.numel(), 8).unbind(0)
-    logits = []
-    for rows in (here, moved):  # the same tokens placed at the original and at the shifted positions
-        qb, kb = torch.randn(2, 1, 2, big.num_patches, 8).unbind(0)
-        qb[..., rows, :], kb[..., rows, :] = q, k
-        logits.append(_logits(enc, qb, kb, big)[..., rows[:, None], rows])
-    a, b = logits
+    a, b, crossed = shifted_block_logits(enc, grid, shift, head_dim=8)
     assert (a - b).abs().max() < 2e-5 * a.abs().max()
-    # positions do matter: the keys shifted against the queries change the logits
-    qb, kb = torch.randn(2, 1, 2, big.num_patches, 8).unbind(0)
-    qb[..., here, :], kb[..., moved, :] = q, k
-    assert (a - _logits(enc, qb, kb, big)[..., here[:, None], moved]).abs().max() > 1e-2
+    assert (a - crossed).abs().max() > 1e-2  # positions do matter: keys moved against the queries change the logits
 
 
 def test_zero_bias_logit_peaks_at_zero_offset_for_any_content():
