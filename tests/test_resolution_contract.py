@@ -13,7 +13,14 @@ import torch.nn.functional as F
 from timm.layers import resample_abs_pos_embed
 
 import vispe
-from vispe.encodings import EncodingContext, PositionGrid, create_encoding, get_encoding_class, get_extrapolation, set_extrapolation
+from vispe.encodings import (
+    EncodingContext,
+    PositionGrid,
+    create_encoding,
+    get_encoding_class,
+    get_extrapolation,
+    set_extrapolation,
+)
 from vispe.encodings.base import PositionalEncoding
 from vispe.encodings.resolution import INTERPOLATE, POLICIES, RESAMPLE_KERNELS, ResolutionContract, contract_table, resample_table
 

@@ -29,7 +29,8 @@ construction like every option. :class:`CoordinateAugmentation` holds the values
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, ClassVar, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -39,18 +40,17 @@ if TYPE_CHECKING:
     from .grid import PositionGrid
 
 __all__ = [
-    "COORDINATE_POLICIES",
-    "policy_axis_scale",
-    "policy_indices",
-    "scale_frequencies",
     "COORDINATE_OPTION_CHECKS",
     "COORDINATE_OPTION_DEFAULTS",
     "DINOV3_COORDINATE_ALIASES",
     "CoordinateAugmentation",
     "coordinate_option_rules",
+    "policy_axis_scale",
+    "policy_indices",
     "random_axis_indices",
     "random_lattice_indices",
     "random_scale_shift",
+    "scale_frequencies",
 ]
 
 #: The rule of each coordinate option (bounded where float32 positions and the random-position pool stay sane).
@@ -70,11 +70,6 @@ DINOV3_COORDINATE_ALIASES: dict[str, str] = {"shift_coords": "coord_shift", "jit
 # ---------------------------------------------------------------------------------------------
 # resolution policies on coordinates
 # ---------------------------------------------------------------------------------------------
-#: The resolution policies this module carries out (the others: ``extend``, nothing to do; ``resample``, a table's:
-#: :func:`vispe.encodings.resolution.resample_table`).
-COORDINATE_POLICIES = ("rescale", "ntk", "yarn")
-
-
 def policy_axis_scale(policy: str | None, shape: Sequence[int], train: Sequence[int]) -> tuple[float, ...] | None:
     """Per axis, the factor ``train / size`` that ``rescale`` multiplies positions (and offsets) by on grid ``shape``;
     ``None`` under the other policies or on the training grid (positions as they are)."""
@@ -85,7 +80,7 @@ def policy_axis_scale(policy: str | None, shape: Sequence[int], train: Sequence[
     return tuple(t / s for t, s in zip(train, shape))
 
 
-def policy_indices(grid: "PositionGrid", policy: str | None, train: Sequence[int], device: torch.device | str | None = None) -> torch.Tensor:
+def policy_indices(grid: PositionGrid, policy: str | None, train: Sequence[int], device: torch.device | str | None = None) -> torch.Tensor:
     """The ``(N, ndim)`` float32 lattice indices of ``grid`` under ``policy``: scaled onto ``train``'s index range under
     ``rescale`` (:func:`policy_axis_scale`), the grid's own otherwise."""
     return grid.indices(device, rescale_to=train if policy_axis_scale(policy, grid.shape, train) is not None else None)

@@ -17,8 +17,9 @@ rows) keep ``interpolate`` for it, so results recorded under that name stay comp
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +37,7 @@ __all__ = [
     "table_under_policy",
 ]
 
-#: Every policy an encoding may declare, with what it does (the docs' contract table reads these sentences).
+#: Every policy an encoding may declare, with what it does.
 POLICIES: dict[str, str] = {
     "extend": "the new grid's own positions",
     "rescale": "positions rescaled onto the training grid's range",
@@ -110,19 +111,12 @@ class ResolutionContract:
         return (f"extrapolation={value!r} is not valid; choose one of {list(self.names)}{alias}"
                 f"{did_you_mean(value, self.accepted)}")
 
-    def option_check(self) -> "PolicyChoice":
+    def option_check(self) -> PolicyChoice:
         """The rule of the ``extrapolation`` constructor option (``None``: the default)."""
         return PolicyChoice(self)
 
-    def describe(self) -> str:
-        """One line for the docs' contract table: the names, the default, what the alias means."""
-        if not self.policies:
-            return "none (one built-in behaviour)"
-        alias = f"; `{INTERPOLATE}` = `{self.interpolates_by}`" if self.interpolates_by else ""
-        return ", ".join(f"`{n}`" for n in self.names) + alias
-
     @classmethod
-    def common(cls, contracts: Sequence["ResolutionContract"], default: str | None = None) -> "ResolutionContract":
+    def common(cls, contracts: Sequence[ResolutionContract], default: str | None = None) -> ResolutionContract:
         """The contract of an encoding made of parts: the policies every part with policies offers. ``interpolate``
         stays when every such part has it, each part keeping its own meaning; ``default`` (``None``: the first
         part's, when all parts share it, else ``extend``)."""
