@@ -116,22 +116,17 @@ class ResolutionContract:
         return PolicyChoice(self)
 
     @classmethod
-    def common(cls, contracts: Sequence[ResolutionContract], default: str | None = None) -> ResolutionContract:
-        """The contract of an encoding made of parts: the policies every part with policies offers. ``interpolate``
-        stays when every such part has it, each part keeping its own meaning; ``default`` (``None``: the first
-        part's, when all parts share it, else ``extend``)."""
+    def common(cls, contracts: Sequence[ResolutionContract]) -> ResolutionContract:
+        """The contract of an encoding made of parts: the policies every part with policies offers, and their default
+        when they share one (else ``extend``). ``interpolate`` stays when every such part has it, each part keeping its
+        own meaning (the first part's precise name stands for it here)."""
         holders = [c for c in contracts if c.policies]
-        if not holders:
-            return cls()
-        if len(holders) == 1:
-            return holders[0] if default is None else cls(holders[0].policies, default)
-        kept = [n for n in holders[0].names if all(n in c.names for c in holders[1:])]
-        # a mixed alias (rescale in one part, resample in another) is listed under its precise name of the first
-        policies = tuple(holders[0].interpolates_by if n == INTERPOLATE else n for n in kept)
-        if default is None:
-            firsts = {c.name_of(c.default) for c in holders}
-            default = holders[0].default if len(firsts) == 1 and holders[0].default in policies else "extend"
-        return cls(policies, default)
+        if len(holders) <= 1:
+            return holders[0] if holders else cls()
+        names = [n for n in holders[0].names if all(n in c.names for c in holders[1:])]
+        policies = tuple(holders[0].interpolates_by if n == INTERPOLATE else n for n in names)
+        defaults = {c.name_of(c.default) for c in holders}
+        return cls(policies, holders[0].default if len(defaults) == 1 and holders[0].default in policies else "extend")
 
 
 def contract_table() -> str:
