@@ -388,16 +388,13 @@ def plot_aspect(rows: list[dict[str, Any]], path: Path, policies: Sequence[str] 
 
 
 def _default_policy(encoding: str) -> str | None:
-    """The extrapolation policy an encoding uses unless told otherwise (``None``: it declares no policy), read from
-    the resolution-options contract (declared policies) and the registered defaults."""
-    import inspect
+    """The extrapolation policy an encoding uses unless told otherwise, under its listed name (``None``: it declares
+    no policy): the declared resolution contract's default."""
+    from vispe.encodings import get_encoding_class
+    from vispe.encodings.spec import parse_pos_encoding
 
-    from vispe.encodings import extrapolation_policies, get_encoding_class
-
-    if not extrapolation_policies(encoding):
-        return None
-    param = inspect.signature(get_encoding_class(encoding).__init__).parameters.get("extrapolation")
-    return None if param is None else param.default
+    contract = get_encoding_class(parse_pos_encoding(encoding)[0]).resolution
+    return contract.name_of(contract.default) if contract.policies else None
 
 
 def _native_row(rows: list[dict[str, Any]], part: str, encoding: str) -> dict[str, Any] | None:

@@ -50,11 +50,12 @@ import torch.nn.functional as F
 
 from vispe._checks import AnyOf, Choice, Int, Real, Satisfies, Seq, Str
 from vispe.cli_options import Conflict, Option, Options, TextError, device_rule, floats_text, int_text, json_object_text, strings_text
+from vispe.encodings import extrapolation_policies, get_extrapolation, set_extrapolation
 from vispe.files import read_json, write_json_atomic
 
 __all__ = [
     "DEFAULT_SIZES", "EXTRAPOLATION_CHOICES", "RESIZE_POLICIES", "ModelSource", "aspect_shapes", "checkpoint_source",
-    "evaluate_shapes", "load_classifier", "main", "parse_shapes", "policy_hooks", "prepare_batch", "run_sweep",
+    "evaluate_shapes", "load_classifier", "main", "parse_shapes", "prepare_batch", "run_sweep",
     "weights_sources",
 ]
 
@@ -70,21 +71,11 @@ RESIZE_TEXT = {
 
 
 # ------------------------------------------------------------------------------------------
-# extrapolation policies: the one place that finds and sets them
+# extrapolation policies: the encodings' declared resolution contract (vispe.encodings.resolution), read and set
+# on a loaded model without rebuilding it
 # ------------------------------------------------------------------------------------------
-def policy_hooks() -> tuple[Callable[[nn.Module], tuple[str, ...]], Callable[[nn.Module, str], None], Callable[[nn.Module], str | None]]:
-    """``(policies(model), set_policy(model, policy), active_policy(model))``: the encodings' resolution-options
-    contract (:func:`vispe.encodings.extrapolation_policies`, :func:`~vispe.encodings.set_extrapolation`,
-    :func:`~vispe.encodings.get_extrapolation`), applied to a loaded model without rebuilding it."""
-    from vispe.encodings import extrapolation_policies, get_extrapolation, set_extrapolation
-
-    return (lambda model: tuple(extrapolation_policies(model))), set_extrapolation, get_extrapolation
-
-
 def extrapolation_modes(encoding: str | None) -> tuple[str, ...]:
     """The extrapolation policies a registered encoding (name or spec) declares (empty: a single, fixed policy)."""
-    from vispe.encodings import extrapolation_policies
-
     return () if encoding is None else tuple(extrapolation_policies(encoding))
 
 
@@ -449,11 +440,10 @@ def load_classifier(ckpt: dict[str, Any], extrapolation: str | None = None) -> n
     module.load_state_dict(ckpt["state_dict"], strict=True)
     module.eval()
     if extrapolation is not None:
-        policies, set_policy, _ = policy_hooks()
-        if extrapolation not in policies(module):
+        if extrapolation not in extrapolation_policies(module):
             raise ValueError(f"encoding {_encoding_spec(hp)[0]!r} has no extrapolation={extrapolation!r}; "
-                             f"it declares {list(policies(module))}")
-        set_policy(module, extrapolation)
+                             f"it declares {list(extrapolation_policies(module))}")
+        set_extrapolation(module, extrapolation)
     return module
 
 
@@ -688,12 +678,11 @@ def _check_complete_load(report: Any, encoding: str, model_name: str, weights: s
 # the sweep
 # ------------------------------------------------------------------------------------------
 def _policies_for(source: ModelSource, extrapolation: str) -> list[str | None]:
-    policies, _, active = policy_hooks()
-    declared = policies(source.model)
+    declared = extrapolation_policies(source.model)
     if not declared:
         return [None]
     if extrapolation == "native":
-        return [active(source.model)]
+        return [get_extrapolation(source.model)]
     if extrapolation == "both":
         return [p for p in declared if p in ("extend", "interpolate")]
     if extrapolation == "all":
@@ -830,7 +819,6 @@ def run_sweep(
     previous = _previous_results(out / "resolution.json") if reuse else {}
     _remove_stale_temp(out / "resolution.json")
     decoded: dict[int, tuple[list[torch.Tensor], torch.Tensor]] = {}
-    _, set_policy, active = policy_hooks()
     results = []
     from vispe.progress import RowProgress
 
@@ -854,7 +842,7 @@ def run_sweep(
                     decoded[id(es)] = (es.load(keep.tolist()), es.labels[keep])
                 images, targets = decoded[id(es)]
                 if policy is not None:
-                    set_policy(s.model, policy)
+                    set_extrapolation(s.model, policy)
                 model = s.model.to(device)
                 label = s.label + ("" if policy is None else f" ({policy})") + ("" if len(resize) == 1 else f" [{rp}]")
                 progress.start_row(label)
@@ -869,7 +857,7 @@ def run_sweep(
                 results.append({
                     "label": label, "source": s.origin, "checkpoint": s.checkpoint, "encoding": s.encoding,
                     "extrapolation": policy if policy is not None else "own (no option)",
-                    "active_policy": active(s.model), "resize": rp,
+                    "active_policy": get_extrapolation(s.model), "resize": rp,
                     "train_shape": _shape_name(s.train_shape), "patch": _shape_name(s.patch),
                     "data": es.description, "num_samples": len(targets), "seed": seed, "device": str(device),
                     "evaluations": evaluations, "key": key,

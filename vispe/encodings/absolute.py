@@ -12,6 +12,7 @@ from .._checks import Choice, Real, check_choice
 from .base import PositionalEncoding, TokenEncoding, register_encoding
 from .coordinates import CoordinateAugmentation, random_lattice_indices
 from .grid import PositionGrid
+from .resolution import ResolutionContract, table_under_policy
 from .spec import EXTRAPOLATION_MODES
 
 __all__ = ["NoPE", "LearnedAbsolute", "FixedTableEncoding", "SinCos2d", "EXTRAPOLATION_MODES"]  # EXTRAPOLATION_MODES: from .spec
@@ -187,8 +188,9 @@ def sincos2d_from_indices(idx: torch.Tensor, dim: int, temperature: float = 1000
 class SinCos2d(CoordinateAugmentation, FixedTableEncoding):
     """Fixed 2D sin-cos table (timm's ``build_sincos2d_pos_embed``: rows then columns, sin then cos).
 
-    ``extrapolation='extend'`` evaluates the formula at the new integer indices;
-    ``'interpolate'`` resamples the training-grid table bicubically, as timm does for APE.
+    ``extrapolation='extend'`` (default) evaluates the formula at the new integer indices;
+    ``'resample'`` (alias ``'interpolate'``) resamples the training-grid table (bicubic, antialiased: timm's APE
+    resampler, :func:`~vispe.encodings.resolution.resample_table`).
     ``random_positions=r > 1`` (RPE-2D, training only): each forward evaluates the formula at ordered random
     row / column indices drawn from a grid ``r`` times the training one (:func:`random_lattice_indices`).
     """
@@ -197,7 +199,7 @@ class SinCos2d(CoordinateAugmentation, FixedTableEncoding):
 
     #: option rules, checked before __init__ (vispe._checks; see PositionalEncoding.option_checks)
     option_checks = {"temperature": Real(1)}
-    extrapolation_policies = EXTRAPOLATION_MODES
+    resolution = ResolutionContract(("extend", "resample"), default="extend")
     coordinate_options = ("random_positions",)
 
     def __init__(
@@ -205,7 +207,7 @@ class SinCos2d(CoordinateAugmentation, FixedTableEncoding):
         dim: int,
         grid_size: Sequence[int] = (14, 14),
         temperature: float = 10000.0,
-        extrapolation: str = "extend",
+        extrapolation: str | None = None,
         random_positions: float = 1.0,
     ) -> None:
         super().__init__(dim)
@@ -224,9 +226,7 @@ class SinCos2d(CoordinateAugmentation, FixedTableEncoding):
         return self.add_to_tokens(x, sincos2d_from_indices(idx, self.dim, self.temperature)[None], grid)
 
     def build_table(self, grid: PositionGrid, device: torch.device | None) -> torch.Tensor:
-        if self.extrapolation == "extend" or grid.shape == self.grid_size:
-            table = build_sincos2d_pos_embed(list(grid.shape), dim=self.dim, temperature=self.temperature, device=device)
-        else:
-            base = build_sincos2d_pos_embed(list(self.grid_size), dim=self.dim, temperature=self.temperature, device=device)
-            table = resample_abs_pos_embed(base[None], list(grid.shape), list(self.grid_size), num_prefix_tokens=0)[0]
-        return table[None]
+        def build(shape: tuple[int, ...]) -> torch.Tensor:
+            return build_sincos2d_pos_embed(list(shape), dim=self.dim, temperature=self.temperature, device=device)
+
+        return table_under_policy(self.resolution_policy, grid.shape, self.grid_size, build)[None]

@@ -3,8 +3,8 @@
 * ``sincos3d`` -- a fixed sin-cos table: the width ``D`` is split into t / h / w parts
   (``D/2`` frequency bands shared out as h, w: ``(D/2)//3`` each, t the rest); each axis has
   ``[sin | cos]`` channels with frequencies ``temperature^(-k/n_axis)`` (timm's 2D convention per
-  axis). ``extrapolation='extend'`` evaluates the formula at the new integer indices,
-  ``'interpolate'`` at indices rescaled into the training grid's range.
+  axis). ``extrapolation='extend'`` (default) evaluates the formula at the new integer indices,
+  ``'rescale'`` (alias ``'interpolate'``) at indices rescaled into the training grid's range.
 * ``learned_3d`` -- a learned ``(t, h, w)`` table (truncated normal, std 0.02), resampled
   trilinearly for other grids (``align_corners=False``, like timm's 2D resampler). Optional prefix
   rows (``embed_prefix=True``) give cls/register tokens their own learned rows.
@@ -14,16 +14,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from timm.layers import trunc_normal_
 from torch import nn
 
 from .._checks import Real
 from .absolute import FixedTableEncoding
-from .spec import EXTRAPOLATION_MODES
 from .base import TokenEncoding, register_encoding
+from .coordinates import policy_indices
 from .grid import PositionGrid
-from .rope_vit import grid_thw
+from .resolution import ResolutionContract, resample_table
 
 __all__ = ["Learned3d", "SinCos3d", "sincos3d_table"]
 
@@ -56,9 +55,9 @@ class SinCos3d(FixedTableEncoding):
 
     #: option rules, checked before __init__ (vispe._checks; see PositionalEncoding.option_checks)
     option_checks = {"temperature": Real(1)}
-    extrapolation_policies = EXTRAPOLATION_MODES
+    resolution = ResolutionContract(("extend", "rescale"), default="extend")
 
-    def __init__(self, dim: int, grid_size: Sequence[int] = (8, 14, 14), temperature: float = 10000.0, extrapolation: str = "extend") -> None:
+    def __init__(self, dim: int, grid_size: Sequence[int] = (8, 14, 14), temperature: float = 10000.0, extrapolation: str | None = None) -> None:
         super().__init__(dim)
         if dim % 2 or dim < 6:
             raise ValueError(f"sincos3d needs an even embedding dim >= 6, got dim={dim}")
@@ -67,8 +66,7 @@ class SinCos3d(FixedTableEncoding):
         self.extrapolation = extrapolation
 
     def build_table(self, grid: PositionGrid, device: torch.device | None) -> torch.Tensor:
-        train = self.grid_size if self.extrapolation == "interpolate" else None
-        return sincos3d_table(grid_thw(grid, device, train), self.dim, self.temperature)[None]
+        return sincos3d_table(policy_indices(grid, self.resolution_policy, self.grid_size, device), self.dim, self.temperature)[None]
 
 
 @register_encoding("learned_3d")
@@ -94,12 +92,11 @@ class Learned3d(TokenEncoding):
 
     @staticmethod
     def resample(table: torch.Tensor, new: Sequence[int]) -> torch.Tensor:
-        """``(1, t, h, w, D) -> (1, t', h', w', D)`` trilinear (float32 math)."""
-        if tuple(table.shape[1:4]) == tuple(new):
+        """``(1, t, h, w, D) -> (1, t', h', w', D)`` trilinear (float32 math; :func:`resample_table`)."""
+        old = tuple(table.shape[1:4])
+        if old == tuple(new):
             return table
-        x = table.permute(0, 4, 1, 2, 3).float()
-        x = F.interpolate(x, size=tuple(new), mode="trilinear", align_corners=False)
-        return x.permute(0, 2, 3, 4, 1).to(table.dtype)
+        return resample_table(table.flatten(0, 3), old, new, kernel="trilinear").reshape(1, *new, table.shape[-1])
 
     def embed_tokens(self, x, grid, state=None, image=None):
         self.check_grid(grid)

@@ -12,7 +12,8 @@ no parameters. On a lattice the distance is taken between lattice positions in p
 
 On ``(t, h, w)`` grids a tubelet step counts as one unit, like a patch step. On a grid other than the training
 one, ``extrapolation='extend'`` (default, the paper's train-short-test-long behaviour) uses the new grid's own
-offsets; ``'interpolate'`` rescales offsets per axis by ``train / size`` so the grid spans the training one.
+offsets; ``'rescale'`` (alias ``'interpolate'``) rescales offsets per axis by ``train / size`` so the grid spans the
+training one.
 
 Prefix tokens (cls, registers) get zero bias to and from every token: they sit at distance 0 from every patch.
 
@@ -28,9 +29,10 @@ import torch.nn.functional as F
 
 from .._checks import Choice, check_choice
 from .base import register_preset
+from .coordinates import policy_axis_scale
 from .grid import PositionGrid
 from .lattice_bias import LatticeOffsetBias, pair_distance
-from .spec import EXTRAPOLATION_MODES
+from .resolution import ResolutionContract
 
 __all__ = ["ALIBI_DISTANCES", "Alibi2d", "Alibi3d", "alibi_slopes"]
 
@@ -57,9 +59,9 @@ class _Alibi(LatticeOffsetBias):
 
     Args:
         num_heads: attention heads (one slope each).
-        grid_size: training lattice (used by ``extrapolation='interpolate'``).
+        grid_size: training lattice (used by ``extrapolation='rescale'``).
         distance: ``'euclidean'`` (default) or ``'manhattan'``, in lattice steps.
-        extrapolation: ``'extend'`` (default) or ``'interpolate'``.
+        extrapolation: ``'extend'`` (default) or ``'rescale'`` (alias ``'interpolate'``).
     """
 
     prefix_policy = "zero bias to and from prefix tokens (cls/registers): they sit at distance 0 from every patch"
@@ -67,10 +69,10 @@ class _Alibi(LatticeOffsetBias):
 
     #: option rules, checked before __init__ (vispe._checks; see PositionalEncoding.option_checks)
     option_checks = {"distance": Choice(ALIBI_DISTANCES)}
-    extrapolation_policies = EXTRAPOLATION_MODES
+    resolution = ResolutionContract(("extend", "rescale"), default="extend")
 
     def __init__(
-        self, num_heads: int, grid_size: Sequence[int], distance: str = "euclidean", extrapolation: str = "extend"
+        self, num_heads: int, grid_size: Sequence[int], distance: str = "euclidean", extrapolation: str | None = None
     ) -> None:
         super().__init__()
         check_choice("distance", distance, self.distances)
@@ -81,8 +83,9 @@ class _Alibi(LatticeOffsetBias):
         self.extrapolation = extrapolation
 
     def tables(self, grid: PositionGrid, offsets: torch.Tensor) -> torch.Tensor:
-        if self.extrapolation == "interpolate" and grid.shape != self.grid_size:
-            offsets = offsets * torch.tensor([t / s for t, s in zip(self.grid_size, grid.shape)], device=offsets.device)
+        scale = policy_axis_scale(self.resolution_policy, grid.shape, self.grid_size)
+        if scale is not None:
+            offsets = offsets * torch.tensor(scale, device=offsets.device)
         dist = pair_distance(offsets, self.distance)[:, 0]  # (U,)
         slopes = torch.tensor(self.slopes, dtype=torch.float32, device=offsets.device)
         return F.pad(-slopes[:, None] * dist[None, :], (0, 1))[None]  # (1, H, U + 1)

@@ -29,7 +29,7 @@ from typing import Any, Callable, ClassVar, Hashable, Mapping, Sequence, TypeVar
 import torch
 import torch.nn as nn
 
-from .._checks import Bool, Choice, Int, Ints, OptionCheck, Real, Str, check_options, did_you_mean
+from .._checks import Bool, Int, Ints, OptionCheck, Real, Str, check_options, did_you_mean
 # the attention kernels live in .attention; re-exported here for the encodings that import them from .base
 from .attention import (
     ATTENTION_BACKENDS,
@@ -44,6 +44,7 @@ from .attention import (
 )
 from .coordinates import coordinate_option_rules
 from .grid import PositionGrid
+from .resolution import ResolutionContract
 
 _T = TypeVar("_T")
 
@@ -205,11 +206,12 @@ class PositionalEncoding(nn.Module):
     #: (:data:`CONTEXT_OPTION_CHECKS`) are declared here, and an undeclared ``float``/``int``/``bool``/``str``
     #: option gets its annotation's type check (see :meth:`option_rules`).
     option_checks: ClassVar[Mapping[str, OptionCheck]] = CONTEXT_OPTION_CHECKS
-    #: What the encoding can do on a grid other than the training one, as the values of its ``extrapolation``
-    #: option (empty: one built-in behaviour, nothing to choose): ``'extend'`` / ``'interpolate'``
-    #: (:data:`~vispe.encodings.spec.EXTRAPOLATION_MODES`), plus ``'ntk'`` / ``'yarn'`` on the rotary lattice
-    #: encodings. The active one is :attr:`extrapolation`, which may also be set on a built (or loaded) encoding:
-    #: :func:`set_extrapolation`. The option's rule is derived from this tuple.
+    #: The resolution contract (:mod:`vispe.encodings.resolution`): the policies the encoding offers on a grid other
+    #: than the training one, as values of its ``extrapolation`` option, and the one a freshly built encoding uses
+    #: (empty: one built-in behaviour, nothing to choose). The option's rule is derived from it; the active policy
+    #: is :attr:`extrapolation` (settable on a built or loaded encoding: :func:`set_extrapolation`).
+    resolution: ClassVar[ResolutionContract] = ResolutionContract()
+    #: The contract's listed names (:attr:`ResolutionContract.names`), derived from :attr:`resolution`.
     extrapolation_policies: ClassVar[tuple[str, ...]] = ()
     #: The training-time coordinate options the encoding takes (``coord_shift``, ``coord_jitter``,
     #: ``coord_rescale``, ``random_positions``, or DINOv3's names); their rules are declared once, in
@@ -218,6 +220,10 @@ class PositionalEncoding(nn.Module):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        if "extrapolation_policies" in cls.__dict__:
+            raise TypeError(f"{cls.__name__}: declare the policies as resolution = ResolutionContract(policies, default) "
+                            "(vispe.encodings.resolution); extrapolation_policies is derived from it")
+        cls.extrapolation_policies = cls.resolution.names
         init = cls.__dict__.get("__init__")
         if init is not None and not getattr(init, "_validates_options", False):
             cls.__init__ = _validating_init(init)  # type: ignore[method-assign]
@@ -235,8 +241,8 @@ class PositionalEncoding(nn.Module):
         declared: dict[str, OptionCheck] = coordinate_option_rules(cls.coordinate_options)
         for klass in reversed(cls.__mro__):
             declared.update(klass.__dict__.get("option_checks", {}) or {})
-        if cls.extrapolation_policies:
-            declared["extrapolation"] = Choice(cls.extrapolation_policies)
+        if cls.resolution.policies:
+            declared["extrapolation"] = cls.resolution.option_check()
         rules: dict[str, OptionCheck] = {}
         params = list(inspect.signature(cls.__init__).parameters.values())[1:]
         for param in params:
@@ -253,25 +259,29 @@ class PositionalEncoding(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self._state_cache: OrderedDict[Any, Any] = OrderedDict()
+        self.__dict__["_extrapolation"] = self.resolution.default  # the declared default until the encoding sets one
 
-    # -- the extrapolation policy (see extrapolation_policies) ----------------------------------
+    # -- the extrapolation policy (see resolution) ---------------------------------------------------
     @property
     def extrapolation(self) -> str | None:
-        """The active extrapolation policy (``None`` for an encoding without :attr:`extrapolation_policies`)."""
+        """The active extrapolation policy, under the name it was given (``None`` for an encoding without policies);
+        :attr:`resolution_policy` is what it does."""
         return self.__dict__.get("_extrapolation")
 
     @extrapolation.setter
     def extrapolation(self, policy: str | None) -> None:
-        name = self.registry_name or type(self).__name__
-        if not self.extrapolation_policies:
-            if policy is not None:
-                raise ValueError(f"{name} has no extrapolation option (it meets every grid one way), "
-                                 f"got extrapolation={policy!r}")
-        elif policy not in self.extrapolation_policies:
-            raise ValueError(f"{name}: extrapolation={policy!r} is not valid; choose one of {list(self.extrapolation_policies)}")
-        self.__dict__["_extrapolation"] = policy
+        # None: the declared default; a name the contract does not accept: ValueError naming it and the choices
+        self.resolution.resolve(policy, self.registry_name or type(self).__name__)
+        self.__dict__["_extrapolation"] = self.resolution.default if policy is None else policy
         if "_state_cache" in self.__dict__:  # tables built under the previous policy
             self.clear_cache()
+
+    @property
+    def resolution_policy(self) -> str | None:
+        """The policy in force (``extend``, ``rescale``, ``resample``, ``ntk``, ``yarn``; ``None`` without policies):
+        :attr:`extrapolation` with the alias ``interpolate`` resolved. Encodings dispatch on this, through
+        :mod:`vispe.encodings.coordinates` and :mod:`vispe.encodings.resolution`."""
+        return self.resolution.resolve(self.extrapolation)
 
     # -- the one cache of position-only state --------------------------------------------------
     def cacheable(self) -> bool:
@@ -599,8 +609,9 @@ def extrapolation_policies(source: Any) -> tuple[str, ...]:
 
 
 def get_extrapolation(model: nn.Module) -> str | None:
-    """The active extrapolation policy of a model's (or an encoding's) encodings (``None``: none has one)."""
-    active = {m.extrapolation for m in _policy_encodings(model)}
+    """The active extrapolation policy of a model's (or an encoding's) encodings, under its listed name (one of
+    :func:`extrapolation_policies`: ``interpolate`` for ``rescale`` / ``resample``; ``None``: none has one)."""
+    active = {m.resolution.name_of(m.extrapolation) for m in _policy_encodings(model)}
     if len(active) > 1:
         raise ValueError(f"the encodings of this model use different extrapolation policies {sorted(active)}")
     return active.pop() if active else None
@@ -617,9 +628,15 @@ def set_extrapolation(model: nn.Module, policy: str) -> nn.Module:
         raise ValueError(f"cannot set extrapolation={policy!r}: encoding {' + '.join(names) or 'none'} has no extrapolation "
                          "option (it meets every grid one way)")
     valid = _common_policies([m.extrapolation_policies for m in holders])
-    if policy not in valid:
+    if not all(isinstance(policy, str) and policy in m.resolution.accepted for m in holders):
+        precise = {m.resolution.interpolates_by for m in holders}
+        alias = f" (or {precise.pop()!r}, what 'interpolate' does here)" if len(precise) == 1 and "interpolate" in valid else ""
+        # the encodings by name: those holding a policy and those made of them (a composed encoding's own name)
+        named = [m for m in (model.modules() if isinstance(model, nn.Module) else ()) if isinstance(m, PositionalEncoding)
+                 and (m.extrapolation_policies or any(h in holders for h in m.modules()))]
         raise ValueError(f"extrapolation={policy!r} is not valid for this model's encoding(s) "
-                         f"{sorted({m.registry_name or type(m).__name__ for m in holders})}; choose one of {list(valid)}")
+                         f"{sorted({m.registry_name or type(m).__name__ for m in named})}; choose one of {list(valid)}{alias}"
+                         f"{did_you_mean(policy, valid)}")
     for m in holders:
         m.extrapolation = policy
     for m in model.modules():

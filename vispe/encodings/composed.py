@@ -26,6 +26,7 @@ import torch.nn as nn
 
 from .base import EncodingContext, PositionalEncoding, create_encoding, get_encoding_class, sdpa
 from .grid import PositionGrid
+from .resolution import ResolutionContract
 
 __all__ = ["ComposedEncoding", "composed_class", "attention_side"]
 
@@ -207,10 +208,8 @@ def composed_class(name: str) -> type[ComposedEncoding]:
     if not ndims:
         raise ValueError(f"{name!r} cannot compose: its parts take different grids "
                          f"({', '.join(f'{n}: {c.grid_ndims}-D' for n, c in zip(names, classes))})")
-    policies = [c.extrapolation_policies for c in classes if c.extrapolation_policies]
-    common = tuple(p for p in policies[0] if all(p in g for g in policies[1:])) if policies else ()
     cls = type(f"Composed[{name}]", (_NamedComposition,), {"part_specs": tuple(specs), "grid_ndims": ndims,
-                                                             "extrapolation_policies": common,
+                                                             "resolution": ResolutionContract.common([c.resolution for c in classes]),
                                                              "registry_name": name, "__module__": __name__})
     _COMPOSED_CLASSES[name] = cls
     return cls

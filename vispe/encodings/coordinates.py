@@ -1,4 +1,12 @@
-"""Training-time coordinate augmentation of lattice encodings: one declaration of the options, one set of draws.
+"""Coordinate policies of lattice encodings: how positions meet a grid other than the training one, and how they move
+while training.
+
+Resolution policies on coordinates (declared in each encoding's
+:class:`~vispe.encodings.resolution.ResolutionContract`): ``rescale`` scales positions per axis by ``train / size``
+(:func:`policy_axis_scale`, :func:`policy_indices`); ``ntk`` / ``yarn`` rescale a rotary encoding's frequencies on a
+grown axis (:func:`scale_frequencies`); ``extend`` leaves everything as it is.
+
+Training-time coordinate augmentation: one declaration of the options, one set of draws.
 
 Lattice encodings that evaluate a function of the token coordinates (``rope_axial`` / ``rope_mixed`` and their 3D
 presets, ``rope_dinov3``, ``comrope_*``, ``sincos2d``) may move those coordinates while training, one draw per
@@ -21,11 +29,15 @@ construction like every option. :class:`CoordinateAugmentation` holds the values
 from __future__ import annotations
 
 import math
-from typing import ClassVar, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from .._checks import OptionCheck, Real
+
+if TYPE_CHECKING:
+    from .grid import PositionGrid
 
 __all__ = [
     "COORDINATE_OPTION_CHECKS",
@@ -33,9 +45,12 @@ __all__ = [
     "DINOV3_COORDINATE_ALIASES",
     "CoordinateAugmentation",
     "coordinate_option_rules",
+    "policy_axis_scale",
+    "policy_indices",
     "random_axis_indices",
     "random_lattice_indices",
     "random_scale_shift",
+    "scale_frequencies",
 ]
 
 #: The rule of each coordinate option (bounded where float32 positions and the random-position pool stay sane).
@@ -50,6 +65,51 @@ COORDINATE_OPTION_DEFAULTS: dict[str, float] = {"coord_shift": 0.0, "coord_jitte
 #: DINOv3's option names -> vispe's (``None`` there means off).
 DINOV3_COORDINATE_ALIASES: dict[str, str] = {"shift_coords": "coord_shift", "jitter_coords": "coord_jitter",
                                              "rescale_coords": "coord_rescale"}
+
+
+# ---------------------------------------------------------------------------------------------
+# resolution policies on coordinates
+# ---------------------------------------------------------------------------------------------
+def policy_axis_scale(policy: str | None, shape: Sequence[int], train: Sequence[int]) -> tuple[float, ...] | None:
+    """Per axis, the factor ``train / size`` that ``rescale`` multiplies positions (and offsets) by on grid ``shape``;
+    ``None`` under the other policies or on the training grid (positions as they are)."""
+    if policy != "rescale" or tuple(shape) == tuple(train):
+        return None
+    if len(train) != len(shape):
+        raise ValueError(f"rescale: the training grid {tuple(train)} has {len(train)} axes but the grid {tuple(shape)} has {len(shape)}")
+    return tuple(t / s for t, s in zip(train, shape))
+
+
+def policy_indices(grid: PositionGrid, policy: str | None, train: Sequence[int], device: torch.device | str | None = None) -> torch.Tensor:
+    """The ``(N, ndim)`` float32 lattice indices of ``grid`` under ``policy``: scaled onto ``train``'s index range under
+    ``rescale`` (:func:`policy_axis_scale`), the grid's own otherwise."""
+    return grid.indices(device, rescale_to=train if policy_axis_scale(policy, grid.shape, train) is not None else None)
+
+
+def scale_frequencies(freqs: torch.Tensor, policy: str | None, growth: float, train_len: int,
+                      yarn_alpha: float = 1.0, yarn_beta: float = 32.0) -> torch.Tensor:
+    """The rotary frequencies ``freqs`` (``(..., P)``, those multiplying one grid axis) under ``ntk`` / ``yarn`` on an
+    axis grown ``growth = size / train_len`` times; unchanged under the other policies and where the axis did not grow.
+
+    ``ntk`` multiplies each frequency by ``growth^-e``, ``e`` its place between the highest (0) and lowest (1)
+    frequency on a log scale (on a ``theta^(-k/n)`` ladder exactly NTK-aware scaling, base
+    ``theta * growth^(n/(n-1))``); ``yarn`` keeps the frequencies that turn more than ``yarn_beta`` times across the
+    training axis, interpolates those under ``yarn_alpha`` turns, and blends linearly in between (YaRN's ramp,
+    without its attention temperature)."""
+    if policy not in ("ntk", "yarn") or growth <= 1.0 or freqs.shape[-1] == 0:
+        return freqs
+    mag = freqs.abs()
+    if policy == "ntk":
+        tiny = torch.finfo(torch.float32).tiny
+        log_mag = mag.clamp_min(tiny).log()
+        hi = log_mag.amax(-1, keepdim=True)
+        span = hi - log_mag.amin(-1, keepdim=True)
+        # e = 0 at the highest frequency, 1 at the lowest; a single (or flat) set is left as it is
+        e = torch.where(span > 0, (hi - log_mag) / span.clamp_min(tiny), torch.zeros_like(log_mag))
+        return freqs * torch.exp(-e * math.log(growth))
+    turns = mag * train_len / (2 * math.pi)
+    keep = ((turns - yarn_alpha) / (yarn_beta - yarn_alpha)).clamp(0.0, 1.0)
+    return freqs * (keep + (1.0 - keep) / growth)
 
 
 def coordinate_option_rules(names: Sequence[str]) -> dict[str, OptionCheck]:

@@ -63,7 +63,8 @@ class PositionGrid:
 
         For a 2D grid column 0 is the row index and column 1 the column index. ``rescale_to`` (a training
         grid of the same number of axes): indices scaled by ``train / size`` per axis, so this grid spans
-        the training grid's index range -- the ``'interpolate'`` extrapolation policy.
+        the training grid's index range -- the ``'rescale'`` resolution policy
+        (:func:`vispe.encodings.coordinates.policy_indices`).
         """
         axes = [torch.arange(s, device=device, dtype=torch.float32) for s in self.shape]
         mesh = torch.meshgrid(*axes, indexing="ij")

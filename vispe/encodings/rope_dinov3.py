@@ -53,6 +53,7 @@ from .._checks import Choice, Ints, Real, check_choice
 from .base import register_encoding, register_preset
 from .coordinates import COORDINATE_OPTION_DEFAULTS as DEFAULT_OFF, DINOV3_COORDINATE_ALIASES
 from .grid import PositionGrid
+from .resolution import ResolutionContract
 from .rope_vit import RopeAxial
 
 __all__ = ["RopeDinoV3", "RopeDinoV3_3d", "NORMALIZE_COORDS_MODES", "dinov3_periods"]
@@ -105,7 +106,7 @@ class RopeDinoV3(RopeAxial):
     grid_ndims = (2,)
     layout = "half"
     #: every grid maps into the same [-1, 1] box: nothing to choose on a new grid
-    extrapolation_policies = ()
+    resolution = ResolutionContract()
     #: DINOv3's names of the shared coordinate options (vispe.encodings.coordinates)
     coordinate_options = tuple(DINOV3_COORDINATE_ALIASES)
 

@@ -11,7 +11,6 @@ oracle. The registered ``rope_axial_3d`` / ``rope_mixed_3d`` are these classes w
 """
 from __future__ import annotations
 
-import math
 from typing import ClassVar, Sequence
 
 import torch
@@ -20,16 +19,17 @@ from timm.layers.pos_embed_sincos import init_random_2d_freqs
 
 from .._checks import Choice, Int, Ints, Real, check_choice
 from .base import register_encoding, register_preset
-from .coordinates import CoordinateAugmentation, random_lattice_indices
+from .coordinates import CoordinateAugmentation, policy_indices, random_lattice_indices, scale_frequencies
 from .grid import PositionGrid
+from .resolution import ResolutionContract
 from .rotary import RotaryEncoding
-from .spec import ROTARY_EXTRAPOLATION_MODES
 
 __all__ = ["RopeAxial", "RopeMixed", "RopeAxial3d", "RopeMixed3d", "grid_thw", "default_chunk_axes"]
 
 
 def grid_thw(grid: PositionGrid, device, train_grid: Sequence[int] | None = None) -> torch.Tensor:
-    """Integer ``(t, h, w)`` indices ``(N, 3)`` float32; with ``train_grid`` rescaled into its index range."""
+    """Integer ``(t, h, w)`` indices ``(N, 3)`` float32; with ``train_grid`` rescaled into its index range (the
+    ``rescale`` policy: :func:`vispe.encodings.coordinates.policy_indices`)."""
     return grid.indices(device, rescale_to=train_grid)
 
 
@@ -58,18 +58,15 @@ class _LatticeRotary(CoordinateAugmentation, RotaryEncoding):
     """What RoPE-Axial and RoPE-Mixed share: the training grid, the extrapolation policy, the chunk order, the
     training-time coordinate augmentation (:mod:`vispe.encodings.coordinates`).
 
-    Extrapolation policies on a grid other than the training one, per axis with scale ``s = size / train``:
-    ``extend`` (the paper's: the new integer indices), ``interpolate`` (indices times ``1/s``, i.e. every
-    frequency divided by ``s``), and on a larger axis (``s > 1``; otherwise they are ``extend``) two
-    per-frequency rescalings from LLM context extension: ``ntk`` multiplies each frequency by ``s^-e``,
-    ``e`` its place between the axis's highest (0) and lowest (1) frequency on a log scale -- on a
-    ``theta^(-k/n)`` ladder exactly NTK-aware scaling, base ``theta * s^(n/(n-1))``; ``yarn`` keeps
-    the frequencies that turn more than ``yarn_beta`` times across the training grid, interpolates those
-    under ``yarn_alpha`` turns, and blends linearly in between (YaRN's ramp, without its attention
-    temperature).
+    Resolution policies on a grid other than the training one, per axis with scale ``s = size / train``:
+    ``extend`` (the paper's, default: the new integer indices), ``rescale`` (alias ``interpolate``: indices times
+    ``1/s``, i.e. every frequency divided by ``s``), and on a larger axis (``s > 1``; otherwise they are ``extend``)
+    two per-frequency rescalings from LLM context extension, ``ntk`` and ``yarn``
+    (:func:`vispe.encodings.coordinates.scale_frequencies`; the ramp's bounds are :attr:`yarn_alpha` /
+    :attr:`yarn_beta` turns across the training grid).
     """
 
-    extrapolation_policies = ROTARY_EXTRAPOLATION_MODES
+    resolution = ResolutionContract(("extend", "rescale", "ntk", "yarn"), default="extend")
     yarn_alpha: ClassVar[float] = 1.0
     yarn_beta: ClassVar[float] = 32.0
 
@@ -125,33 +122,21 @@ class _LatticeRotary(CoordinateAugmentation, RotaryEncoding):
             )
 
     def lattice_indices(self, grid: PositionGrid, device) -> torch.Tensor:
-        """``(N, ndim)`` float32 indices; rescaled into the training grid's range under ``'interpolate'``."""
+        """``(N, ndim)`` float32 indices under the resolution policy (rescaled into the training grid's range under
+        ``rescale``), augmented while training."""
         self.check_grid(grid)
         if self.training and self.random_positions > 1:
             # RPE-2D: ordered random indices from a grid random_positions x the training one (train only)
             idx = random_lattice_indices(grid.shape, self.random_position_pools(grid.shape, self.grid_size), device)
         else:
-            idx = grid.indices(device, rescale_to=self.grid_size if self.extrapolation == "interpolate" else None)
+            idx = policy_indices(grid, self.resolution_policy, self.grid_size, device)
         return self.augment_coordinates(idx) if self.augments_coordinates else idx
 
     def scaled_frequencies(self, freqs: torch.Tensor, axis: int, grid: PositionGrid) -> torch.Tensor:
         """``freqs`` (``(..., P_axis)``, the frequencies multiplying grid axis ``axis``) under the ``ntk`` /
-        ``yarn`` policies on ``grid``; unchanged under the other policies and where the axis did not grow."""
-        s = grid.shape[axis] / self.grid_size[axis]
-        if self.extrapolation not in ("ntk", "yarn") or s <= 1.0 or freqs.shape[-1] == 0:
-            return freqs
-        mag = freqs.abs()
-        if self.extrapolation == "ntk":
-            tiny = torch.finfo(torch.float32).tiny
-            log_mag = mag.clamp_min(tiny).log()
-            hi = log_mag.amax(-1, keepdim=True)
-            span = hi - log_mag.amin(-1, keepdim=True)
-            # e = 0 at the highest frequency, 1 at the lowest; a single (or flat) set is left as it is
-            e = torch.where(span > 0, (hi - log_mag) / span.clamp_min(tiny), torch.zeros_like(log_mag))
-            return freqs * torch.exp(-e * math.log(s))
-        turns = mag * self.grid_size[axis] / (2 * math.pi)
-        keep = ((turns - self.yarn_alpha) / (self.yarn_beta - self.yarn_alpha)).clamp(0.0, 1.0)
-        return freqs * (keep + (1.0 - keep) / s)
+        ``yarn`` policies on ``grid`` (:func:`~vispe.encodings.coordinates.scale_frequencies`)."""
+        return scale_frequencies(freqs, self.resolution_policy, grid.shape[axis] / self.grid_size[axis], self.grid_size[axis],
+                                 self.yarn_alpha, self.yarn_beta)
 
 
 @register_encoding("rope_axial")
@@ -162,9 +147,9 @@ class RopeAxial(_LatticeRotary):
 
     2D defaults are the paper's: two equal chunks, ``theta = 100``, so ``theta_k = 100^(-4k/dh)``.
     Default ``sections`` on ``A`` axes: ``P // A`` pairs per axis, the remainder to the first axis
-    (``t`` in video). ``extrapolation='extend'`` (paper) uses the new grid's integer indices;
-    ``'interpolate'`` rescales them into the training grid's range; ``'ntk'`` / ``'yarn'`` rescale the
-    frequencies of a grown axis (see :class:`_LatticeRotary`).
+    (``t`` in video). ``extrapolation='extend'`` (paper, default) uses the new grid's integer indices;
+    ``'rescale'`` (alias ``'interpolate'``) rescales them into the training grid's range; ``'ntk'`` / ``'yarn'``
+    rescale the frequencies of a grown axis (see :class:`_LatticeRotary`).
     """
 
     grid_ndims = (2,)
@@ -174,7 +159,7 @@ class RopeAxial(_LatticeRotary):
         head_dim: int,
         grid_size: Sequence[int] = (14, 14),
         theta: float = 100.0,
-        extrapolation: str = "extend",
+        extrapolation: str | None = None,
         sections: Sequence[int] | None = None,
         chunk_axes: Sequence[int] | None = None,
         coord_shift: float = 0.0,
@@ -241,7 +226,7 @@ class RopeMixed(_LatticeRotary):
         depth: int,
         grid_size: Sequence[int] = (14, 14),
         theta: float = 10.0,
-        extrapolation: str = "extend",
+        extrapolation: str | None = None,
         temporal_theta: float = 100.0,
         temporal_init: str = "ladder",
         chunk_axes: Sequence[int] | None = None,

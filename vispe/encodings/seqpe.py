@@ -36,13 +36,13 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from timm.layers import resample_abs_pos_embed, trunc_normal_
+from timm.layers import trunc_normal_
 from timm.models.vision_transformer import Block
 
 from .._checks import Int, Real
 from .base import TokenEncoding, register_encoding
 from .grid import PositionGrid
-from .spec import EXTRAPOLATION_MODES
+from .resolution import ResolutionContract, resamples_table, table_under_policy
 
 __all__ = ["SeqPE", "SeqPE3d", "SeqPEEncoder", "position_digits"]
 
@@ -125,16 +125,20 @@ class SeqPE(TokenEncoding):
         distill_heads: heads the distillation splits the embedding into (default ``encoder_heads``).
         random_shift: probability that a training forward moves the lattice to a random window of the position
             range (0.1).
-        extrapolation: ``'extend'`` (default: the encoder at the new grid's positions) or ``'interpolate'`` (the
-            training grid's table resampled, bicubic in 2D, trilinear in 3D).
+        extrapolation: ``'extend'`` (default: the encoder at the new grid's positions) or ``'resample'`` (alias
+            ``'interpolate'``: the training grid's table resampled with :attr:`resample_kernel`, bicubic antialiased
+            in 2D, trilinear in 3D).
     """
 
     grid_ndims = (2,)
     num_axes = 2
     prefix_policy = "prefix tokens get their own learned vectors (trunc-normal 0.02), as released"
 
+    resolution = ResolutionContract(("extend", "resample"), default="extend")
+    #: the kernel of the ``resample`` policy (:data:`~vispe.encodings.resolution.RESAMPLE_KERNELS`)
+    resample_kernel: str = "bicubic_antialias"
+
     #: option rules, checked before __init__ (vispe._checks; see PositionalEncoding.option_checks)
-    extrapolation_policies = EXTRAPOLATION_MODES
     option_checks = {
         "max_position": Int(2),
         "base": Int(2),
@@ -173,7 +177,7 @@ class SeqPE(TokenEncoding):
         num_distill: int = 64,
         distill_heads: int | None = None,
         random_shift: float = 0.1,
-        extrapolation: str = "extend",
+        extrapolation: str | None = None,
     ) -> None:
         super().__init__()
         if not (isinstance(base, int) and base >= 2):
@@ -229,17 +233,10 @@ class SeqPE(TokenEncoding):
         """The lattice embeddings ``(1, N, dim)`` of ``grid`` (cached while no gradient must reach the encoder)."""
 
         def build() -> torch.Tensor:
-            if self.extrapolation == "extend" or grid.shape == self.grid_size:
-                return self.embed_positions(self._lattice(grid.shape, device))[None]
-            return self._resample(self.embed_positions(self._lattice(self.grid_size, device)), grid.shape)[None]
+            return table_under_policy(self.resolution_policy, grid.shape, self.grid_size,
+                                      lambda shape: self.embed_positions(self._lattice(shape, device)), self.resample_kernel)[None]
 
         return self.cached(("table", grid.shape, str(device)), build, uses_parameters=True)
-
-    def _resample(self, table: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-        if len(shape) == 2:
-            return resample_abs_pos_embed(table[None], new_size=list(shape), old_size=list(self.grid_size), num_prefix_tokens=0)[0]
-        vol = table.T.reshape(1, self.dim, *self.grid_size)
-        return F.interpolate(vol, size=shape, mode="trilinear", align_corners=False).reshape(self.dim, -1).T
 
     def embed_tokens(self, x, grid, state=None, image=None):
         self.check_grid(grid)
@@ -256,9 +253,9 @@ class SeqPE(TokenEncoding):
     def _shifted_table_traceable(self, grid: PositionGrid, device: torch.device) -> torch.Tensor:
         """The random shift without a data-dependent branch (for ``torch.compile(fullgraph=True)``): the offset is
         drawn every step and zeroed when the coin says no shift, which is the unshifted lattice. Eager keeps the
-        branch (and so its random stream); a grid off the training one under ``interpolate`` is not shifted."""
+        branch (and so its random stream); a grid whose table is resampled (``resample``) is not shifted."""
         room = [self.max_position - s for s in grid.shape]
-        if min(room) <= 0 or (self.extrapolation != "extend" and grid.shape != self.grid_size):
+        if min(room) <= 0 or resamples_table(self.resolution_policy, grid.shape, self.grid_size):
             return self.table_for(grid, device)
         room_t = torch.tensor(room, device=device)
         coin = (torch.rand((), device=device) < self.random_shift).long()
@@ -351,3 +348,4 @@ class SeqPE3d(SeqPE):
 
     grid_ndims = (3,)
     num_axes = 3
+    resample_kernel = "trilinear"

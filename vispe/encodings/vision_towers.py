@@ -37,6 +37,7 @@ from .._checks import check_choice
 from .base import TokenEncoding, register_encoding
 from .composed import ComposedEncoding
 from .grid import PositionGrid
+from .resolution import ResolutionContract
 from .rope_vit import RopeAxial, RopeAxial3d
 
 __all__ = ["ResampledTable", "AxisTables", "SpaceTimeTables", "JointSpaceTimeRope", "Qwen3VLVision", "Glm4vVision",
@@ -235,8 +236,10 @@ class JointSpaceTimeRope(RopeAxial3d):
     """EVA02-AT's joint spatial-temporal RoPE on ``(t, h, w)``: pair ``j`` rotates by
     ``phi_s,j(h, w) + t * temporal_theta^(-j/P)`` -- a 2D axial RoPE over ``(h, w)`` (``P/2`` pairs each,
     ``theta^(-k/(P/2))``) plus a 1D temporal RoPE over all ``P`` pairs. ``extrapolation`` as in
-    :class:`~vispe.encodings.rope_vit.RopeAxial` (default ``'interpolate'``: EVA-02 rescales positions to its
+    :class:`~vispe.encodings.rope_vit.RopeAxial` (default ``'rescale'``: EVA-02 rescales positions to its
     pre-training grid)."""
+
+    resolution = ResolutionContract(RopeAxial3d.resolution.policies, default="rescale")
 
     def __init__(
         self,
@@ -244,7 +247,7 @@ class JointSpaceTimeRope(RopeAxial3d):
         grid_size: Sequence[int] = (8, 14, 14),
         theta: float = 10000.0,
         temporal_theta: float = 10000.0,
-        extrapolation: str = "interpolate",
+        extrapolation: str | None = None,
     ) -> None:
         if head_dim % 4:
             raise ValueError(f"{self.registry_name} splits the pairs between h and w and needs head_dim divisible by 4, got {head_dim}")
@@ -262,18 +265,21 @@ class JointSpaceTimeRope(RopeAxial3d):
         return spatial + idx[:, 0, None] * self.scaled_frequencies(ladder, 0, grid)
 
 
-def tower_rope(head_dim: int, grid_size: Sequence[int], theta: float, x_first: bool, owner: str) -> RopeAxial:
+def tower_rope(head_dim: int, grid_size: Sequence[int], theta: float, x_first: bool, owner: str,
+               extrapolation: str | None = None) -> RopeAxial:
     """The towers' 2D RoPE: ``P/2`` pairs over rows and ``P/2`` over columns (``theta^(-k/(P/2))``; columns first when
-    ``x_first``), integer positions, the ``half`` pair layout. On ``(t, h, w)`` grids frames are not rotated."""
+    ``x_first``), integer positions, the ``half`` pair layout, ``extrapolation`` as in
+    :class:`~vispe.encodings.rope_vit.RopeAxial`. On ``(t, h, w)`` grids frames are not rotated."""
     if head_dim % 4:
         raise ValueError(f"{owner}: 2D RoPE gives half the pairs to each axis and needs head_dim divisible by 4, got {head_dim}")
     theta = _positive(owner, "theta", theta)
     half = head_dim // 4
     if len(grid_size) == 3:
         rope: RopeAxial = RopeAxial3d(head_dim, grid_size, sections=(0, half, half), theta=theta,
-                                      chunk_axes=(0, 2, 1) if x_first else (0, 1, 2))
+                                      chunk_axes=(0, 2, 1) if x_first else (0, 1, 2), extrapolation=extrapolation)
     else:
-        rope = RopeAxial(head_dim, grid_size, theta=theta, sections=(half, half), chunk_axes=(1, 0) if x_first else (0, 1))
+        rope = RopeAxial(head_dim, grid_size, theta=theta, sections=(half, half), chunk_axes=(1, 0) if x_first else (0, 1),
+                         extrapolation=extrapolation)
     rope.layout = "half"  # Qwen / GLM / Gemma rotate_half pairs (i, i + P)
     return rope
 
@@ -294,6 +300,8 @@ def gemma4_channel_order(head_dim: int) -> torch.Tensor:
 class _TowerPreset(ComposedEncoding):
     """A preset: its parts are built from the host's context and the preset's own options."""
 
+    resolution = RopeAxial.resolution  # the towers' 2D RoPE part (tower_rope) holds the policy: their extrapolation option
+
 
 @register_encoding("qwen3vl_vision")
 class Qwen3VLVision(_TowerPreset):
@@ -302,10 +310,12 @@ class Qwen3VLVision(_TowerPreset):
 
     grid_ndims = (2, 3)
 
-    def __init__(self, dim: int, head_dim: int, grid_size: Sequence[int], table_size: int = 48, theta: float = 10000.0) -> None:
+    def __init__(self, dim: int, head_dim: int, grid_size: Sequence[int], table_size: int = 48, theta: float = 10000.0,
+                 extrapolation: str | None = None) -> None:
         table = ResampledTable(dim, grid_size, table_size=_positive_int("qwen3vl_vision", "table_size", table_size),
                                mode="bilinear", align_corners=True)
-        super().__init__([table, tower_rope(head_dim, grid_size, theta, x_first=False, owner="qwen3vl_vision")])
+        super().__init__([table, tower_rope(head_dim, grid_size, theta, x_first=False, owner="qwen3vl_vision",
+                                            extrapolation=extrapolation)])
 
 
 @register_encoding("glm4v_vision")
@@ -315,11 +325,13 @@ class Glm4vVision(_TowerPreset):
 
     grid_ndims = (2, 3)
 
-    def __init__(self, dim: int, head_dim: int, grid_size: Sequence[int], table_size: int | None = None, theta: float = 10000.0) -> None:
+    def __init__(self, dim: int, head_dim: int, grid_size: Sequence[int], table_size: int | None = None, theta: float = 10000.0,
+                 extrapolation: str | None = None) -> None:
         if table_size is not None:
             _positive_int("glm4v_vision", "table_size", table_size)
         table = ResampledTable(dim, grid_size, table_size=table_size, mode="bicubic", align_corners=False)
-        super().__init__([table, tower_rope(head_dim, grid_size, theta, x_first=False, owner="glm4v_vision")])
+        super().__init__([table, tower_rope(head_dim, grid_size, theta, x_first=False, owner="glm4v_vision",
+                                            extrapolation=extrapolation)])
 
 
 @register_encoding("gemma4_vision")
@@ -330,9 +342,11 @@ class Gemma4Vision(_TowerPreset):
 
     grid_ndims = (2,)
 
-    def __init__(self, dim: int, head_dim: int, grid_size: Sequence[int], table_size: int | None = None, theta: float = 100.0) -> None:
+    def __init__(self, dim: int, head_dim: int, grid_size: Sequence[int], table_size: int | None = None, theta: float = 100.0,
+                 extrapolation: str | None = None) -> None:
         table = AxisTables(dim, grid_size, table_size=table_size)
-        super().__init__([table, tower_rope(head_dim, grid_size, theta, x_first=True, owner="gemma4_vision")])
+        super().__init__([table, tower_rope(head_dim, grid_size, theta, x_first=True, owner="gemma4_vision",
+                                            extrapolation=extrapolation)])
 
 
 @register_encoding("eva02at")
@@ -341,7 +355,7 @@ class Eva02AT(_TowerPreset):
     over all pairs). Videos (``(t, h, w)`` grids)."""
 
     grid_ndims = (3,)
-    extrapolation_policies = JointSpaceTimeRope.extrapolation_policies  # its extrapolation option is the rotary part's
+    resolution = JointSpaceTimeRope.resolution  # its extrapolation option is the rotary part's
 
     def __init__(
         self,
@@ -350,7 +364,7 @@ class Eva02AT(_TowerPreset):
         grid_size: Sequence[int],
         theta: float = 10000.0,
         temporal_theta: float = 10000.0,
-        extrapolation: str = "interpolate",
+        extrapolation: str | None = None,
     ) -> None:
         if len(tuple(grid_size)) != 3:
             raise ValueError(f"eva02at encodes (t, h, w) video lattices, got grid_size={tuple(grid_size)}; use a video model")
