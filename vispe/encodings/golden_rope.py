@@ -20,7 +20,7 @@ from .._checks import Int, Real
 from .base import register_encoding
 from .grid import PositionGrid
 from .rope_vit import _LatticeRotary
-from .spec import EXTRAPOLATION_MODES
+from .resolution import ResolutionContract
 
 __all__ = ["GoldenRope", "generalized_golden_ratio", "golden_directions", "log_frequency_ladder"]
 
@@ -64,7 +64,7 @@ class GoldenRope(_LatticeRotary):
 
     grid_ndims = (2, 3)
     layout = "half"
-    extrapolation_policies = EXTRAPOLATION_MODES
+    resolution = ResolutionContract(("extend", "rescale"), default="extend")
     option_checks = {"min_freq": Real(0, low_open=True), "max_freq": Real(0, low_open=True),
                      "zero_freq_fraction": Real(0, 1), "num_heads": Int(1)}
 
@@ -76,7 +76,7 @@ class GoldenRope(_LatticeRotary):
         min_freq: float = 1.0,
         max_freq: float = 10000.0,
         zero_freq_fraction: float = 0.0,
-        extrapolation: str = "extend",
+        extrapolation: str | None = None,
     ) -> None:
         name = self.registry_name
         super().__init__(name, head_dim, grid_size, extrapolation, None)

@@ -26,7 +26,7 @@ from .._checks import Real
 from .base import register_encoding
 from .grid import PositionGrid
 from .rope_vit import _LatticeRotary
-from .spec import EXTRAPOLATION_MODES
+from .resolution import ResolutionContract
 
 __all__ = ["NdRope", "simplex_vertices", "simplex_wave_vectors"]
 
@@ -64,7 +64,7 @@ class NdRope(_LatticeRotary):
     """
 
     grid_ndims = (2, 3)
-    extrapolation_policies = EXTRAPOLATION_MODES
+    resolution = ResolutionContract(("extend", "rescale"), default="extend")
     option_checks = {"theta": Real(1, low_open=True)}
 
     def __init__(
@@ -72,7 +72,7 @@ class NdRope(_LatticeRotary):
         head_dim: int,
         grid_size: Sequence[int] = (14, 14),
         theta: float = 100.0,
-        extrapolation: str = "extend",
+        extrapolation: str | None = None,
     ) -> None:
         name = self.registry_name
         super().__init__(name, head_dim, grid_size, extrapolation, None)

@@ -76,7 +76,7 @@ class PoPE(RopeAxial):
         sections: Sequence[int] | None = None,
         chunk_axes: Sequence[int] | None = None,
         bias_init: str = "zeros",
-        extrapolation: str = "extend",
+        extrapolation: str | None = None,
     ) -> None:
         name = self.registry_name
         ndim = len(tuple(grid_size))
