@@ -71,7 +71,7 @@ def _sample_axis(n: int, align_corners: bool, device) -> torch.Tensor:
     return (torch.arange(n, device=device, dtype=torch.float32) + 0.5) / n * 2 - 1  # patch centres
 
 
-@register_encoding("learned_resampled")
+@register_encoding("learned_resampled", benchmark=False)
 class ResampledTable(TokenEncoding):
     """A learned table (``table_size`` x ``table_size``; default: the training grid's shape) resampled to each image's
     grid and added to the patch tokens: sampled at every patch with ``mode`` interpolation (``align_corners=True``: the table's corner rows
@@ -141,7 +141,7 @@ class ResampledTable(TokenEncoding):
         return None
 
 
-@register_encoding("learned_xy")
+@register_encoding("learned_xy", benchmark=False)
 class AxisTables(TokenEncoding):
     """Separate learned column (``x``) and row (``y``) tables, ``table_size`` rows each, looked up at each patch's
     integer column and row and summed (Gemma 4's vision tower). ``pos_embed`` ``(2, table_size, D)``: row 0 the
@@ -179,7 +179,7 @@ class AxisTables(TokenEncoding):
         return {"pos_embed"}
 
 
-@register_encoding("learned_st")
+@register_encoding("learned_st", benchmark=False)
 class SpaceTimeTables(TokenEncoding):
     """Learned spatial ``(h, w)`` and temporal ``(t)`` tables added to every ``(t, h, w)`` token (spatial row of its
     patch plus temporal row of its frame; EVA02-AT's input embeddings). Other grids: the spatial table resampled
@@ -230,7 +230,7 @@ class SpaceTimeTables(TokenEncoding):
         return None
 
 
-@register_encoding("rope_st_joint")
+@register_encoding("rope_st_joint", benchmark=False)
 class JointSpaceTimeRope(RopeAxial3d):
     """EVA02-AT's joint spatial-temporal RoPE on ``(t, h, w)``: pair ``j`` rotates by
     ``phi_s,j(h, w) + t * temporal_theta^(-j/P)`` -- a 2D axial RoPE over ``(h, w)`` (``P/2`` pairs each,
@@ -294,8 +294,10 @@ def gemma4_channel_order(head_dim: int) -> torch.Tensor:
 class _TowerPreset(ComposedEncoding):
     """A preset: its parts are built from the host's context and the preset's own options."""
 
+    contract = "rotary"  # a table plus RoPE: the attention side rotates q/k
 
-@register_encoding("qwen3vl_vision")
+
+@register_encoding("qwen3vl_vision", benchmark=False)
 class Qwen3VLVision(_TowerPreset):
     """Qwen3-VL's vision-tower position encoding: ``learned_resampled`` (``table_size`` x ``table_size``, bilinear,
     ``align_corners=True``) + 2D RoPE (rows then columns, ``theta``, ``half`` layout). Images and videos."""
@@ -308,7 +310,7 @@ class Qwen3VLVision(_TowerPreset):
         super().__init__([table, tower_rope(head_dim, grid_size, theta, x_first=False, owner="qwen3vl_vision")])
 
 
-@register_encoding("glm4v_vision")
+@register_encoding("glm4v_vision", benchmark=False)
 class Glm4vVision(_TowerPreset):
     """GLM-4V's vision-tower position encoding: ``learned_resampled`` (``table_size``, default the training grid;
     bicubic at the patch centres, ``align_corners=False``) + 2D RoPE (rows then columns, ``theta``, ``half`` layout)."""
@@ -322,7 +324,7 @@ class Glm4vVision(_TowerPreset):
         super().__init__([table, tower_rope(head_dim, grid_size, theta, x_first=False, owner="glm4v_vision")])
 
 
-@register_encoding("gemma4_vision")
+@register_encoding("gemma4_vision", benchmark=False)
 class Gemma4Vision(_TowerPreset):
     """Gemma 4's vision-tower position encoding: ``learned_xy`` (summed column and row tables, ``table_size`` rows;
     transformers' default is 10240) + 2D RoPE (columns then rows, ``theta = 100``, ``half`` layout; Gemma's own
@@ -335,7 +337,7 @@ class Gemma4Vision(_TowerPreset):
         super().__init__([table, tower_rope(head_dim, grid_size, theta, x_first=True, owner="gemma4_vision")])
 
 
-@register_encoding("eva02at")
+@register_encoding("eva02at", benchmark=False)
 class Eva02AT(_TowerPreset):
     """EVA02-AT: ``learned_st`` (spatial + temporal tables) + ``rope_st_joint`` (2D spatial RoPE plus temporal RoPE
     over all pairs). Videos (``(t, h, w)`` grids)."""
