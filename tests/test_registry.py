@@ -164,3 +164,15 @@ def test_encoding_modules_import_without_a_circle():
     for m in sorted(graph):
         if m not in state:
             visit(m, [])
+
+
+def test_multimodal_schemes_are_fields_of_their_records():
+    from vispe.positions import SCHEMES
+
+    with_scheme = encoding_records(kind="rotary")
+    assert {r.name for r in with_scheme if r.scheme is not None} == set(SCHEMES)
+    for name, scheme in SCHEMES.items():
+        record = get_record(name)
+        assert record.scheme is scheme and scheme.name == name and not record.benchmark  # LLM-side: opt-in
+        enc = create_encoding(name, EncodingContext(dim=64, num_heads=2, depth=1, grid_size=(2, 3)))
+        assert enc.num_coords == record.scheme.num_coords

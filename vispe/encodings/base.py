@@ -34,6 +34,8 @@ import torch
 import torch.nn as nn
 
 from .._checks import Bool, Choice, Int, Ints, OptionCheck, Real, Str, check_options, did_you_mean
+from ..positions import SCHEMES
+
 # the attention kernels live in .attention; re-exported here for the encodings that import them from .base
 from .attention import (
     ATTENTION_BACKENDS,
@@ -511,7 +513,9 @@ class EncodingRecord:
         benchmark_options: options benchmarks build it with (e.g. a cheaper block size).
         groups: further named sets a benchmark may select by (``'scaling'``: the default set of
             ``vispe bench scaling``).
-        scheme: for a multimodal rotary encoding, its position scheme (:class:`vispe.positions.PositionScheme`).
+        scheme: for a multimodal rotary encoding, its position scheme (:class:`vispe.positions.PositionScheme`:
+            label, coordinates per token, builder, evaluation options), the one declared beside its builder under
+            the same name (:data:`vispe.positions.SCHEMES`, which :mod:`vispe.positions` needs without the encodings).
     """
 
     name: str
@@ -621,7 +625,7 @@ def register_encoding(
             name, cls, MappingProxyType(dict(defaults or {})), tuple(cls.grid_ndims), kind or cls.contract, cls.kind,
             family or _family(cls), paper if paper is not None else _paper(cls), deprecated,
             _benchmark_ndims(benchmark, tuple(cls.grid_ndims)), MappingProxyType(dict(benchmark_options or {})),
-            tuple(groups), scheme,
+            tuple(groups), scheme if scheme is not None else SCHEMES.get(name),
         )
         _add_record(record)
         if not deprecated:
