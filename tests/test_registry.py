@@ -176,3 +176,18 @@ def test_multimodal_schemes_are_fields_of_their_records():
         assert record.scheme is scheme and scheme.name == name and not record.benchmark  # LLM-side: opt-in
         enc = create_encoding(name, EncodingContext(dim=64, num_heads=2, depth=1, grid_size=(2, 3)))
         assert enc.num_coords == record.scheme.num_coords
+
+
+def test_every_decorated_name_in_the_package_is_registered_by_discovery():
+    """No hand list of modules: each name a module of the package decorates is registered by ``import vispe``."""
+    decorated = set()
+    for path in ENCODINGS_DIR.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                for dec in node.decorator_list:
+                    if (isinstance(dec, ast.Call) and getattr(dec.func, "id", None) in ("register_encoding", "register_preset")
+                            and dec.args and isinstance(dec.args[0], ast.Constant)):
+                        decorated.add(dec.args[0].value)
+    assert len(decorated) > 30 and decorated <= set(list_encodings())
+    init = (ENCODINGS_DIR / "__init__.py").read_text()
+    assert "import_encoding_modules()" in init and "from . import" not in init
