@@ -7,7 +7,6 @@ from .base import (
     EncodingRecord,
     PositionalEncoding,
     TokenEncoding,
-    benchmark_encodings,
     encoding_records,
     get_extrapolation,
     get_record,
@@ -22,6 +21,7 @@ from .rotary import ROTARY_LAYOUTS, RotaryEncoding, RotaryState, apply_rotary, r
 from .spec import (
     EXTRAPOLATION_MODES,
     PosEncodingArg,
+    benchmark_encodings,
     create_encoding,
     extrapolation_policies,
     get_encoding_class,

@@ -65,7 +65,6 @@ __all__ = [
     "register_alias",
     "encoding_records",
     "list_encodings",
-    "benchmark_encodings",
     "get_record",
     "get_extrapolation",
     "set_extrapolation",
@@ -532,13 +531,6 @@ class EncodingRecord:
     groups: tuple[str, ...] = ()
     scheme: Any = None
 
-    @property
-    def spec(self) -> str:
-        """The name with :attr:`benchmark_options`, as benchmarks list it (``'liere[block_size=8]'``)."""
-        if not self.benchmark_options:
-            return self.name
-        return self.name + "[" + ",".join(f"{k}={v!r}" for k, v in self.benchmark_options.items()) + "]"
-
     def matches(self, **tags: Any) -> bool:
         """Whether every tag matches: a tuple-valued tag (``grid_ndim``, ``benchmark``, ``groups``) contains the
         value; any other equals it; ``None`` matches anything."""
@@ -686,12 +678,6 @@ def list_encodings(kind: str | None = None, grid_ndim: int | None = None, **tags
         tags["mechanism"] = kind
         kind = None
     return [r.name for r in encoding_records(kind=kind, grid_ndim=grid_ndim, **tags)]
-
-
-def benchmark_encodings(grid_ndim: int, **tags: Any) -> list[str]:
-    """The encoding specs a benchmark on ``grid_ndim``-D grids covers by default: every record tagged for it
-    (``benchmark``), with its ``benchmark_options``, further filtered by ``tags`` (``kind='bias'``)."""
-    return [r.spec for r in encoding_records(benchmark=grid_ndim, **tags)]
 
 
 def get_record(name: str) -> EncodingRecord:

@@ -36,6 +36,7 @@ from .base import (  # the registry and its private helpers, shared with this la
     _common_policies,
     _init_params,
     _policy_encodings,
+    encoding_records,
     get_record,
     list_encodings,
 )
@@ -43,7 +44,7 @@ from .composed import ComposedEncoding, attention_side, check_parts
 
 __all__ = ["PosEncodingArg", "EXTRAPOLATION_MODES", "ROTARY_EXTRAPOLATION_MODES", "parse_pos_encoding", "parse_encoding_list", "format_spec",
            "split_composed", "get_encoding_class", "create_encoding", "composed_class", "encoding_option_checks",
-           "extrapolation_policies"]
+           "extrapolation_policies", "benchmark_encodings"]
 
 #: What a model's ``pos_encoding`` argument takes (a loose type so LightningCLI accepts every form).
 PosEncodingArg = Union[str, Mapping[str, Any], Sequence[Any]]
@@ -213,6 +214,15 @@ def composed_class(name: str) -> type[ComposedEncoding]:
                                                              "registry_name": name, "__module__": __name__})
     _COMPOSED_CLASSES[name] = cls
     return cls
+
+
+def benchmark_encodings(grid_ndim: int, **tags: Any) -> list[str]:
+    """The encoding specs a benchmark on ``grid_ndim``-D grids covers by default: every record tagged for it
+    (:attr:`~vispe.encodings.base.EncodingRecord.benchmark`), each with its ``benchmark_options``
+    (``'liere[block_size=8]'``), further filtered by any tag (``kind='bias'``; see
+    :func:`~vispe.encodings.base.encoding_records`). Benchmarks take their default encodings from here, so a new
+    encoding appears in each with no list to edit."""
+    return [format_spec(r.name, dict(r.benchmark_options)) for r in encoding_records(benchmark=grid_ndim, **tags)]
 
 
 def get_encoding_class(name: str) -> type[PositionalEncoding]:
