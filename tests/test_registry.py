@@ -191,3 +191,16 @@ def test_every_decorated_name_in_the_package_is_registered_by_discovery():
     assert len(decorated) > 30 and decorated <= set(list_encodings())
     init = (ENCODINGS_DIR / "__init__.py").read_text()
     assert "import_encoding_modules()" in init and "from . import" not in init
+
+
+def test_benchmark_commands_take_their_defaults_from_the_registry():
+    from vispe.benchmarks.scaling import main as scaling_main
+    from vispe.benchmarks.speed import BENCH_CONFIGS
+    from vispe.benchmarks.speed_report import growth_biases
+
+    assert BENCH_CONFIGS["vit_s16"].default_encodings == tuple(benchmark_encodings(2))
+    assert BENCH_CONFIGS["video_s16"].default_encodings == tuple(benchmark_encodings(3))
+    assert growth_biases() == benchmark_encodings(2, kind="bias")
+    # the default encodings resolve (registry group 'scaling') before the strategies are checked
+    with pytest.raises(ValueError, match="unknown strategy 'bogus'"):
+        scaling_main(["--strategies", "bogus"])
