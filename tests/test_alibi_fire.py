@@ -334,7 +334,7 @@ def test_keep_tokens_narrows_the_bias_to_each_samples_tokens(spec):
 
 def test_image_vit_trains_at_three_grids_with_axial_fire():
     """`alibi_2d` and `fire` at their defaults train at these grids in the registry-wide
-    tests/test_foundation.py::test_every_2d_encoding_trains_at_train_larger_and_nonsquare_grids; here FIRE's signed
+    tests/test_encoding_contracts.py::test_trains_at_train_larger_and_nonsquare_grids; here FIRE's signed
     per-axis offsets, which no registry-wide suite builds, and FIRE's parameters kept out of weight decay."""
     torch.manual_seed(0)
     model = _image_model("fire[distance=axial]")

@@ -19,7 +19,8 @@ import torch.nn as nn
 
 import vispe
 from vispe._checks import Bool, Choice, Int, OptionCheck, Real, Seq, Str
-from vispe.encodings.base import CONTEXT_OPTION_CHECKS, EncodingContext, create_encoding, get_encoding_class
+from vispe.encodings import EncodingContext, create_encoding, get_encoding_class
+from vispe.encodings.base import CONTEXT_OPTION_CHECKS
 from vispe.encodings.grid import PositionGrid
 from vispe.encodings.loope import FiniteBatchNorm2d
 

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from vispe.encodings.base import EncodingContext, create_encoding
+from vispe.encodings import EncodingContext, create_encoding
 from vispe.positions import SCHEME_OPTION_CHECKS, SCHEMES, Text, Visual, build_positions, build_positions_batch
 
 from bad_input import expect_clear_error

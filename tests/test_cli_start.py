@@ -41,6 +41,7 @@ def test_help_recipes_and_config_errors_import_no_heavy_module(argv, rc):
     assert _loaded_after(argv) == (rc, [])
 
 
+@pytest.mark.slow  # two fresh interpreters importing torch and timm
 def test_import_vispe_is_light_and_still_registers_models_in_timm_in_either_order():
     r = _python(
         "import sys, importlib.util, vispe\n"

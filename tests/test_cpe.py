@@ -68,7 +68,7 @@ def test_placement():
     assert torch.equal(_cpe().embed_tokens(x, grid), x)  # default: nothing before block 0
 
 
-@pytest.mark.parametrize("opts", [{}, {"positions": (0, 1), "kernel_size": 5}])
+@pytest.mark.parametrize("opts", [{"positions": (0, 1), "kernel_size": 5}])  # defaults: tests/test_encoding_contracts.py
 def test_forward_backward_grids_and_bf16(opts):
     model = timm.create_model(MODEL, pos_encoding={"name": "cpe", **opts}, depth=3)
     for hw in [(32, 32), (48, 48), (32, 56)]:

@@ -224,6 +224,7 @@ def test_every_docs_file_is_covered_or_listed():
             assert b["marker"], f"{rel}:{b['line']}: a {b['lang']} block without a '<!-- ci: ... -->' marker"
 
 
+@pytest.mark.slow  # end to end: every command of a page (trainings, benchmarks, CLI runs)
 @pytest.mark.parametrize("rel", COVERED)
 def test_docs_commands_run(rel, tmp_path, monkeypatch, capsys):
     """Each covered file's commands and snippets, in their smoke form, in document order."""

@@ -148,35 +148,6 @@ def _tiny(pe, **kw):
     return timm.create_model("vispe_vit_tiny_patch4_32", **args)
 
 
-@pytest.mark.parametrize("name", list_encodings(grid_ndim=2))
-def test_every_2d_encoding_trains_at_train_larger_and_nonsquare_grids(name):
-    torch.manual_seed(0)
-    model = _tiny(name)
-    for size in [(32, 32), (48, 48), (24, 40)]:
-        model.zero_grad()
-        out = model(torch.randn(2, 3, *size))
-        assert out.shape == (2, 5) and torch.isfinite(out).all()
-        out.square().mean().backward()
-        grads = [p.grad for p in model.parameters() if p.requires_grad]
-        assert all(g is not None and torch.isfinite(g).all() for g in grads)
-    enc_params = [p for p in model.pos_encoding.parameters() if p.requires_grad]
-    assert all(p.grad is not None for p in enc_params), f"{name}: an encoding parameter got no gradient"
-
-
-@pytest.mark.parametrize("name", list_encodings(grid_ndim=2))
-def test_validate_then_train_at_the_same_grid(name):
-    """Tables cached during an inference_mode pass must still serve a training step (Lightning validates first)."""
-    model = _tiny(name)
-    model.eval()
-    with torch.inference_mode():
-        model(torch.randn(2, 3, 32, 32))
-    model.train()
-    out = model(torch.randn(2, 3, 32, 32))
-    out.sum().backward()
-    assert torch.isfinite(out).all()
-    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.pos_encoding.parameters() if p.requires_grad)
-
-
 def test_timm_registration_and_create_model():
     names = timm.list_models("vispe_*")
     for n in [

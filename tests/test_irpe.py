@@ -145,7 +145,7 @@ def test_layers_without_tables_are_plain_attention():
     assert not torch.allclose(enc.attend(q, k, v, layer=1, state=state), ref, atol=1e-3)
 
 
-@pytest.mark.parametrize("opts", [{}, {"sides": "qkv", "method": "cross"}, {"mode": "bias", "shared_head": False}])
+@pytest.mark.parametrize("opts", [{"sides": "qkv", "method": "cross"}, {"mode": "bias", "shared_head": False}])  # defaults: the contracts suite
 def test_forward_backward_grids_and_bf16(opts):
     model = timm.create_model(MODEL, pos_encoding={"name": "irpe", **opts}, depth=1)
     n_params = sum(p.numel() for p in model.pos_encoding.parameters())

@@ -82,7 +82,7 @@ def test_prefix_vectors_and_tokens():
     assert enc.prefix_embed.grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize("opts", [{}, {"groups": 2, "fourier_dim": 64}])
+@pytest.mark.parametrize("opts", [{"groups": 2, "fourier_dim": 64}])  # defaults: tests/test_encoding_contracts.py
 def test_forward_backward_grids_and_bf16(opts):
     model = timm.create_model(MODEL, pos_encoding={"name": "lff", **opts}, depth=1)
     for hw in [(32, 32), (48, 48), (32, 56)]:

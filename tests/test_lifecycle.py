@@ -21,23 +21,6 @@ def _tiny(name: str):
     )
 
 
-@pytest.mark.parametrize("name", ENC_2D)
-def test_validate_under_inference_mode_then_train(name):
-    """State first built under inference_mode / no_grad (validation) must serve a later training step."""
-    torch.manual_seed(0)
-    model = _tiny(name)
-    x = torch.randn(2, 3, 48, 48)  # a grid other than the training one: resampled / rebuilt tables
-    model.eval()
-    with torch.inference_mode():
-        model(x)
-    with torch.no_grad():
-        model(x)
-    model.train()
-    model(x).logsumexp(-1).sum().backward()
-    grads = [p.grad for p in model.parameters() if p.requires_grad]
-    assert all(g is not None and torch.isfinite(g).all() for g in grads)
-
-
 def test_cached_state_follows_parameter_updates_and_moves():
     torch.manual_seed(0)
     model = _tiny("rope_mixed").eval()

@@ -93,7 +93,7 @@ def test_size_agnostic_default_and_linear_head_error():
         lin.embed_tokens(torch.zeros(1, 61, 16), grid, image=torch.randn(1, 3, 24, 40))
 
 
-@pytest.mark.parametrize("opts", [{}, {"offset": False}])
+@pytest.mark.parametrize("opts", [{"offset": False}])  # defaults: tests/test_encoding_contracts.py
 def test_forward_backward_grids_and_bf16(opts):
     model = timm.create_model(MODEL, pos_encoding={"name": "loope", **opts}, depth=1)
     for hw in [(32, 32), (48, 48), (32, 56)]:

@@ -18,7 +18,7 @@ from vispe.analysis.pesi import (
     plot_similarity_maps,
     similarity_maps,
 )
-from vispe.encodings.base import EncodingContext, create_encoding
+from vispe.encodings import EncodingContext, create_encoding
 from vispe.encodings.grid import PositionGrid
 from vispe.encodings.rotary import apply_rotary, rotary_table
 

@@ -1,15 +1,13 @@
-"""Registered presets (a registered name = a class plus default options, timm's way): a preset builds exactly what its
-class builds with those defaults, is listed for its grids, and keeps the option checks."""
+"""Registered presets (a registered name = a record of a class plus default options, timm's way): a preset builds
+exactly what its class builds with those defaults, is listed for its grids, and keeps the option checks."""
 from __future__ import annotations
-
-import inspect
 
 import pytest
 import torch
 
 import vispe
 from vispe.encodings import EncodingContext, PositionGrid, create_encoding
-from vispe.encodings.base import PositionalEncoding, register_preset
+from vispe.encodings.base import PositionalEncoding, get_record, register_preset
 from vispe.encodings.rope_vit import RopeAxial
 
 PRESETS = {  # name: (grids it is listed for, the defaults it sets)
@@ -34,23 +32,25 @@ def _context(ndim: int) -> EncodingContext:
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_preset_is_its_class_with_defaults(name):
     ndims, defaults = PRESETS[name]
-    cls = vispe.get_encoding_class(name)
-    assert name in vispe.list_encodings(grid_ndim=ndims[0]) and cls.grid_ndims == ndims
-    assert cls.registry_name == name and cls.preset_of is not None and dict(cls.preset_defaults) == defaults
-    params = inspect.signature(cls.__init__).parameters
-    assert all(params[k].default == v for k, v in defaults.items())
+    record = get_record(name)
+    cls = record.cls
+    assert name in vispe.list_encodings(grid_ndim=ndims[0]) and cls.grid_ndims == ndims == record.grid_ndim
+    assert cls.registry_name == name and dict(record.defaults) == defaults
+    # a preset has no constructor of its own (no rewritten signature): the class it presets builds it
+    assert "__init__" not in cls.__dict__
+    preset_of = cls.__mro__[1]
     # same options, same rules (declared once on the class), same weights and outputs as the class itself
-    assert cls.option_rules().keys() == cls.preset_of.option_rules().keys()
+    assert cls.option_rules().keys() == preset_of.option_rules().keys()
     ctx = _context(ndims[0])
-    accepted = set(params)
-    args = {k: v for k, v in ctx.as_kwargs().items() if k in accepted}
+    accepted = set(cls.option_rules()) | set(ctx.as_kwargs())
+    args = {k: v for k, v in ctx.as_kwargs().items() if k in accepted and k in preset_of.option_rules()}
     torch.manual_seed(0)
     preset = create_encoding(name, ctx)
     # the class itself, listed for the preset's grids (a subclass that changes nothing else), given the defaults
-    base = type("Plain", (cls.preset_of,), {"grid_ndims": ndims, "registry_name": name})
+    base = type("Plain", (preset_of,), {"grid_ndims": ndims, "registry_name": name})
     torch.manual_seed(0)
     plain = base(**{**defaults, **args})
-    assert isinstance(preset, cls.preset_of) and type(preset) is cls
+    assert isinstance(preset, preset_of) and type(preset) is cls
     for (k1, v1), (k2, v2) in zip(preset.state_dict().items(), plain.state_dict().items()):
         assert k1 == k2 and torch.equal(v1, v2)
     grid = PositionGrid(tuple(ctx.grid_size), 1)
@@ -80,3 +80,10 @@ def test_register_preset_refuses_options_the_class_lacks():
                 super().__init__(head_dim)
     assert "rope_typo" not in vispe.list_encodings() and "rope_own_init" not in vispe.list_encodings()
     assert issubclass(vispe.get_encoding_class("rope_axial_3d"), PositionalEncoding)
+
+
+def test_preset_defaults_sit_under_the_context_and_the_callers_options():
+    # alibi_2d's record default grid_size=(14, 14) is what a bare build gets; a host's grid or an option wins
+    assert vispe.create_encoding("alibi_2d", num_heads=2).grid_size == (14, 14)
+    assert vispe.create_encoding("alibi_2d", num_heads=2, grid_size=(5, 6)).grid_size == (5, 6)
+    assert create_encoding("alibi_2d", _context(2)).grid_size == (3, 3)

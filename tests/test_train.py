@@ -123,6 +123,7 @@ def test_sigkill_then_resume_matches_uninterrupted(uninterrupted, tmp_path):
     assert logged.keys() == expected.keys() and logged == pytest.approx(expected, abs=1e-6)
 
 
+@pytest.mark.slow  # needs the uninterrupted training run (the fixture) like the other resume tests
 def test_resuming_a_finished_run_says_so_and_writes_nothing(uninterrupted, tmp_path):
     out = tmp_path / "runs"
     shutil.copytree(uninterrupted, out)

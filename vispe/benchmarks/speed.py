@@ -69,13 +69,18 @@ class BenchConfig:
     num_classes: int
     timm_refs: dict[str, tuple[str, dict[str, Any]]]
     frames: int = 0
-    default_encodings: tuple[str, ...] = ()
     reference: str = "timm:ape"
     model_kwargs: dict[str, Any] = field(default_factory=dict)
 
     @property
     def grid_ndim(self) -> int:
         return 3 if self.frames else 2
+
+    @property
+    def default_encodings(self) -> tuple[str, ...]:
+        """The encodings measured without ``--encodings``: the registry's benchmark set for this size's grids
+        (:func:`vispe.encodings.benchmark_encodings`), each with its benchmark options."""
+        return default_encodings(self.grid_ndim)
 
 
 _TIMM_S16 = {
@@ -90,28 +95,27 @@ _TIMM_B16 = {
 }
 _SMALL_IMG = dict(img_size=32, patch_size=4, num_classes=10)
 
-#: The image-encoding family benchmarked by default (those registered are used, each under its defaults,
-#: e.g. iRPE = contextual/product/key side as in the DeiT release).
-DEFAULT_ENCODINGS = (
-    "none", "learned", "sincos2d", "rope_axial", "rope_mixed", "comrope_ap", "comrope_ld", "irpe", "cpe", "lff", "loope",
-    # the 2026 catalogue; LieRE with 8x8 blocks (its dense default, one 64x64 matrix_exp per token, head and layer,
-    # costs ~14 s forward + ~72 s backward per ViT-S/16 step on one CPU thread: see vispe/encodings/liere.py)
-    "rope_dinov3", "alibi_2d", "fire", "liere[block_size=8]",
-)
-#: The video encodings of ``video_s16``; ``learned_3d`` is its ratio denominator.
-DEFAULT_VIDEO_ENCODINGS = ("learned_3d", "none", "sincos3d", "rope_axial_3d", "rope_mixed_3d", "comrope_ld_3d",
-                           "rope_dinov3_3d", "alibi_3d", "fire_3d", "liere_3d[block_size=8]")
+
+
+def default_encodings(grid_ndim: int) -> tuple[str, ...]:
+    """The encodings benchmarked by default on ``grid_ndim``-D grids: every registered encoding whose record is tagged
+    for them (``benchmark``; variants, composition presets, LLM-side schemes and SeqPE are opt-in), each under its
+    defaults and ``benchmark_options`` (e.g. LieRE with 8x8 blocks: its dense default, one 64x64 matrix_exp per token,
+    head and layer, costs ~14 s forward + ~72 s backward per ViT-S/16 step on one CPU thread)."""
+    from vispe.encodings import benchmark_encodings
+
+    return tuple(benchmark_encodings(grid_ndim))
+
 
 BENCH_CONFIGS: dict[str, BenchConfig] = {
-    "vit_s16": BenchConfig("vispe_vit_small_patch16_224", 224, 8, 128, 1000, _TIMM_S16, default_encodings=DEFAULT_ENCODINGS),
-    "vit_b16": BenchConfig("vispe_vit_base_patch16_224", 224, 4, 128, 1000, _TIMM_B16, default_encodings=DEFAULT_ENCODINGS),
+    "vit_s16": BenchConfig("vispe_vit_small_patch16_224", 224, 8, 128, 1000, _TIMM_S16),
+    "vit_b16": BenchConfig("vispe_vit_base_patch16_224", 224, 4, 128, 1000, _TIMM_B16),
     "vit_s4_32": BenchConfig(
         "vispe_vit_small_patch4_32", 32, 16, 512, 10, {k: (n, dict(_SMALL_IMG)) for k, (n, _) in _TIMM_S16.items()},
-        default_encodings=DEFAULT_ENCODINGS,
     ),
     # video ViT-S, tubelet 2x16x16, 8 frames of 112 px: (4, 7, 7) = 196 tokens + cls, the token count of ViT-S/16@224
     "video_s16": BenchConfig(
-        "vispe_video_vit_small_patch16_224", 112, 8, 64, 400, {}, frames=8, default_encodings=DEFAULT_VIDEO_ENCODINGS,
+        "vispe_video_vit_small_patch16_224", 112, 8, 64, 400, {}, frames=8,
         reference="vispe:learned_3d", model_kwargs={"img_size": 112, "num_frames": 8},
     ),
 }
@@ -147,17 +151,12 @@ def parse_encoding_specs(text: str) -> list[tuple[str, str, dict[str, Any]]]:
 
 
 def default_encoding_specs(every: bool = False, cfg: BenchConfig | None = None) -> str:
-    """The default encodings of a configuration that are registered (``every``: every encoding that
+    """The default encodings of a configuration (:func:`default_encodings`; ``every``: every encoding that
     takes the configuration's grids); ``cfg`` defaults to ``vit_s16``."""
-    import vispe  # noqa: F401  (registers the encodings)
     from vispe.encodings import list_encodings
 
-    from vispe.encodings.spec import parse_pos_encoding
-
     cfg = cfg or BENCH_CONFIGS["vit_s16"]
-    names = list_encodings(grid_ndim=cfg.grid_ndim)
-    # defaults may carry options (``liere[block_size=8]``): filter on the encoding's name
-    return ",".join(names if every else [s for s in cfg.default_encodings if parse_pos_encoding(s)[0] in names])
+    return ",".join(list_encodings(grid_ndim=cfg.grid_ndim) if every else cfg.default_encodings)
 
 
 from .speed_measure import PRECISIONS, Entry, infer_step, measure_peak, train_step, _timed  # noqa: F401  (re-exported)
@@ -447,8 +446,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--models", default=",".join(DEFAULT_MODELS),
                    help=f"model sizes, comma-separated from {sorted(BENCH_CONFIGS)} (video_s16: the video ViT with 3D encodings)")
     p.add_argument("--encodings", default=None,
-                   help="vispe encodings, e.g. 'learned,rope_axial,irpe[mode=bias]' (default: per model size, the image encodings "
-                   f"{','.join(DEFAULT_ENCODINGS)} or the video encodings {','.join(DEFAULT_VIDEO_ENCODINGS)}); 'all' (or 'all2d') = "
+                   help="vispe encodings, e.g. 'learned,rope_axial,irpe[mode=bias]' (default: per model size, the registry's "
+                   "benchmark set for its grids, vispe.encodings.benchmark_encodings(2) or (3)); 'all' (or 'all2d') = "
                    "every registered encoding for the size's grids; '' = none; names that do not take a size's grids are skipped there")
     p.add_argument("--timm-refs", default="ape,rope_axial,rope_mixed",
                    help="timm reference models: ape (vit_small_patch16_224, the ratio denominator), rope_axial, rope_mixed")

@@ -18,7 +18,7 @@ from .spec import EXTRAPOLATION_MODES
 __all__ = ["NoPE", "LearnedAbsolute", "FixedTableEncoding", "SinCos2d", "EXTRAPOLATION_MODES"]  # EXTRAPOLATION_MODES: from .spec
 
 
-@register_encoding("none")
+@register_encoding("none", groups=("scaling",))
 class NoPE(PositionalEncoding):
     """No positional information at all (the lower bound of every comparison)."""
 
@@ -30,7 +30,7 @@ class NoPE(PositionalEncoding):
 LEARNED_INITS: tuple[str, ...] = ("trunc_normal", "sincos2d")
 
 
-@register_encoding("learned")
+@register_encoding("learned", groups=("scaling",))
 class LearnedAbsolute(TokenEncoding):
     """timm's learned absolute position embedding, resampled for new grids.
 

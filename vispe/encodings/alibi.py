@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from .._checks import Choice, check_choice
-from .base import register_preset
+from .base import register_encoding
 from .coordinates import policy_axis_scale
 from .grid import PositionGrid
 from .lattice_bias import LatticeOffsetBias, pair_distance
@@ -97,14 +97,14 @@ class _Alibi(LatticeOffsetBias):
         )
 
 
-@register_preset("alibi_2d", grid_size=(14, 14))
+@register_encoding("alibi_2d", defaults={"grid_size": (14, 14)}, paper="2108.12409")
 class Alibi2d(_Alibi):
     """ALiBi on ``(h, w)`` image lattices (2D-ALiBi); defaults: Euclidean distance, ``extrapolation='extend'``."""
 
     grid_ndims = (2,)
 
 
-@register_preset("alibi_3d", grid_size=(8, 14, 14))
+@register_encoding("alibi_3d", defaults={"grid_size": (8, 14, 14)}, paper="2108.12409")
 class Alibi3d(_Alibi):
     """ALiBi on ``(t, h, w)`` video lattices; a tubelet step counts one unit, like a patch step. On a single
     temporal position it is ``alibi_2d``."""

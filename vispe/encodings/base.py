@@ -20,16 +20,22 @@ Models never branch on an encoding's name: they call the hooks. Each class state
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
+import re
+import warnings
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from types import MappingProxyType
 from typing import Any, Callable, ClassVar, Hashable, Mapping, Sequence, TypeVar
 
 import torch
 import torch.nn as nn
 
-from .._checks import Bool, Int, Ints, OptionCheck, Real, Str, check_options, did_you_mean
+from .._checks import Bool, Choice, Int, Ints, OptionCheck, Real, Str, check_options, did_you_mean
+from ..positions import SCHEMES
+
 # the attention kernels live in .attention; re-exported here for the encodings that import them from .base
 from .attention import (
     ATTENTION_BACKENDS,
@@ -53,13 +59,14 @@ __all__ = [
     "PositionalEncoding",
     "TokenEncoding",
     "AttentionBiasEncoding",
+    "CONTRACTS",
+    "EncodingRecord",
     "register_encoding",
     "register_preset",
-    "create_encoding",
+    "register_alias",
+    "encoding_records",
     "list_encodings",
-    "get_encoding_class",
-    "encoding_option_checks",
-    "extrapolation_policies",
+    "get_record",
     "get_extrapolation",
     "set_extrapolation",
     "check_context_fields",
@@ -185,8 +192,12 @@ class EncodingContext:
 class PositionalEncoding(nn.Module):
     """Base class and the "no positional encoding" behaviour for every hook."""
 
-    #: 'none' | 'token' | 'bias' | 'rotary' | 'conditional' -- informative, models never read it.
+    #: 'none' | 'token' | 'bias' | 'rotary' | 'conditional' | 'composed' -- informative, models never read it.
     kind: ClassVar[str] = "none"
+    #: Which of the three contracts (:data:`CONTRACTS`) the class implements; the registry's ``kind`` tag.
+    contract: ClassVar[str] = "token"
+    #: A composition hands every hook to its parts (:class:`~vispe.encodings.composed.ComposedEncoding`).
+    is_composition: ClassVar[bool] = False
     #: Grid dimensionalities this encoding accepts (e.g. (2,) for image-only, (2, 3) for both).
     grid_ndims: ClassVar[tuple[int, ...]] = (1, 2, 3)
     #: How prefix tokens (cls, registers) are treated; one sentence, shown in docs and repr.
@@ -195,9 +206,6 @@ class PositionalEncoding(nn.Module):
     supports_token_dropout: ClassVar[bool] = True
 
     registry_name: ClassVar[str] = ""
-    #: For a preset (:func:`register_preset`): the class it presets and the defaults it changes.
-    preset_of: ClassVar[type | None] = None
-    preset_defaults: ClassVar[Mapping[str, Any]] = {}
     #: Entries kept by :meth:`cached` (least recently used dropped first).
     cache_size: ClassVar[int] = 8
     #: The rule of each constructor option (``vispe._checks``: ``Real``, ``Int``, ``Bool``, ``Choice``, ...),
@@ -441,6 +449,7 @@ class AttentionBiasEncoding(PositionalEncoding):
     """
 
     kind = "bias"
+    contract = "bias"
     #: see :data:`~vispe.encodings.attention.ATTENTION_BACKENDS`; ``'auto'`` chooses per call
     attention_backend: str = "auto"
     #: query rows per block of the blocked path (``None``: sized so a block's term stays near 8 MiB)
@@ -480,23 +489,149 @@ class AttentionBiasEncoding(PositionalEncoding):
 
 
 # ---------------------------------------------------------------------------------------------
-# Registry
+# Registry: one record per registered name
 # ---------------------------------------------------------------------------------------------
 
-_REGISTRY: dict[str, type[PositionalEncoding]] = {}
+#: The three encoding contracts a record's ``kind`` names (what a host drives: tokens, an attention bias, a q/k rotation).
+CONTRACTS = ("token", "bias", "rotary")
+_ARXIV = re.compile(r"arXiv:?\s*(\d{4}\.\d{4,5})")
+
+
+@dataclass(frozen=True)
+class EncodingRecord:
+    """What the registry knows about one name: the class, the defaults a preset changes, and tags to query by
+    (:func:`encoding_records`). Tags are derived from the class where they can be; a decorator states the rest.
+
+    Attributes:
+        name: the registered name.
+        cls: the class built (a preset's class, or the renamed class for a deprecated alias).
+        defaults: options a preset changes (applied by ``create_encoding`` under the host's context and the
+            caller's options; the class itself is untouched).
+        grid_ndim: grid dimensionalities a host may give it (the class's ``grid_ndims``).
+        kind: the contract: ``'token'`` (added to tokens, conditional encodings and no encoding included),
+            ``'bias'`` (attention bias) or ``'rotary'`` (q/k rotation); a composition is listed under its
+            attention-side part's contract (its class's ``contract``).
+        mechanism: the class's finer ``kind`` (``'none'``, ``'token'``, ``'conditional'``, ``'bias'``,
+            ``'rotary'``, ``'composed'``), as rows of result tables show it.
+        family: the module that defines it (``'rope_vit'``, ``'comrope'``, ...), unless stated.
+        paper: the arXiv id of the paper: stated, else the first ``arXiv NNNN.NNNNN`` the class's docstring (or a
+            base class's) cites; ``None`` when none is known.
+        deprecated: for a renamed encoding, the new name (building the old one warns ``FutureWarning``).
+        benchmark: the grid dimensionalities for which benchmarks include it by default (``()``: opt-in
+            only, e.g. a variant, a composition preset, an LLM-side scheme, a very slow default).
+        benchmark_options: options benchmarks build it with (e.g. a cheaper block size).
+        groups: further named sets a benchmark may select by (``'scaling'``: the default set of
+            ``vispe bench scaling``).
+        scheme: for a multimodal rotary encoding, its position scheme (:class:`vispe.positions.PositionScheme`:
+            label, coordinates per token, builder, evaluation options), the one declared beside its builder under
+            the same name (:data:`vispe.positions.SCHEMES`, which :mod:`vispe.positions` needs without the encodings).
+    """
+
+    name: str
+    cls: type
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    grid_ndim: tuple[int, ...] = ()
+    kind: str = "token"
+    mechanism: str = "none"
+    family: str = ""
+    paper: str | None = None
+    deprecated: str | None = None
+    benchmark: tuple[int, ...] = ()
+    benchmark_options: Mapping[str, Any] = field(default_factory=dict)
+    groups: tuple[str, ...] = ()
+    scheme: Any = None
+
+    def matches(self, **tags: Any) -> bool:
+        """Whether every tag matches: a tuple-valued tag (``grid_ndim``, ``benchmark``, ``groups``) contains the
+        value; any other equals it; ``None`` matches anything."""
+        for tag, want in tags.items():
+            if want is None:
+                continue
+            have = getattr(self, tag)
+            if not (want in have if isinstance(have, tuple) else have == want):
+                return False
+        return True
+
+
+_RECORDS: dict[str, EncodingRecord] = {}
 _CONTEXT_KEYS = set(EncodingContext(1, 1, 1, (1, 1)).as_kwargs())
+_TAGS = tuple(f.name for f in fields(EncodingRecord) if f.name not in ("name", "cls", "defaults"))
 
 
-def register_encoding(name: str) -> Callable[[type[PositionalEncoding]], type[PositionalEncoding]]:
-    """Class decorator: ``@register_encoding('rope_axial')``. Names are unique."""
+def _paper(cls: type) -> str | None:
+    """The first arXiv id the class's docstring (or a base class's) cites."""
+    for klass in cls.__mro__:
+        if klass is PositionalEncoding:
+            break
+        found = _ARXIV.search(klass.__dict__.get("__doc__") or "")
+        if found:
+            return found.group(1)
+    return None
+
+
+def _family(cls: type) -> str:
+    module = cls.__module__
+    prefix = __name__.rsplit(".", 1)[0] + "."
+    return module[len(prefix):].split(".")[0] if module.startswith(prefix) else module
+
+
+def _benchmark_ndims(benchmark: bool | Sequence[int], ndims: tuple[int, ...]) -> tuple[int, ...]:
+    if benchmark is True:
+        return tuple(d for d in ndims if d > 1)  # benchmarks run image and video lattices
+    if benchmark is False:
+        return ()
+    return tuple(benchmark)
+
+
+def _add_record(record: EncodingRecord) -> None:
+    old = _RECORDS.get(record.name)
+    if old is not None and old.cls is not record.cls:
+        raise ValueError(f"encoding name {record.name!r} is already registered to {old.cls.__name__}")
+    if record.kind not in CONTRACTS:
+        raise ValueError(f"encoding {record.name!r}: kind={record.kind!r} is not a contract; choose one of {list(CONTRACTS)}")
+    _RECORDS[record.name] = record
+
+
+def register_encoding(
+    name: str,
+    *,
+    defaults: Mapping[str, Any] | None = None,
+    kind: str | None = None,
+    family: str | None = None,
+    paper: str | None = None,
+    deprecated: str | None = None,
+    benchmark: bool | Sequence[int] = True,
+    benchmark_options: Mapping[str, Any] | None = None,
+    groups: Sequence[str] = (),
+    scheme: Any = None,
+) -> Callable[[type[PositionalEncoding]], type[PositionalEncoding]]:
+    """Class decorator: ``@register_encoding('rope_axial')`` records the class under ``name`` (names are unique).
+
+    Only what cannot be read off the class is stated here (see :class:`EncodingRecord`): ``grid_ndim`` comes from
+    ``grid_ndims``, ``kind`` from the contract base class, ``family`` from the module, ``paper`` from the
+    docstring's arXiv id. ``benchmark``: ``True`` (default: every benchmark on the class's image/video grids
+    includes it), ``False`` (opt-in), or the grid dimensionalities to include it for. ``defaults``: options a preset
+    changes (see :func:`register_preset`). ``deprecated``: the new name of a renamed encoding (it still builds,
+    with a ``FutureWarning``; see also :func:`register_alias`)."""
 
     def wrap(cls: type[PositionalEncoding]) -> type[PositionalEncoding]:
         if not (isinstance(cls, type) and issubclass(cls, PositionalEncoding)):
             raise TypeError(f"register_encoding({name!r}) expects a PositionalEncoding subclass, got {cls!r}")
-        if name in _REGISTRY and _REGISTRY[name] is not cls:
-            raise ValueError(f"encoding name {name!r} is already registered to {_REGISTRY[name].__name__}")
-        cls.registry_name = name
-        _REGISTRY[name] = cls
+        if defaults:
+            accepted, var_kw = _init_params(cls)
+            unknown = sorted(set(defaults) - accepted)
+            if unknown and not var_kw:
+                owner = next(k for k in cls.__mro__ if "__init__" in k.__dict__)  # the constructor the defaults go to
+                raise TypeError(f"preset {name!r}: {owner.__name__} has no option(s) {unknown}")
+        record = EncodingRecord(
+            name, cls, MappingProxyType(dict(defaults or {})), tuple(cls.grid_ndims), kind or cls.contract, cls.kind,
+            family or _family(cls), paper if paper is not None else _paper(cls), deprecated,
+            _benchmark_ndims(benchmark, tuple(cls.grid_ndims)), MappingProxyType(dict(benchmark_options or {})),
+            tuple(groups), scheme if scheme is not None else SCHEMES.get(name),
+        )
+        _add_record(record)
+        if not deprecated:
+            cls.registry_name = name
         return cls
 
     return wrap
@@ -512,100 +647,72 @@ def register_preset(name: str, **defaults: Any) -> Callable[[type[PositionalEnco
             grid_ndims = (3,)
 
     The decorated class states only what describes the preset (docstring, the grids it is listed for) and no
-    constructor: it gets the base's, with ``defaults`` in its signature (so :meth:`PositionalEncoding.option_rules`,
-    the option checks, specs and ``create_encoding`` see them). ``preset_of`` / ``preset_defaults`` record both."""
+    constructor; the record keeps ``defaults`` (``encoding_records(name=...)[0].defaults``), which
+    ``create_encoding`` passes under the host's context and the caller's options. Same as
+    ``register_encoding(name, defaults=defaults)`` on a class without its own ``__init__``."""
 
     def wrap(cls: type[PositionalEncoding]) -> type[PositionalEncoding]:
         if "__init__" in cls.__dict__:
             raise TypeError(f"preset {name!r}: {cls.__name__} defines __init__; a preset only changes defaults "
                             "(register a class with its own constructor with register_encoding)")
-        base = cls.__mro__[1]
-        sig = inspect.signature(base.__init__)
-        unknown = sorted(set(defaults) - set(sig.parameters))
-        if unknown:
-            raise TypeError(f"preset {name!r}: {base.__name__} has no option(s) {unknown}")
-        if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in sig.parameters.values()):
-            raise TypeError(f"preset {name!r}: {base.__name__} takes *args/**kwargs; a preset needs named options")
-        preset_sig = sig.replace(parameters=[p.replace(default=defaults[p.name]) if p.name in defaults else p
-                                             for p in sig.parameters.values()])
-
-        def __init__(self: PositionalEncoding, *args: Any, **kwargs: Any) -> None:
-            bound = preset_sig.bind(self, *args, **kwargs)
-            bound.apply_defaults()
-            options = dict(bound.arguments)
-            options.pop(next(iter(preset_sig.parameters)))  # self
-            base.__init__(self, **options)
-
-        __init__.__signature__ = preset_sig  # type: ignore[attr-defined]
-        __init__.__qualname__ = f"{cls.__qualname__}.__init__"
-        __init__.__module__ = cls.__module__
-        cls.__init__ = _validating_init(__init__)  # type: ignore[method-assign]
-        cls.preset_of = base
-        cls.preset_defaults = dict(defaults)
-        return register_encoding(name)(cls)
+        return register_encoding(name, defaults=defaults)(cls)
 
     return wrap
 
 
-def list_encodings(kind: str | None = None, grid_ndim: int | None = None) -> list[str]:
-    """Registered encoding names, optionally filtered by ``kind`` or by a grid dimensionality."""
-    names = []
-    for name, cls in sorted(_REGISTRY.items()):
-        if kind is not None and cls.kind != kind:
-            continue
-        if grid_ndim is not None and grid_ndim not in cls.grid_ndims:
-            continue
-        names.append(name)
-    return names
+def register_alias(old: str, new: str) -> None:
+    """Keep a renamed encoding's old name building: ``old`` becomes a record of ``new``'s class and defaults marked
+    ``deprecated=new`` (building it warns ``FutureWarning`` naming ``new``; listings leave it out)."""
+    target = get_record(new)
+    _add_record(dataclasses.replace(target, name=old, deprecated=new, benchmark=(), groups=()))
 
 
-def get_encoding_class(name: str) -> type[PositionalEncoding]:
-    if isinstance(name, str) and "+" in name and name not in _REGISTRY:  # a composition ("learned+rope_axial")
-        from .composed import composed_class
+def encoding_records(*, include_deprecated: bool = False, **tags: Any) -> list[EncodingRecord]:
+    """The registry's records, by name, filtered by tags (see :class:`EncodingRecord`; ``None``: any).
 
-        return composed_class(name)
-    if not isinstance(name, str) or name not in _REGISTRY:
-        raise ValueError(f"unknown positional encoding {name!r}; choose one of {list_encodings()}{did_you_mean(name, _REGISTRY)}")
-    return _REGISTRY[name]
+    This is the query benchmarks use instead of hand lists, e.g. ``encoding_records(benchmark=2)`` (what an
+    image benchmark covers by default), ``encoding_records(kind='bias', grid_ndim=2)``,
+    ``encoding_records(groups='scaling')``, ``encoding_records(family='comrope')``; a new encoding appears in each
+    query its tags match with no list to edit. Deprecated aliases are left out unless ``include_deprecated``."""
+    unknown = sorted(set(tags) - set(_TAGS))
+    if unknown:
+        raise TypeError(f"unknown encoding tag(s) {unknown}; valid tags: {list(_TAGS)}")
+    return [r for _, r in sorted(_RECORDS.items())
+            if (include_deprecated or not r.deprecated) and r.matches(**tags)]
 
 
-def encoding_option_checks(name: str) -> dict[str, OptionCheck]:
-    """The rule of every option of the registered encoding ``name`` (see :meth:`PositionalEncoding.option_rules`)."""
-    return get_encoding_class(name).option_rules()
+def list_encodings(kind: str | None = None, grid_ndim: int | None = None, **tags: Any) -> list[str]:
+    """Registered encoding names, optionally filtered by ``kind`` (a contract, or a class's finer kind such as
+    ``'conditional'``), a grid dimensionality or any other tag (:func:`encoding_records`)."""
+    if kind is not None and kind not in CONTRACTS:
+        tags["mechanism"] = kind
+        kind = None
+    return [r.name for r in encoding_records(kind=kind, grid_ndim=grid_ndim, **tags)]
+
+
+def get_record(name: str) -> EncodingRecord:
+    """The record of a registered name (a deprecated alias warns ``FutureWarning`` naming the new name); an unknown
+    name raises ``ValueError`` listing the registered ones."""
+    record = _RECORDS.get(name) if isinstance(name, str) else None
+    if record is None:
+        raise ValueError(f"unknown positional encoding {name!r}; choose one of {list_encodings()}{did_you_mean(name, _RECORDS)}")
+    if record.deprecated:
+        warnings.warn(f"encoding {name!r} is deprecated: it was renamed {record.deprecated!r}; use that name",
+                      FutureWarning, stacklevel=3)
+    return record
 
 
 def _policy_encodings(source: Any) -> list[PositionalEncoding]:
-    """The encodings of a model (or the encoding itself) that hold an extrapolation policy; a composed encoding
-    is walked to its parts."""
-    from .composed import ComposedEncoding
-
+    """The encodings of a model (or the encoding itself) that hold an extrapolation policy; a composition is walked
+    to its parts (it holds none of its own)."""
     modules = source.modules() if isinstance(source, nn.Module) else ()
-    return [m for m in modules if isinstance(m, PositionalEncoding) and not isinstance(m, ComposedEncoding)
-            and m.extrapolation_policies]
+    return [m for m in modules if isinstance(m, PositionalEncoding) and not m.is_composition and m.extrapolation_policies]
 
 
 def _common_policies(groups: Sequence[Sequence[str]]) -> tuple[str, ...]:
     if not groups:
         return ()
     return tuple(p for p in groups[0] if all(p in g for g in groups[1:]))
-
-
-def extrapolation_policies(source: Any) -> tuple[str, ...]:
-    """The extrapolation policies that can be set on ``source`` (empty: none), in the encoding's order.
-
-    ``source`` is a model (every encoding in it, the parts of a composed encoding included: the policies all of
-    them offer), an encoding, an encoding class, or a registered name or spec (``"rope_axial"``,
-    ``"learned+rope_axial"``).
-    """
-    if isinstance(source, nn.Module):
-        return _common_policies([m.extrapolation_policies for m in _policy_encodings(source)])
-    if isinstance(source, type) and issubclass(source, PositionalEncoding):
-        return source.extrapolation_policies
-    if source is None:
-        return ()
-    from .spec import parse_pos_encoding
-
-    return get_encoding_class(parse_pos_encoding(source)[0]).extrapolation_policies
 
 
 def get_extrapolation(model: nn.Module) -> str | None:
@@ -650,47 +757,3 @@ def _init_params(cls: type) -> tuple[set[str], bool]:
     names = {p.name for p in list(sig.parameters.values())[1:] if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
     var_kw = any(p.kind == p.VAR_KEYWORD for p in sig.parameters.values())
     return names, var_kw
-
-
-def create_encoding(spec: Any, context: EncodingContext | None = None, **kwargs: Any) -> PositionalEncoding:
-    """Build a registered encoding.
-
-    Args:
-        spec: a name from :func:`list_encodings`, or a spec with options (``"irpe[mode=bias]"``,
-            ``{"name": "irpe", "mode": "bias"}``, ``("irpe", {"mode": "bias"})``; see :mod:`vispe.encodings.spec`).
-        context: what the host model knows (width, heads, depth, grid); only the fields the
-            encoding's constructor names are passed.
-        **kwargs: the encoding's own options (override the spec's); unknown options raise a
-            ``TypeError`` that lists the valid ones.
-    """
-    from .spec import parse_pos_encoding
-
-    name, options = parse_pos_encoding(spec)
-    kwargs = {**options, **kwargs}
-    cls = get_encoding_class(name)
-    grid_ndim = len(context.grid_size) if context is not None and context.grid_size else None
-    if grid_ndim is not None and grid_ndim not in cls.grid_ndims:  # else it may run silently on the wrong axes
-        raise ValueError(f"encoding {name!r} takes {'/'.join(map(str, cls.grid_ndims))}-D grids, but the model's grid "
-                         f"{tuple(context.grid_size)} is {grid_ndim}-D; choose one of {list_encodings(grid_ndim=grid_ndim)}"
-                         f"{did_you_mean(name, list_encodings(grid_ndim=grid_ndim))}")
-    backend = kwargs.pop("attention_backend", None) if issubclass(cls, AttentionBiasEncoding) else None
-    accepted, var_kw = _init_params(cls)
-    own = sorted((accepted - _CONTEXT_KEYS) | ({"attention_backend"} if issubclass(cls, AttentionBiasEncoding) else set()))
-    unknown = [k for k in kwargs if k not in accepted and not var_kw]
-    if unknown:
-        raise TypeError(f"encoding {name!r} got unknown option(s) {unknown}; valid options: {own}")
-    clash = [k for k in kwargs if k in _CONTEXT_KEYS and context is not None]
-    if clash:
-        raise TypeError(f"encoding {name!r}: {clash} come from the model, not from pos_encoding options")
-    args: dict[str, Any] = {}
-    if context is not None:
-        args.update({k: v for k, v in context.as_kwargs().items() if k in accepted})
-    args.update(kwargs)
-    if backend is not None and backend not in ATTENTION_BACKENDS:  # before any weight is built
-        raise ValueError(f"encoding {name!r}: attention_backend={backend!r} is not valid; choose one of {list(ATTENTION_BACKENDS)}")
-    enc = cls(**args)
-    if backend is not None:
-        enc.set_attention_backend(backend)
-    # how it was built: a meta-device model is initialised by building its encodings again (models.init_empty_weights)
-    enc.construction = (cls, dict(args), backend)
-    return enc

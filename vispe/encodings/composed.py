@@ -13,26 +13,23 @@ never look at names.
 
 Ways to ask for one (see :mod:`vispe.encodings.spec`): ``pos_encoding="learned+rope_axial"`` (options per part,
 ``"learned[init_std=0.0]+rope_axial[theta=10.0]"``), a list in YAML / Python (``[learned, rope_axial]``), or a
-registered preset built from parts (``qwen3vl_vision``, ... in :mod:`vispe.encodings.vision_towers`).
+registered preset built from parts (``qwen3vl_vision``, ... in :mod:`vispe.encodings.vision_towers`). Names are
+resolved into compositions by the spec layer (:func:`vispe.encodings.spec.composed_class`); this module needs no
+registry.
 Combinations that cannot compose are refused when the name is resolved, naming the parts: two attention-side
 encodings (each would replace the other's attention), parts with no grid dimensionality in common.
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.nn as nn
 
-from .base import EncodingContext, PositionalEncoding, create_encoding, get_encoding_class, sdpa
+from .base import PositionalEncoding, sdpa
 from .grid import PositionGrid
-from .resolution import ResolutionContract
 
-__all__ = ["ComposedEncoding", "composed_class", "attention_side"]
-
-#: ``get_encoding_class`` of a composed name (``"learned+rope_axial"``) builds one class per name, kept here (not in
-#: the registry: ``list_encodings`` lists what can be composed, not every composition).
-_COMPOSED_CLASSES: dict[str, type["ComposedEncoding"]] = {}
+__all__ = ["ComposedEncoding", "attention_side", "check_parts"]
 
 
 def attention_side(cls: type[PositionalEncoding]) -> bool:
@@ -40,7 +37,7 @@ def attention_side(cls: type[PositionalEncoding]) -> bool:
     return cls.attend is not PositionalEncoding.attend or cls.fold_qk_basis is not PositionalEncoding.fold_qk_basis
 
 
-def _check_parts(label: str, names: Sequence[str], classes: Sequence[type[PositionalEncoding]]) -> None:
+def check_parts(label: str, names: Sequence[str], classes: Sequence[type[PositionalEncoding]]) -> None:
     if len(classes) < 2:
         raise ValueError(f"a composed encoding needs at least two parts, got {list(names)} in {label!r}")
     attn = [n for n, c in zip(names, classes) if attention_side(c)]
@@ -63,6 +60,7 @@ class ComposedEncoding(PositionalEncoding):
     """
 
     kind = "composed"
+    is_composition = True
     prefix_policy = "each part's own policy"
 
     def __init__(self, parts: Sequence[PositionalEncoding]) -> None:
@@ -73,7 +71,7 @@ class ComposedEncoding(PositionalEncoding):
                 raise TypeError(f"ComposedEncoding parts must be PositionalEncoding modules, got {type(p).__name__}")
             flat.extend(p.parts if isinstance(p, ComposedEncoding) else [p])
         names = [p.registry_name or type(p).__name__ for p in flat]
-        _check_parts(self.registry_name or "+".join(names), names, [type(p) for p in flat])
+        check_parts(self.registry_name or "+".join(names), names, [type(p) for p in flat])
         self.parts = nn.ModuleList(flat)
         attn = [i for i, p in enumerate(flat) if attention_side(type(p))]
         self.attention_index: int | None = attn[0] if attn else None
@@ -169,47 +167,3 @@ class ComposedEncoding(PositionalEncoding):
 
     def extra_repr(self) -> str:
         return f"name={self.registry_name!r}" if self.registry_name else ""
-
-
-class _NamedComposition(ComposedEncoding):
-    """A composition named by its spec (``"learned+rope_axial[theta=10.0]"``); its parts come from that name and are
-    built with the host's context. Classes are made by :func:`composed_class`."""
-
-    part_specs: ClassVar[tuple[str, ...]] = ()
-
-    def __init__(
-        self,
-        dim: int,
-        num_heads: int,
-        depth: int,
-        grid_size: Sequence[int],
-        num_prefix_tokens: int = 1,
-        in_chans: int = 3,
-        patch_size: Sequence[int] = (16, 16),
-    ) -> None:
-        context = EncodingContext(dim, num_heads, depth, tuple(grid_size), num_prefix_tokens, in_chans, tuple(patch_size))
-        super().__init__([create_encoding(spec, context) for spec in self.part_specs])
-
-
-def composed_class(name: str) -> type[ComposedEncoding]:
-    """The class of a composed name (``"learned+rope_axial"``; canonical form from
-    :func:`vispe.encodings.spec.parse_pos_encoding`): checked once (known parts, at most one attention-side part,
-    a grid dimensionality in common), then cached."""
-    cls = _COMPOSED_CLASSES.get(name)
-    if cls is not None:
-        return cls
-    from .spec import parse_pos_encoding, split_composed
-
-    specs = split_composed(name)
-    names = [parse_pos_encoding(s)[0] for s in specs]
-    classes = [get_encoding_class(n) for n in names]
-    _check_parts(name, names, classes)
-    ndims = tuple(d for d in (1, 2, 3) if all(d in c.grid_ndims for c in classes))
-    if not ndims:
-        raise ValueError(f"{name!r} cannot compose: its parts take different grids "
-                         f"({', '.join(f'{n}: {c.grid_ndims}-D' for n, c in zip(names, classes))})")
-    cls = type(f"Composed[{name}]", (_NamedComposition,), {"part_specs": tuple(specs), "grid_ndims": ndims,
-                                                             "resolution": ResolutionContract.common([c.resolution for c in classes]),
-                                                             "registry_name": name, "__module__": __name__})
-    _COMPOSED_CLASSES[name] = cls
-    return cls

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 from .._checks import Choice, Int, Real, check_choice
 from .lattice_bias import LatticeOffsetBias, pair_distance
-from .base import register_preset
+from .base import register_encoding
 from .grid import PositionGrid
 
 __all__ = ["FIRE_DISTANCES", "Fire", "Fire3d", "fire_inputs", "lattice_extent"]
@@ -181,14 +181,14 @@ class _Fire(LatticeOffsetBias):
         )
 
 
-@register_preset("fire", grid_size=(14, 14))
+@register_encoding("fire", defaults={"grid_size": (14, 14)}, paper="2310.04418")
 class Fire(_Fire):
     """FIRE on ``(h, w)`` image lattices (see the module docstring)."""
 
     grid_ndims = (2,)
 
 
-@register_preset("fire_3d", grid_size=(8, 14, 14))
+@register_encoding("fire_3d", defaults={"grid_size": (8, 14, 14)}, paper="2310.04418")
 class Fire3d(_Fire):
     """FIRE on ``(t, h, w)`` video lattices; a tubelet step counts one unit, like a patch step."""
 

@@ -184,7 +184,7 @@ def _parse_sides(sides: str | Iterable[str]) -> tuple[str, ...]:
     return tuple(c for c in IRPE_SIDES if c in items)
 
 
-@register_encoding("irpe")
+@register_encoding("irpe", groups=("scaling",))
 class IRPE(AttentionBiasEncoding):
     """iRPE attention term (see the module docstring for the maths and paper/code choices).
 

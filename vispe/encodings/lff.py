@@ -78,7 +78,7 @@ class LearnableFourierFeatures(nn.Module):
         return self.mlp(self.fourier(coords).to(self.mlp[0].weight.dtype)).flatten(-2)
 
 
-@register_encoding("lff")
+@register_encoding("lff", benchmark=(2,))
 class LearnableFourierPE(TokenEncoding):
     """Learnable Fourier features of the normalised patch centres, added once before the blocks.
 

@@ -61,7 +61,7 @@ import torch
 import torch.nn as nn
 
 from .._checks import Choice, Int, Ints, Real, check_choice
-from .base import autocast_off_in_backward, register_preset
+from .base import autocast_off_in_backward, register_encoding
 from .grid import PositionGrid
 from .block_rotation import rotate_blocks
 from .rotary import RotaryEncoding
@@ -394,14 +394,14 @@ class LieREBase(RotaryEncoding):
         )
 
 
-@register_preset("liere")
+@register_encoding("liere", paper="2406.10322", benchmark_options={"block_size": 8})
 class LieRE(LieREBase):
     """LieRE on 2D image grids ``(h, w)``."""
 
     grid_ndims = (2,)
 
 
-@register_preset("liere_3d")
+@register_encoding("liere_3d", paper="2406.10322", benchmark_options={"block_size": 8})
 class LieRE3d(LieREBase):
     """LieRE on video grids ``(t, h, w)``."""
 

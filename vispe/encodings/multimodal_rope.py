@@ -223,19 +223,19 @@ def _check_section(name: str, section: Sequence[int], total: int, what: str) -> 
     return section
 
 
-@register_encoding("rope_1d")
+@register_encoding("rope_1d", benchmark=False)
 class Rope1d(MultimodalRotary):
     """Plain 1D RoPE over all pairs (the text LLM baseline; visual tokens get consecutive indices)."""
 
 
 
-@register_encoding("v2pe")
+@register_encoding("v2pe", benchmark=False)
 class V2PE(MultimodalRotary):
     """V2PE (Ge et al. 2024): 1D RoPE; visual tokens advance by ``delta`` in :mod:`vispe.positions`."""
 
 
 
-@register_encoding("mrope")
+@register_encoding("mrope", benchmark=False)
 class MRope(MultimodalRotary):
     """M-RoPE (Qwen2-VL): contiguous t / h / w pair chunks given by ``mrope_section`` (pairs)."""
 
@@ -251,7 +251,7 @@ class MRope(MultimodalRotary):
         return _section_axes(self.mrope_section)
 
 
-@register_encoding("mrope_interleave")
+@register_encoding("mrope_interleave", benchmark=False)
 class MRopeInterleave(MultimodalRotary):
     """MRoPE-Interleave (Huang et al. 2025): pairs cycle t, h, w (``mrope_section`` counts pairs, default 24:20:20)."""
 
@@ -277,13 +277,13 @@ class MRopeInterleave(MultimodalRotary):
         return a
 
 
-@register_encoding("qwen3vl")
+@register_encoding("qwen3vl", benchmark=False)
 class Qwen3VLRope(MRopeInterleave):
     """Qwen3-VL (Qwen team 2025): MRoPE-Interleave's frequency map (``mrope_section`` default 24:20:20);
     its positions (per-patch ``(1, H, W)`` blocks after timestamp text) live in :mod:`vispe.positions`."""
 
 
-@register_encoding("mhrope")
+@register_encoding("mhrope", benchmark=False)
 class MHRope(MultimodalRotary):
     """Multi-Head RoPE (Huang et al. 2025): whole heads read one axis over the full ladder.
 
@@ -316,7 +316,7 @@ class MHRope(MultimodalRotary):
         return heads[:, None].expand(self.num_heads, self.num_pairs).clone()
 
 
-@register_encoding("vrope")
+@register_encoding("vrope", benchmark=False)
 class VRope(MultimodalRotary):
     """VRoPE (Liu et al. 2025): four diagonal coordinates read cyclically, ``a(i) = i mod 4``."""
 
@@ -325,7 +325,7 @@ class VRope(MultimodalRotary):
         return torch.arange(self.num_pairs) % 4
 
 
-@register_encoding("videorope")
+@register_encoding("videorope", paper="2502.05173", benchmark=False)
 class VideoRoPE(MultimodalRotary):
     """VideoRoPE (Wei et al., ICML 2025): low-frequency temporal allocation. h / w alternate on the fast pairs
     (h even, w odd) and the slowest ``temporal_pairs`` (default ``P // 4``, 16 of 64 for ``d = 128``) read t.
@@ -349,7 +349,7 @@ class VideoRoPE(MultimodalRotary):
         return a
 
 
-@register_encoding("hope")
+@register_encoding("hope", benchmark=False)
 class HoPE(VideoRoPE):
     """HoPE (Li et al. 2025): VideoRoPE's map with its ``temporal_pairs`` (default ``P // 4``) at zero frequency.
     Positions: VideoRoPE layout with ``gamma``.

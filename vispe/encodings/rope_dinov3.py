@@ -87,7 +87,7 @@ def _check_positive(name: str, value: float) -> float:
     return v
 
 
-@register_encoding("rope_dinov3")
+@register_encoding("rope_dinov3", paper="2508.10104")
 class RopeDinoV3(RopeAxial):
     """DINOv3's RoPE: axial, no parameters, patch centres normalised into ``[-1, 1]`` (see the module doc).
 

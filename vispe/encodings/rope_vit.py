@@ -200,7 +200,7 @@ class RopeAxial(_LatticeRotary):
         return torch.cat(chunks, dim=-1)  # (N, P)
 
 
-@register_encoding("rope_mixed")
+@register_encoding("rope_mixed", groups=("scaling",))
 class RopeMixed(_LatticeRotary):
     """RoPE-Mixed: learned per-layer, per-head frequencies, one per axis for every pair; angle
     ``sum_a f_a t_a``. ``freqs`` has shape ``(ndim, depth, H, P)``, row ``a`` multiplying grid axis

@@ -116,6 +116,7 @@ class RotaryEncoding(PositionalEncoding):
     """
 
     kind = "rotary"
+    contract = "rotary"
     prefix_policy: ClassVar[str] = "prefix tokens are not rotated (identity rotation)"
     #: The rotation is a phase per channel pair given by :meth:`angles` (False: general block rotations).
     pairwise_phases: ClassVar[bool] = True

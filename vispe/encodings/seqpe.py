@@ -109,7 +109,7 @@ class SeqPEEncoder(nn.Module):
         return self.out_proj(x[:, -1])
 
 
-@register_encoding("seqpe")
+@register_encoding("seqpe", benchmark=False, groups=("scaling",))
 class SeqPE(TokenEncoding):
     """SeqPE on 2D grids (see the module docstring); :class:`SeqPE3d` is the same on ``(t, h, w)``.
 
@@ -341,7 +341,7 @@ def _to_base(value: int, base: int) -> list[int]:
             return digits[::-1]
 
 
-@register_encoding("seqpe_3d")
+@register_encoding("seqpe_3d", benchmark=False)
 class SeqPE3d(SeqPE):
     """SeqPE on video grids ``(t, h, w)``: three digit groups per position (an extension; the released code has 1D
     and 2D positions)."""

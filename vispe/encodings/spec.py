@@ -13,14 +13,39 @@ A comma-separated list of string specs (``"learned,irpe[mode=bias,sides=qk],rope
 Composed encodings (:mod:`vispe.encodings.composed`): parts joined by ``+`` (``"learned+rope_axial[theta=10.0]"``) or
 a list of specs (``["learned", {"name": "rope_axial", "theta": 10.0}]``); both resolve to the one canonical name
 ``"learned+rope_axial[theta=10.0]"`` with no options of its own.
+
+This module is also where a spec becomes a class and a module (:func:`get_encoding_class`, :func:`create_encoding`):
+a registered name through its record (:mod:`vispe.encodings.base`), a ``+`` name through
+:func:`composed_class`. It sits above the registry and :mod:`~vispe.encodings.composed`, which import neither it
+nor each other's callers.
 """
 from __future__ import annotations
 
 import ast
-from typing import Any, Mapping, Sequence, Union
+from typing import Any, ClassVar, Mapping, Sequence, Union
+
+import torch.nn as nn
+
+from .._checks import OptionCheck, did_you_mean
+from .attention import ATTENTION_BACKENDS
+from .base import (  # the registry and its private helpers, shared with this layer
+    _CONTEXT_KEYS,
+    AttentionBiasEncoding,
+    EncodingContext,
+    PositionalEncoding,
+    _common_policies,
+    _init_params,
+    _policy_encodings,
+    encoding_records,
+    get_record,
+    list_encodings,
+)
+from .composed import ComposedEncoding, attention_side, check_parts
+from .resolution import ResolutionContract
 
 __all__ = ["PosEncodingArg", "EXTRAPOLATION_MODES", "ROTARY_EXTRAPOLATION_MODES", "parse_pos_encoding", "parse_encoding_list", "format_spec",
-           "split_composed"]
+           "split_composed", "get_encoding_class", "create_encoding", "composed_class", "encoding_option_checks",
+           "extrapolation_policies", "benchmark_encodings"]
 
 #: What a model's ``pos_encoding`` argument takes (a loose type so LightningCLI accepts every form).
 PosEncodingArg = Union[str, Mapping[str, Any], Sequence[Any]]
@@ -138,3 +163,140 @@ def format_spec(name: str, options: Mapping[str, Any] | None = None) -> str:
         return name
     return name + "[" + ",".join(f"{k}={v!r}" for k, v in options.items()) + "]"
 
+
+
+# ---------------------------------------------------------------------------------------------
+# Resolution: a spec -> a class -> a module
+# ---------------------------------------------------------------------------------------------
+
+#: One class per composed name (``"learned+rope_axial"``), made on first use (not records: ``list_encodings`` lists
+#: what can be composed, not every composition).
+_COMPOSED_CLASSES: dict[str, type[ComposedEncoding]] = {}
+
+
+class _NamedComposition(ComposedEncoding):
+    """A composition named by its spec (``"learned+rope_axial[theta=10.0]"``); its parts come from that name and are
+    built with the host's context. Classes are made by :func:`composed_class`."""
+
+    part_specs: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        depth: int,
+        grid_size: Sequence[int],
+        num_prefix_tokens: int = 1,
+        in_chans: int = 3,
+        patch_size: Sequence[int] = (16, 16),
+    ) -> None:
+        context = EncodingContext(dim, num_heads, depth, tuple(grid_size), num_prefix_tokens, in_chans, tuple(patch_size))
+        super().__init__([create_encoding(spec, context) for spec in self.part_specs])
+
+
+def composed_class(name: str) -> type[ComposedEncoding]:
+    """The class of a composed name (``"learned+rope_axial"``; canonical form from :func:`parse_pos_encoding`):
+    checked once (known parts, at most one attention-side part, a grid dimensionality in common), then cached."""
+    cls = _COMPOSED_CLASSES.get(name)
+    if cls is not None:
+        return cls
+    specs = split_composed(name)
+    names = [parse_pos_encoding(s)[0] for s in specs]
+    classes = [get_encoding_class(n) for n in names]
+    check_parts(name, names, classes)
+    ndims = tuple(d for d in (1, 2, 3) if all(d in c.grid_ndims for c in classes))
+    if not ndims:
+        raise ValueError(f"{name!r} cannot compose: its parts take different grids "
+                         f"({', '.join(f'{n}: {c.grid_ndims}-D' for n, c in zip(names, classes))})")
+    contract = next((c.contract for c in classes if attention_side(c)), "token")
+    cls = type(f"Composed[{name}]", (_NamedComposition,), {"part_specs": tuple(specs), "grid_ndims": ndims,
+                                                             "resolution": ResolutionContract.common([c.resolution for c in classes]),
+                                                             "contract": contract,
+                                                             "registry_name": name, "__module__": __name__})
+    _COMPOSED_CLASSES[name] = cls
+    return cls
+
+
+def benchmark_encodings(grid_ndim: int, **tags: Any) -> list[str]:
+    """The encoding specs a benchmark on ``grid_ndim``-D grids covers by default: every record tagged for it
+    (:attr:`~vispe.encodings.base.EncodingRecord.benchmark`), each with its ``benchmark_options``
+    (``'liere[block_size=8]'``), further filtered by any tag (``kind='bias'``; see
+    :func:`~vispe.encodings.base.encoding_records`). Benchmarks take their default encodings from here, so a new
+    encoding appears in each with no list to edit."""
+    return [format_spec(r.name, dict(r.benchmark_options)) for r in encoding_records(benchmark=grid_ndim, **tags)]
+
+
+def get_encoding_class(name: str) -> type[PositionalEncoding]:
+    """The class a registered name (or a ``+`` composition of them) builds; an unknown name raises ``ValueError``
+    listing the registered ones."""
+    if isinstance(name, str) and "+" in name:  # a composition ("learned+rope_axial")
+        return composed_class(parse_pos_encoding(name)[0])
+    return get_record(name).cls
+
+
+def encoding_option_checks(name: str) -> dict[str, OptionCheck]:
+    """The rule of every option of the registered encoding ``name`` (see :meth:`PositionalEncoding.option_rules`)."""
+    return get_encoding_class(name).option_rules()
+
+
+def extrapolation_policies(source: Any) -> tuple[str, ...]:
+    """The extrapolation policies that can be set on ``source`` (empty: none), in the encoding's order.
+
+    ``source`` is a model (every encoding in it, the parts of a composed encoding included: the policies all of
+    them offer), an encoding, an encoding class, or a registered name or spec (``"rope_axial"``,
+    ``"learned+rope_axial"``).
+    """
+    if isinstance(source, nn.Module):
+        return _common_policies([m.extrapolation_policies for m in _policy_encodings(source)])
+    if isinstance(source, type) and issubclass(source, PositionalEncoding):
+        return source.extrapolation_policies
+    if source is None:
+        return ()
+    return get_encoding_class(parse_pos_encoding(source)[0]).extrapolation_policies
+
+
+def create_encoding(spec: Any, context: EncodingContext | None = None, **kwargs: Any) -> PositionalEncoding:
+    """Build a registered encoding.
+
+    Args:
+        spec: a name from :func:`~vispe.encodings.base.list_encodings`, or a spec with options
+            (``"irpe[mode=bias]"``, ``{"name": "irpe", "mode": "bias"}``, ``("irpe", {"mode": "bias"})``).
+        context: what the host model knows (width, heads, depth, grid); only the fields the
+            encoding's constructor names are passed.
+        **kwargs: the encoding's own options (override the spec's, which override a preset's defaults); unknown
+            options raise a ``TypeError`` that lists the valid ones.
+    """
+    name, options = parse_pos_encoding(spec)
+    kwargs = {**options, **kwargs}
+    if "+" in name:
+        cls, defaults = composed_class(name), {}
+    else:
+        record = get_record(name)
+        cls, defaults = record.cls, dict(record.defaults)
+    grid_ndim = len(context.grid_size) if context is not None and context.grid_size else None
+    if grid_ndim is not None and grid_ndim not in cls.grid_ndims:  # else it may run silently on the wrong axes
+        raise ValueError(f"encoding {name!r} takes {'/'.join(map(str, cls.grid_ndims))}-D grids, but the model's grid "
+                         f"{tuple(context.grid_size)} is {grid_ndim}-D; choose one of {list_encodings(grid_ndim=grid_ndim)}"
+                         f"{did_you_mean(name, list_encodings(grid_ndim=grid_ndim))}")
+    bias = issubclass(cls, AttentionBiasEncoding)
+    backend = kwargs.pop("attention_backend", None) if bias else None
+    accepted, var_kw = _init_params(cls)
+    own = sorted((accepted - _CONTEXT_KEYS) | ({"attention_backend"} if bias else set()))
+    unknown = [k for k in kwargs if k not in accepted and not var_kw]
+    if unknown:
+        raise TypeError(f"encoding {name!r} got unknown option(s) {unknown}; valid options: {own}")
+    clash = [k for k in kwargs if k in _CONTEXT_KEYS and context is not None]
+    if clash:
+        raise TypeError(f"encoding {name!r}: {clash} come from the model, not from pos_encoding options")
+    args: dict[str, Any] = dict(defaults)
+    if context is not None:
+        args.update({k: v for k, v in context.as_kwargs().items() if k in accepted})
+    args.update(kwargs)
+    if backend is not None and backend not in ATTENTION_BACKENDS:  # before any weight is built
+        raise ValueError(f"encoding {name!r}: attention_backend={backend!r} is not valid; choose one of {list(ATTENTION_BACKENDS)}")
+    enc = cls(**args)
+    if backend is not None:
+        enc.set_attention_backend(backend)
+    # how it was built: a meta-device model is initialised by building its encodings again (models.init_empty_weights)
+    enc.construction = (cls, dict(args), backend)
+    return enc

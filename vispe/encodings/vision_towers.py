@@ -72,7 +72,7 @@ def _sample_axis(n: int, align_corners: bool, device) -> torch.Tensor:
     return (torch.arange(n, device=device, dtype=torch.float32) + 0.5) / n * 2 - 1  # patch centres
 
 
-@register_encoding("learned_resampled")
+@register_encoding("learned_resampled", benchmark=False)
 class ResampledTable(TokenEncoding):
     """A learned table (``table_size`` x ``table_size``; default: the training grid's shape) resampled to each image's
     grid and added to the patch tokens: sampled at every patch with ``mode`` interpolation (``align_corners=True``: the table's corner rows
@@ -142,7 +142,7 @@ class ResampledTable(TokenEncoding):
         return None
 
 
-@register_encoding("learned_xy")
+@register_encoding("learned_xy", benchmark=False)
 class AxisTables(TokenEncoding):
     """Separate learned column (``x``) and row (``y``) tables, ``table_size`` rows each, looked up at each patch's
     integer column and row and summed (Gemma 4's vision tower). ``pos_embed`` ``(2, table_size, D)``: row 0 the
@@ -180,7 +180,7 @@ class AxisTables(TokenEncoding):
         return {"pos_embed"}
 
 
-@register_encoding("learned_st")
+@register_encoding("learned_st", benchmark=False)
 class SpaceTimeTables(TokenEncoding):
     """Learned spatial ``(h, w)`` and temporal ``(t)`` tables added to every ``(t, h, w)`` token (spatial row of its
     patch plus temporal row of its frame; EVA02-AT's input embeddings). Other grids: the spatial table resampled
@@ -231,7 +231,7 @@ class SpaceTimeTables(TokenEncoding):
         return None
 
 
-@register_encoding("rope_st_joint")
+@register_encoding("rope_st_joint", benchmark=False)
 class JointSpaceTimeRope(RopeAxial3d):
     """EVA02-AT's joint spatial-temporal RoPE on ``(t, h, w)``: pair ``j`` rotates by
     ``phi_s,j(h, w) + t * temporal_theta^(-j/P)`` -- a 2D axial RoPE over ``(h, w)`` (``P/2`` pairs each,
@@ -301,9 +301,10 @@ class _TowerPreset(ComposedEncoding):
     """A preset: its parts are built from the host's context and the preset's own options."""
 
     resolution = RopeAxial.resolution  # the towers' 2D RoPE part (tower_rope) holds the policy: their extrapolation option
+    contract = "rotary"  # a table plus RoPE: the attention side rotates q/k
 
 
-@register_encoding("qwen3vl_vision")
+@register_encoding("qwen3vl_vision", benchmark=False)
 class Qwen3VLVision(_TowerPreset):
     """Qwen3-VL's vision-tower position encoding: ``learned_resampled`` (``table_size`` x ``table_size``, bilinear,
     ``align_corners=True``) + 2D RoPE (rows then columns, ``theta``, ``half`` layout). Images and videos."""
@@ -318,7 +319,7 @@ class Qwen3VLVision(_TowerPreset):
                                             extrapolation=extrapolation)])
 
 
-@register_encoding("glm4v_vision")
+@register_encoding("glm4v_vision", benchmark=False)
 class Glm4vVision(_TowerPreset):
     """GLM-4V's vision-tower position encoding: ``learned_resampled`` (``table_size``, default the training grid;
     bicubic at the patch centres, ``align_corners=False``) + 2D RoPE (rows then columns, ``theta``, ``half`` layout)."""
@@ -334,7 +335,7 @@ class Glm4vVision(_TowerPreset):
                                             extrapolation=extrapolation)])
 
 
-@register_encoding("gemma4_vision")
+@register_encoding("gemma4_vision", benchmark=False)
 class Gemma4Vision(_TowerPreset):
     """Gemma 4's vision-tower position encoding: ``learned_xy`` (summed column and row tables, ``table_size`` rows;
     transformers' default is 10240) + 2D RoPE (columns then rows, ``theta = 100``, ``half`` layout; Gemma's own
@@ -349,7 +350,7 @@ class Gemma4Vision(_TowerPreset):
                                             extrapolation=extrapolation)])
 
 
-@register_encoding("eva02at")
+@register_encoding("eva02at", benchmark=False)
 class Eva02AT(_TowerPreset):
     """EVA02-AT: ``learned_st`` (spatial + temporal tables) + ``rope_st_joint`` (2D spatial RoPE plus temporal RoPE
     over all pairs). Videos (``(t, h, w)`` grids)."""

@@ -10,7 +10,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from ..._checks import Bool, Choice, Int, Real, check_choice
-from ..base import register_encoding, register_preset
+from ..base import register_encoding
 from ..coordinates import CoordinateAugmentation
 from ..grid import PositionGrid
 from ..rotary import RotaryEncoding, RotaryState, apply_rotary, rotary_table
@@ -378,14 +378,14 @@ class ComRopeLDBase(ComRopeBase):
         return th.permute(2, 0, 1, 3)[..., None, None] * s[None]
 
 
-@register_preset("comrope_ap")
+@register_encoding("comrope_ap")
 class ComRopeAP(ComRopeAPBase):
     """ComRoPE-AP on 2D grids (block ``j`` -> row axis if ``j`` is even, column axis if odd)."""
 
     grid_ndims = (2,)
 
 
-@register_preset("comrope_ld")
+@register_encoding("comrope_ld", groups=("scaling",))
 class ComRopeLD(ComRopeLDBase):
     """ComRoPE-LD on 2D grids."""
 
