@@ -22,7 +22,8 @@ from vispe.encodings import (
     set_extrapolation,
 )
 from vispe.encodings.base import PositionalEncoding
-from vispe.encodings.resolution import INTERPOLATE, POLICIES, RESAMPLE_KERNELS, ResolutionContract, contract_table, resample_table
+from vispe.encodings.resolution import INTERPOLATE, POLICIES, RESAMPLE_KERNELS, ResolutionContract, resample_table
+from vispe.encodings.spec import contract_table
 
 ROOT = Path(__file__).resolve().parents[1]
 ALL = vispe.list_encodings()
@@ -161,4 +162,4 @@ def test_resample_table_is_timms_resampler_in_2d_and_trilinear_in_3d():
 def test_docs_contract_table_is_the_registrys():
     page = (ROOT / "docs" / "resolution-options.md").read_text()
     table = contract_table()
-    assert table in page, "docs/resolution-options.md: regenerate the contract table with vispe.encodings.resolution.contract_table()"
+    assert table in page, "docs/resolution-options.md: regenerate the contract table with vispe.encodings.spec.contract_table()"

@@ -31,7 +31,6 @@ __all__ = [
     "POLICIES",
     "RESAMPLE_KERNELS",
     "ResolutionContract",
-    "contract_table",
     "resample_table",
     "resamples_table",
     "table_under_policy",
@@ -127,23 +126,6 @@ class ResolutionContract:
         policies = tuple(holders[0].interpolates_by if n == INTERPOLATE else n for n in names)
         defaults = {c.name_of(c.default) for c in holders}
         return cls(policies, holders[0].default if len(defaults) == 1 and holders[0].default in policies else "extend")
-
-
-def contract_table() -> str:
-    """The registered encodings' contracts as a Markdown table (encodings sharing a contract on one row): what the
-    docs show, generated here so they follow the registry."""
-    from .base import get_encoding_class, list_encodings  # the registry (base imports this module first)
-
-    groups: dict[ResolutionContract, list[str]] = {}
-    for name in list_encodings():
-        groups.setdefault(get_encoding_class(name).resolution, []).append(name)
-    lines = [f"| encodings | policies | default | `{INTERPOLATE}` is |", "|---|---|---|---|"]
-    for contract, names in sorted(groups.items(), key=lambda kv: (-len(kv[0].policies), kv[0].policies, kv[1])):
-        if contract.policies:
-            lines.append(f"| {', '.join(f'`{n}`' for n in names)} | {', '.join(f'`{p}`' for p in contract.policies)} "
-                         f"| `{contract.default}` | `{contract.interpolates_by}` |")
-    lines.append("| every other encoding | none: one built-in behaviour | | |")
-    return "\n".join(lines)
 
 
 class PolicyChoice(Choice):

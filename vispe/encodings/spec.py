@@ -41,11 +41,12 @@ from .base import (  # the registry and its private helpers, shared with this la
     list_encodings,
 )
 from .composed import ComposedEncoding, attention_side, check_parts
+from .resolution import INTERPOLATE as _INTERPOLATE
 from .resolution import ResolutionContract
 
 __all__ = ["PosEncodingArg", "EXTRAPOLATION_MODES", "ROTARY_EXTRAPOLATION_MODES", "parse_pos_encoding", "parse_encoding_list", "format_spec",
            "split_composed", "get_encoding_class", "create_encoding", "composed_class", "encoding_option_checks",
-           "extrapolation_policies", "benchmark_encodings"]
+           "extrapolation_policies", "benchmark_encodings", "contract_table"]
 
 #: What a model's ``pos_encoding`` argument takes (a loose type so LightningCLI accepts every form).
 PosEncodingArg = Union[str, Mapping[str, Any], Sequence[Any]]
@@ -300,3 +301,18 @@ def create_encoding(spec: Any, context: EncodingContext | None = None, **kwargs:
     # how it was built: a meta-device model is initialised by building its encodings again (models.init_empty_weights)
     enc.construction = (cls, dict(args), backend)
     return enc
+
+
+def contract_table() -> str:
+    """The registered encodings' contracts as a Markdown table (encodings sharing a contract on one row): what the
+    docs show, generated here so they follow the registry."""
+    groups: dict[ResolutionContract, list[str]] = {}
+    for name in list_encodings():
+        groups.setdefault(get_encoding_class(name).resolution, []).append(name)
+    lines = [f"| encodings | policies | default | `{_INTERPOLATE}` is |", "|---|---|---|---|"]
+    for contract, names in sorted(groups.items(), key=lambda kv: (-len(kv[0].policies), kv[0].policies, kv[1])):
+        if contract.policies:
+            lines.append(f"| {', '.join(f'`{n}`' for n in names)} | {', '.join(f'`{p}`' for p in contract.policies)} "
+                         f"| `{contract.default}` | `{contract.interpolates_by}` |")
+    lines.append("| every other encoding | none: one built-in behaviour | | |")
+    return "\n".join(lines)
