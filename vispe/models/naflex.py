@@ -42,6 +42,7 @@ __all__ = [
     "patch_projection",
     "embed_naflex",
     "forward_naflex_blocks",
+    "naflex_pool",
 ]
 
 
@@ -303,3 +304,17 @@ def forward_naflex_blocks(blocks: nn.Module, x: torch.Tensor, grouped: "GroupedE
     for _, x in run_blocks(blocks, grouped, x, None, None, False, grad_checkpointing, None, None):  # type: ignore[arg-type]
         pass
     return x
+
+
+def naflex_pool(host: nn.Module, x: torch.Tensor, patch_valid: torch.Tensor, pool_type: Optional[str] = None) -> torch.Tensor:
+    """A timm ViT host's pooling over a mixed batch: attention pooling (``map``) with a key-padding mask, else
+    :func:`masked_global_pool`; prefix tokens count when the host pools them (``pool_include_prefix``)."""
+    npt = host.num_prefix_tokens
+    if host.attn_pool is not None:
+        keys = patch_valid.bool()
+        if host.pool_include_prefix:
+            keys = torch.cat([keys.new_ones(x.shape[0], npt), keys], dim=1)
+        else:
+            x = x[:, npt:]
+        return host.attn_pool(x, attn_mask=keys[:, None, None, :])
+    return masked_global_pool(x, patch_valid, host.global_pool if pool_type is None else pool_type, npt, host.pool_include_prefix)

@@ -21,7 +21,7 @@ from ..encodings.base import check_context_fields
 from ..encodings.spec import PosEncodingArg, parse_pos_encoding
 from .checkpoint import timm_checkpoint_filter
 from .layers import NOT_PREPARED, PEAttention, PEBlock, auxiliary_loss, embed_grid, record_auxiliary_loss, run_blocks
-from .naflex import GroupedEncoding, embed_naflex, forward_naflex_blocks, masked_global_pool, parse_naflex_input
+from .naflex import GroupedEncoding, embed_naflex, forward_naflex_blocks, naflex_pool, parse_naflex_input
 
 __all__ = ["VispeVisionTransformer", "parse_pos_encoding"]  # parse_pos_encoding: re-exported from vispe.encodings.spec
 
@@ -264,15 +264,7 @@ class VispeVisionTransformer(VisionTransformer):
         """timm's pooling; with ``patch_valid`` (a mixed-resolution batch) padding tokens are left out."""
         if patch_valid is None:
             return super().pool(x, pool_type)
-        npt = self.num_prefix_tokens
-        if self.attn_pool is not None:
-            keys = patch_valid.bool()
-            if self.pool_include_prefix:
-                keys = torch.cat([keys.new_ones(x.shape[0], npt), keys], dim=1)
-            else:
-                x = x[:, npt:]
-            return self.attn_pool(x, attn_mask=keys[:, None, None, :])
-        return masked_global_pool(x, patch_valid, self.global_pool if pool_type is None else pool_type, npt, self.pool_include_prefix)
+        return naflex_pool(self, x, patch_valid, pool_type)
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False, patch_valid: Optional[torch.Tensor] = None) -> torch.Tensor:
         x = self.pool(x, patch_valid=patch_valid)
