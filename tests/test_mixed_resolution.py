@@ -209,23 +209,24 @@ def test_datamodule_samples_one_resolution_per_batch():
     assert seen == {(16, 16), (12, 20), (20, 12)}
 
 
-def test_datamodule_samples_per_sample_into_a_naflex_batch():
-    dm = _synthetic(resolutions=[[16, 16], [12, 20], [20, 12]], resolution_sampling="sample", patch_size=4)
+def test_datamodule_samples_per_sample_into_a_list_of_images():
+    """The data module only batches: a per-sample draw is a list of images at their drawn sizes; the model lays
+    them out as NaFlex patches (and gives what a padded-patch batch of the same images gives)."""
+    dm = _synthetic(resolutions=[[16, 16], [12, 20], [20, 12]], resolution_sampling="sample")
     x = torch.randn(16, 3, 16, 16)
     batch = dm.sample_resolutions(x, torch.Generator().manual_seed(0))
-    assert isinstance(batch, dict) and batch["patches"].shape[0] == 16
-    grids = grids_from_patch_coord(batch["patch_coord"], batch["patch_valid"])
-    assert set(grids) == {(4, 4), (3, 5), (5, 3)}
-    # each sample is its own image resized to its drawn size (bicubic, antialiased), then patchified
+    assert isinstance(batch, list) and len(batch) == 16
+    assert {tuple(img.shape[-2:]) for img in batch} == {(16, 16), (12, 20), (20, 12)}
+    # each sample is its own image resized to its drawn size (bicubic, antialiased)
     from vispe.data.image_datamodule import resize_images
 
     for b in (0, 7, 15):
-        (h, w) = grids[b]
-        img = unpatchify(batch["patches"][b : b + 1, : h * w], (h, w), (PATCH, PATCH), 3)
-        torch.testing.assert_close(img, resize_images(x[b : b + 1], (4 * h, 4 * w)))
+        torch.testing.assert_close(batch[b][None], resize_images(x[b : b + 1], tuple(batch[b].shape[-2:])))
     # the same draw from the same generator: reproducible from the seed
     again = dm.sample_resolutions(x, torch.Generator().manual_seed(0))
-    assert torch.equal(again["patches"], batch["patches"])
+    assert all(torch.equal(a, b) for a, b in zip(again, batch))
+    model = _model("rope_mixed").eval()
+    torch.testing.assert_close(model(batch[:4]), model(patchify_images(batch[:4], PATCH)), atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("kw,message", [
@@ -242,11 +243,8 @@ def test_bad_resolution_options_fail_at_construction(kw, message):
 
 def test_datamodule_takes_the_models_patch_size():
     dm = _synthetic(resolutions=[[16, 16], [12, 20]], resolution_sampling="sample")
-    with pytest.raises(ValueError, match="call use_model_patch_size"):
-        dm.sample_resolutions(torch.randn(8, 3, 16, 16), torch.Generator().manual_seed(0))
     dm.use_model_patch_size(4, "model 'm'")
-    batch = dm.sample_resolutions(torch.randn(8, 3, 16, 16), torch.Generator().manual_seed(0))
-    assert set(grids_from_patch_coord(batch["patch_coord"], batch["patch_valid"])) == {(4, 4), (3, 5)}
+    assert dm.patch_size == 4
     with pytest.raises(ValueError, match=r"\[12, 20\] is not a multiple of patch_size=8 .*the patch size of model 'm'"):
         _synthetic(resolutions=[[16, 16], [12, 20]]).use_model_patch_size(8, "model 'm'")
     with pytest.raises(ValueError, match="data patch_size=7 differs from model 'm''s patch size 4; leave the data module's patch_size out"):
@@ -266,7 +264,8 @@ def test_fit_three_steps_with_per_sample_resolutions(tmp_path, monkeypatch):
     original = VispeVisionTransformer.forward_features_naflex
 
     def spy(self, patches, patch_coord=None, patch_valid=None):
-        grids_seen.append(grids_from_patch_coord(patch_coord, patch_valid))
+        assert isinstance(patches, list)  # the data module batches images; the model lays out the patches
+        grids_seen.append([(img.shape[-2] // PATCH, img.shape[-1] // PATCH) for img in patches])
         return original(self, patches, patch_coord, patch_valid)
 
     monkeypatch.setattr(VispeVisionTransformer, "forward_features_naflex", spy)

@@ -154,10 +154,9 @@ class ImageDataModule(pl.LightningDataModule):
             training batch is resized (after augmentation, bicubic antialiased) to sizes drawn from this list;
             validation and test stay at ``image_size``.
         resolution_sampling: ``'batch'`` -- one size per batch, a plain ``(B, C, H, W)`` tensor (the model needs
-            ``dynamic_img_size=True``) -- or ``'sample'`` -- one size per sample: when the sizes differ the batch is
-            timm NaFlex's padded patches ``{'patches', 'patch_coord', 'patch_valid'}`` (see docs/mixed-resolution.md).
-        patch_size: the model's patch size; needed by ``'sample'`` to lay out the patches, and every resolution
-            must be a multiple of it. Leave it out: the task hands the model's patch size over when training starts
+            ``dynamic_img_size=True``) -- or ``'sample'`` -- one size per sample: when the sizes differ the batch is a
+            list of ``(C, H, W)`` images, which the model lays out as NaFlex patches (see docs/mixed-resolution.md).
+        patch_size: the model's patch size; every resolution must be a multiple of it. Leave it out: the task hands the model's patch size over when training starts
             (:meth:`use_model_patch_size`); a value given here must equal the model's.
     """
 
@@ -293,8 +292,7 @@ class ImageDataModule(pl.LightningDataModule):
 
     def use_model_patch_size(self, patch_size: int, model_name: str = "the model") -> None:
         """Take the model's patch size (the task calls this when training starts): resolutions are checked against
-        it, and ``'sample'`` lays out its patches with it. A different ``patch_size`` given to the data module is an
-        error naming both."""
+        it. A different ``patch_size`` given to the data module is an error naming both."""
         if self.patch_size is not None and self.patch_size != patch_size:
             raise ValueError(f"data patch_size={self.patch_size} differs from {model_name}'s patch size {patch_size}; "
                              f"leave the data module's patch_size out (it takes the model's)")
@@ -305,28 +303,23 @@ class ImageDataModule(pl.LightningDataModule):
                 raise ValueError(f"{err} (the patch size of {model_name})") from None
         self.patch_size = int(patch_size)
 
-    def sample_resolutions(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
+    def sample_resolutions(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor | list[torch.Tensor]:
         """A normalised training batch resized to sizes drawn from :attr:`resolutions`: one for the batch
-        (``'batch'``) or one per sample (``'sample'``; a NaFlex padded-patch dict when the sizes differ)."""
+        (``'batch'``) or one per sample (``'sample'``; a list of ``(C, H, W)`` images when the sizes differ, which
+        the model lays out as NaFlex patches itself)."""
         if not self.resolutions:
             return x
         b = x.shape[0]
         draws = torch.randint(len(self.resolutions), (1 if self.resolution_sampling == "batch" else b,), generator=generator)
         if bool((draws == draws[0]).all()):
             return resize_images(x, self.resolutions[int(draws[0])])
-        from ..models.naflex import patchify_images  # model-side format; imported here to keep data free of models at import
-
-        if self.patch_size is None:  # built outside a vispe task, which would have handed the model's over
-            raise ValueError("resolution_sampling='sample' lays out patches: call use_model_patch_size(model's patch size) "
-                             "or give the data module patch_size")
-
         images: list[torch.Tensor] = [x[0]] * b
         for r in draws.unique().tolist():
             rows = (draws == r).nonzero().flatten().tolist()
             resized = resize_images(x[rows], self.resolutions[r])
             for i, row in enumerate(rows):
                 images[row] = resized[i]
-        return patchify_images(images, self.patch_size)
+        return images
 
     def _batch_generator(self) -> torch.Generator:
         """Augmentation RNG seeded by (seed, epoch, batch in epoch, rank): independent of the global RNG,

@@ -204,6 +204,8 @@ class PositionalEncoding(nn.Module):
     prefix_policy: ClassVar[str] = "prefix tokens are untouched"
     #: Whether the encoding still works when timm's PatchDropout removes tokens (see :meth:`keep_tokens`).
     supports_token_dropout: ClassVar[bool] = True
+    #: Whether ``embed_tokens`` reads the pixels (``image=``); a host that holds only patches rebuilds them for it.
+    reads_image: bool = False
 
     registry_name: ClassVar[str] = ""
     #: Entries kept by :meth:`cached` (least recently used dropped first).

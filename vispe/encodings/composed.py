@@ -77,6 +77,7 @@ class ComposedEncoding(PositionalEncoding):
         self.attention_index: int | None = attn[0] if attn else None
         # instance attributes: what the host reads of the class for a single encoding
         self.supports_token_dropout = all(p.supports_token_dropout for p in flat)
+        self.reads_image = any(p.reads_image for p in flat)
         self.prefix_policy = "; ".join(f"{n}: {p.prefix_policy}" for n, p in zip(names, flat))
 
     # -- the lifecycle, delegated ------------------------------------------------------------------

@@ -240,6 +240,7 @@ class LOOPE(TokenEncoding):
             LoopeContext(in_chans, tuple(patch_size), head, math.prod(self.grid_size), linear_bias, channel_order)
             if offset else None
         )
+        self.reads_image = self.context is not None  # the offset's CNN sees the image
         self.num_prefix_tokens = num_prefix_tokens
         learned_prefix = num_prefix_tokens and (offset or fixed_prefix == "learned")
         self.prefix_embed = nn.Parameter(torch.zeros(1, num_prefix_tokens, dim)) if learned_prefix else None

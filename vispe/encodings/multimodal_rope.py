@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -56,6 +57,7 @@ from .grid import PositionGrid
 from .rotary import ROTARY_LAYOUTS, RotaryEncoding, apply_rotary, rotary_table
 
 __all__ = [
+    "KeyTable",
     "V2PE",
     "HoPE",
     "MHRope",
@@ -68,6 +70,14 @@ __all__ = [
     "VideoRoPE",
 ]
 
+
+
+@dataclass(frozen=True)
+class KeyTable:
+    """A decoder's rotation state for ``attend``: the table ``(B, 1|H, Lk, P)`` of all its keys (cached keys first,
+    then this step's tokens). The queries are the last ``Lq`` of those keys, so they take the table's last rows."""
+
+    table: torch.Tensor
 
 
 def _check_layout(layout: str) -> None:
@@ -173,8 +183,11 @@ class MultimodalRotary(RotaryEncoding):
             return rotary_table(self.angles_from_positions(pos))
 
     def rotate(self, x: torch.Tensor, table: Any, layer: int = 0) -> torch.Tensor:  # type: ignore[override]
-        """Rotate ``q`` or ``k`` (``(B, H, L, d)``) with a table from :meth:`table_from_positions` (or a lattice state)."""
-        if hasattr(table, "for_layer"):
+        """Rotate ``q`` or ``k`` (``(B, H, L, d)``) with a table from :meth:`table_from_positions`, a
+        :class:`KeyTable` (its last ``L`` rows) or a lattice state."""
+        if isinstance(table, KeyTable):
+            table = table.table[..., table.table.shape[-2] - x.shape[-2]:, :]
+        elif hasattr(table, "for_layer"):
             table = table.for_layer(layer)
         return apply_rotary(x, table, self.layout)
 

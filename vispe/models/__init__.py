@@ -1,6 +1,6 @@
 """timm-compatible models that take vispe positional encodings (registered in timm on import)."""
 from .checkpoint import LoadReport, adapt_timm_state_dict, load_released_loope, load_timm_checkpoint, timm_checkpoint_filter
-from .layers import LayerPE, PEAttention, PEBlock
+from .layers import LayerPE, PEAttention, PEBlock, auxiliary_loss, embed_grid, run_blocks
 from .materialize import init_empty_weights
 from .naflex import patchify_images
 from .vispe_vit import VispeVisionTransformer, parse_pos_encoding
@@ -16,6 +16,9 @@ __all__ = [
     "LayerPE",
     "PEAttention",
     "PEBlock",
+    "auxiliary_loss",
+    "embed_grid",
+    "run_blocks",
     "patchify_images",
     "VispeVisionTransformer",
     "parse_pos_encoding",

@@ -35,6 +35,10 @@ __all__ = [
     "encoding_project_qkv",
     "fold_qk_basis_into_weights",
     "drop_patches",
+    "embed_grid",
+    "hook_owners",
+    "record_auxiliary_loss",
+    "auxiliary_loss",
     "NOT_PREPARED",
 ]
 
@@ -168,7 +172,7 @@ def encoding_project_qkv(pe: "LayerPE", qkv: nn.Linear, x: torch.Tensor, can_fol
 # torch.fx.wrap patches these names in this module's globals for any FX tracer (timm's registration
 # above only reaches modules whose forward the tracer enters through a module call)
 for _fn in ("encoding_prepare", "encoding_keep_tokens", "encoding_embed_tokens", "encoding_after_block", "encoding_attend",
-            "encoding_project_qkv"):
+            "encoding_project_qkv", "drop_patches"):
     torch.fx.wrap(_fn)
 
 
@@ -280,24 +284,85 @@ def run_blocks(
         yield i, x
 
 
+def embed_grid(host: nn.Module, x: torch.Tensor, grid: Any, image: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Any, Any]:
+    """The one embedding step of every host: patch tokens ``(B, N, D)`` of one grid -> prefix tokens prepended
+    (``host.cls_token``, ``host.reg_token``), the encoding's ``prepare`` and ``embed_tokens``, ``host.pos_drop``,
+    patch dropout (``host.patch_drop``; the state narrowed to the kept tokens), ``host.norm_pre``. Returns the
+    tokens, their grid (with ``keep`` after patch dropout) and the state every block receives. The image ViT, the
+    video ViT and each grid group of a mixed-resolution batch run exactly this."""
+    to_cat = []
+    if host.cls_token is not None:
+        to_cat.append(host.cls_token.expand(x.shape[0], -1, -1))
+    if host.reg_token is not None:
+        to_cat.append(host.reg_token.expand(x.shape[0], -1, -1))
+    if to_cat:
+        x = torch.cat(to_cat + [x], dim=1)
+    state = encoding_prepare(host.pos_encoding, grid, x)
+    x = encoding_embed_tokens(host.pos_encoding, x, grid, state, image)
+    x = host.pos_drop(x)
+    x, grid = drop_patches(host.patch_drop, x, grid)
+    state = encoding_keep_tokens(host.pos_encoding, state, grid)
+    return host.norm_pre(x), grid, state
+
+
+# -- hooks found by walking the modules ------------------------------------------------------------------
 _NO_PENDING = object()
+
+#: The per-module method whose training scalars a task adds to its loss (e.g. SeqPE's regularisers).
+AUXILIARY_LOSS = "auxiliary_loss"
+
+
+def hook_owners(model: nn.Module, hook: str = AUXILIARY_LOSS) -> Iterator[nn.Module]:
+    """The topmost modules below ``model`` (``model`` itself excluded) that expose the method ``hook``: the walk does
+    not enter a module it yields, which owns its subtree's share (a composed encoding sums its parts; a host model
+    collects its own modules). Encodings that keep the base class's no-op are left out. So a new module with such a
+    method is found wherever it sits, with nothing to thread through models and tasks."""
+    stack = list(reversed(list(model.children())))
+    seen: set[int] = set()
+    while stack:
+        m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        method = getattr(type(m), hook, None)
+        if callable(method):
+            if method is not getattr(PositionalEncoding, hook, None):
+                yield m
+            continue
+        stack.extend(reversed(list(m.children())))
+
+
+def _sum(losses: list[torch.Tensor]) -> Optional[torch.Tensor]:
+    if not losses:
+        return None
+    total = losses[0].reshape(())
+    for loss in losses[1:]:
+        total = total + loss.reshape(())
+    return total
 
 
 def record_auxiliary_loss(host: nn.Module) -> None:
-    """At the end of a host's training forward: compute the encoding's auxiliary loss (SeqPE's regularisers) while
-    the forward's parameters are live. Under FSDP2 the parameters are sharded again once the forward returns, so a
-    loss computed afterwards by the task would read sharded weights. Encodings without one cost nothing. Inside a
-    compiled or FX-traced graph nothing is recorded (the graph stays whole; the task computes the loss after the
-    forward)."""
-    enc = host.pos_encoding
+    """At the end of a host's training forward: compute the auxiliary losses of the host's modules
+    (:func:`hook_owners`) while the forward's parameters are live. Under FSDP2 the parameters are sharded again once
+    the forward returns, so a loss computed afterwards by the task would read sharded weights. Hosts without such a
+    module cost a walk. Inside a compiled or FX-traced graph nothing is recorded (the graph stays whole; the task
+    computes the loss after the forward)."""
     if torch.compiler.is_compiling() or torch.fx._symbolic_trace.is_fx_tracing():
         return
-    if host.training and torch.is_grad_enabled() and type(enc).auxiliary_loss is not PositionalEncoding.auxiliary_loss:
-        host.__dict__["_pending_auxiliary_loss"] = enc.auxiliary_loss()
+    if not (host.training and torch.is_grad_enabled()):
+        return
+    for m in hook_owners(host):
+        m.__dict__["_pending_auxiliary_loss"] = getattr(m, AUXILIARY_LOSS)()
 
 
-def take_auxiliary_loss(host: nn.Module) -> Optional[torch.Tensor]:
-    """The auxiliary loss recorded by the last training forward (once), else computed now (eager, unsharded use)."""
-    pending = host.__dict__.pop("_pending_auxiliary_loss", _NO_PENDING)
-    return host.pos_encoding.auxiliary_loss() if pending is _NO_PENDING else pending
-
+def auxiliary_loss(model: nn.Module) -> Optional[torch.Tensor]:
+    """The sum of the auxiliary losses of ``model``'s modules (:func:`hook_owners`): each one recorded by the last
+    training forward (taken once), else computed now (eager, unsharded use); ``None`` when no module has one.
+    The one helper every task adds to its loss."""
+    losses = []
+    for m in hook_owners(model):
+        pending = m.__dict__.pop("_pending_auxiliary_loss", _NO_PENDING)
+        loss = getattr(m, AUXILIARY_LOSS)() if pending is _NO_PENDING else pending
+        if loss is not None:
+            losses.append(loss)
+    return _sum(losses)

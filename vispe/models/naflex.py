@@ -5,11 +5,16 @@ The input follows timm's NaFlexViT convention: ``patches`` ``(B, N, P*P*C)`` (ea
 lattice coordinates and ``patch_valid`` ``(B, N)`` booleans (``False``: padding). Valid patches of a sample
 come first, in row-major order of its own ``(h, w)`` lattice, as timm's NaFlex collator lays them out.
 
+Patches go straight into a linear patch projection, as in timm's NaFlexViT: the host's ``Conv2d`` weight read
+as a ``Linear`` over ``(ph, pw, C)`` patches (the same maths; the parameter and its checkpoint key stay the
+conv's). A list of images is patchified here first; the data module only batches.
+
 How every encoding works per sample, without the model looking at which encoding it holds: samples are
-grouped by grid, and each group runs the encoding's own hooks exactly as a plain batch of that grid would
-(``prepare`` on the group's grid, ``embed_tokens`` on the group's tokens, ``attend`` on the group's q/k/v cut
-to its length, ``after_block`` on the group's lattice). Everything that acts token by token (patch
-projection, norms, MLPs, qkv) runs once on the whole padded batch. Padding tokens never reach a valid
+grouped by grid, and each group runs the host's one embedding step (:func:`vispe.models.layers.embed_grid`:
+prefix tokens, ``prepare`` on the group's grid, ``embed_tokens``, dropouts) exactly as a plain batch of that
+grid would, then the one block runner with ``attend`` on the group's q/k/v cut to its length and
+``after_block`` on the group's lattice. Everything that acts token by token (patch projection, norms, MLPs,
+qkv) runs once on the whole padded batch. Padding tokens never reach a valid
 token: the grouped attention only sees a group's own tokens, and where the encoding's attention is plain
 SDPA the whole batch runs in one call with a key-padding mask.
 """
@@ -19,10 +24,12 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 from ..encodings.base import PositionalEncoding
 from ..encodings.grid import PositionGrid
+from .layers import embed_grid, run_blocks
 
 __all__ = [
     "NaFlexGroup",
@@ -32,6 +39,10 @@ __all__ = [
     "grids_from_patch_coord",
     "parse_naflex_input",
     "masked_global_pool",
+    "patch_projection",
+    "embed_naflex",
+    "forward_naflex_blocks",
+    "naflex_pool",
 ]
 
 
@@ -211,3 +222,99 @@ def masked_global_pool(x: torch.Tensor, patch_valid: torch.Tensor, pool_type: st
         return avg
     mx = x.masked_fill(~token_valid.unsqueeze(-1), torch.finfo(x.dtype).min).amax(1)
     return mx if pool_type == "max" else 0.5 * (avg + mx)
+
+
+def patch_projection(proj: nn.Conv2d, patches: torch.Tensor) -> torch.Tensor:
+    """A patch embedding's ``Conv2d`` (kernel = stride = patch) applied to flattened ``(ph, pw, C)`` patches
+    ``(..., P*P*C)`` as the ``Linear`` it is: the weight ``(D, C, ph, pw)`` read as ``(D, ph*pw*C)`` (timm's
+    NaFlexViT holds this linear layer; its checkpoint filter reshapes conv weights the same way)."""
+    weight = proj.weight.permute(0, 2, 3, 1).flatten(1)
+    return F.linear(patches, weight, proj.bias)
+
+
+def _check_patch_input(patches: Any, patch_coord: Optional[torch.Tensor], patch_valid: Optional[torch.Tensor],
+                       patch: tuple[int, int], in_chans: int, weight_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list]:
+    """A list of ``(C, H, W)`` images (patchified here) or padded patches with coordinates -> ``(patches,
+    patch_coord, patch_valid, grids)``, every malformed input named before any compute."""
+    if isinstance(patches, list):
+        if not patches:
+            raise ValueError("a mixed-resolution batch given as a list of images must not be empty")
+        for i, img in enumerate(patches):
+            if not isinstance(img, torch.Tensor) or img.ndim != 3:
+                raise ValueError(f"image {i} of the list must be a (C, H, W) tensor, got "
+                                 f"{type(img).__name__} {tuple(getattr(img, 'shape', ()))}")
+            if img.shape[0] != in_chans:
+                raise ValueError(f"image {i} of the list has shape {tuple(img.shape)}; expected (C={in_chans}, H, W)")
+            if img.shape[-2] % patch[0] or img.shape[-1] % patch[1]:
+                raise ValueError(f"image {i} of the list is {img.shape[-2]}x{img.shape[-1]}, not a multiple of the patch size "
+                                 f"{patch[0]}x{patch[1]}; resize it to a multiple")
+        grids = [(int(img.shape[-2]) // patch[0], int(img.shape[-1]) // patch[1]) for img in patches]
+        batch = patchify_images(patches, patch)
+        patches, patch_coord, patch_valid = batch["patches"], batch["patch_coord"], batch["patch_valid"]
+    else:
+        if patch_coord is None or patch_valid is None:
+            raise ValueError("a padded patch batch needs both patch_coord (B, N, 2) and patch_valid (B, N)")
+        if not isinstance(patches, torch.Tensor) or patches.ndim != 3 or patches.shape[-1] != patch[0] * patch[1] * in_chans:
+            raise ValueError(f"patches must be (B, N, P*P*C) = (B, N, {patch[0] * patch[1] * in_chans}) flattened (ph, pw, C) "
+                             f"patches, got {tuple(getattr(patches, 'shape', ()))}")
+        grids = grids_from_patch_coord(patch_coord, patch_valid)
+    if not patches.is_floating_point():
+        raise TypeError(f"mixed-resolution input has dtype {patches.dtype}; expected a floating-point tensor (e.g. x.float() / 255, then normalise)")
+    if patches.dtype != weight_dtype and not torch.is_autocast_enabled(patches.device.type):
+        raise TypeError(f"mixed-resolution input has dtype {patches.dtype}, the model's weights {weight_dtype}; "
+                        f"convert with .to({weight_dtype}) or run under torch.autocast")
+    return patches, patch_coord, patch_valid, grids
+
+
+def embed_naflex(host: nn.Module, patches: Any, patch_coord: Optional[torch.Tensor] = None,
+                 patch_valid: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, "GroupedEncoding"]:
+    """A host's embedding of a mixed-resolution batch: the linear patch projection once over the padded batch, then
+    per group of samples sharing a grid the host's one embedding step (:func:`~vispe.models.layers.embed_grid`) on
+    that grid. Returns the padded tokens ``(B, S + N, D)`` and the per-group binding the blocks run the encoding
+    through. ``host``: a timm-style ViT (``patch_embed`` with a conv ``proj``, ``num_prefix_tokens`` and the
+    attributes ``embed_grid`` reads)."""
+    pe_ = host.patch_embed
+    patch = tuple(int(p) for p in pe_.patch_size)
+    in_chans = pe_.proj.in_channels
+    patches, patch_coord, patch_valid, grids = _check_patch_input(patches, patch_coord, patch_valid, patch, in_chans,
+                                                                  pe_.proj.weight.dtype)
+    tokens_all = pe_.norm(patch_projection(pe_.proj, patches))  # (B, N, D), token by token: padding rows are dropped below
+    by_grid: dict[tuple[int, int], list[int]] = {}
+    for b, g in enumerate(grids):
+        by_grid.setdefault(g, []).append(b)
+    reads_image = host.pos_encoding.reads_image
+    groups, tokens = [], []
+    for (h, w), rows in by_grid.items():
+        index = torch.tensor(rows, device=patches.device)
+        x = tokens_all.index_select(0, index)[:, : h * w]
+        # an image-conditioned encoding (LOOPE's offset) reads the pixels: rebuilt from the patches for it only
+        image = unpatchify(patches.index_select(0, index)[:, : h * w], (h, w), patch, in_chans) if reads_image else None
+        x, grid, state = embed_grid(host, x, PositionGrid((h, w), host.num_prefix_tokens), image)
+        groups.append(NaFlexGroup(index, grid, x.shape[1], state))
+        tokens.append(x)
+    seq_len = max(t.shape[1] for t in tokens)
+    out = tokens[0].new_zeros(len(grids), seq_len, tokens[0].shape[-1])
+    for g, t in zip(groups, tokens):
+        out = out.index_copy(0, g.index, F.pad(t, (0, 0, 0, seq_len - t.shape[1])))
+    return out, GroupedEncoding(host.pos_encoding, groups, seq_len)
+
+
+def forward_naflex_blocks(blocks: nn.Module, x: torch.Tensor, grouped: "GroupedEncoding", grad_checkpointing: bool = False) -> torch.Tensor:
+    """The one block runner over a mixed batch, the encoding bound per group (:class:`GroupedEncoding`)."""
+    for _, x in run_blocks(blocks, grouped, x, None, None, False, grad_checkpointing, None, None):  # type: ignore[arg-type]
+        pass
+    return x
+
+
+def naflex_pool(host: nn.Module, x: torch.Tensor, patch_valid: torch.Tensor, pool_type: Optional[str] = None) -> torch.Tensor:
+    """A timm ViT host's pooling over a mixed batch: attention pooling (``map``) with a key-padding mask, else
+    :func:`masked_global_pool`; prefix tokens count when the host pools them (``pool_include_prefix``)."""
+    npt = host.num_prefix_tokens
+    if host.attn_pool is not None:
+        keys = patch_valid.bool()
+        if host.pool_include_prefix:
+            keys = torch.cat([keys.new_ones(x.shape[0], npt), keys], dim=1)
+        else:
+            x = x[:, npt:]
+        return host.attn_pool(x, attn_mask=keys[:, None, None, :])
+    return masked_global_pool(x, patch_valid, host.global_pool if pool_type is None else pool_type, npt, host.pool_include_prefix)

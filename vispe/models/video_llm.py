@@ -16,11 +16,13 @@ visual_dim=None, vision_encoder=None, spatial_merge_size=1, ...)``
   position options (``gamma``, ``delta``, ``fps``, ``spatial_reset``, ...). HoPE's ``gamma`` and
   V2PE's ``delta`` are drawn per visual block while ``model.training`` (``training=True`` in the
   position builder) and fixed (``position_kwargs``) in eval mode.
-* Blocks: pre-norm (RMSNorm) causal self-attention (SDPA, boolean causal + padding mask) and a
-  timm ``Mlp``; q and k are rotated by the encoding's ``rotate`` (= ``apply_rotary``, 'half' layout).
-* Generation: greedy, with a per-layer KV cache of rotated keys. After the prompt the cache stores
-  ``rope_delta`` (per sample, relative to the padded prompt length); the token at cache index ``j``
-  gets position ``j + rope_delta`` on every coordinate.
+* Blocks: pre-norm (RMSNorm) causal self-attention and a timm ``Mlp``; attention goes through the encoding's
+  ``attend`` hook exactly as in the ViTs (:func:`vispe.models.layers.encoding_attend`: q and k rotated by
+  ``apply_rotary``, 'half' layout, then SDPA with a boolean causal + padding mask).
+* Generation: greedy, with a per-layer KV cache of keys before rotation and the keys' rotation table (the
+  encoding's ``attend`` rotates the cached keys with it, a :class:`~vispe.encodings.multimodal_rope.KeyTable`).
+  After the prompt the cache stores ``rope_delta`` (per sample, relative to the padded prompt length); the
+  token at cache index ``j`` gets position ``j + rope_delta`` on every coordinate.
 
 Stable API:
     ``pack(samples, padding_side='left') -> MultimodalBatch`` where a sample is a list of items:
@@ -47,8 +49,8 @@ from torch import nn
 
 from ..encodings import EncodingContext, create_encoding
 from .._checks import Int, Real, check_options
-from ..encodings.base import check_context_fields, sdpa
-from ..encodings.multimodal_rope import MultimodalRotary
+from ..encodings.base import check_context_fields
+from ..encodings.multimodal_rope import KeyTable, MultimodalRotary
 from ..positions import (
     SCHEMES,
     Segment,
@@ -58,6 +60,7 @@ from ..positions import (
     decode_positions,
 )
 from ..encodings.spec import PosEncodingArg, parse_pos_encoding
+from .layers import LayerPE, auxiliary_loss, encoding_attend, record_auxiliary_loss
 
 __all__ = ["DecoderBlock", "KVCache", "LLMOutput", "MultimodalBatch", "VideoLLM", "VisualFeatures", "VisualProjector"]
 
@@ -89,12 +92,14 @@ class MultimodalBatch:
 
 @dataclass
 class KVCache:
-    """Rotated keys and values per layer, the key padding mask and the decode offset ``rope_delta``."""
+    """Keys (before rotation) and values per layer, the key padding mask, the decode offset ``rope_delta`` and the
+    keys' rotation table (the encoding's ``attend`` rotates keys and queries alike)."""
 
     keys: list
     values: list
     attention_mask: torch.Tensor  # (B, Lk) bool
     rope_delta: torch.Tensor  # (B,)
+    key_table: torch.Tensor | None = None  # (B, 1|H, Lk, P) complex: table_from_positions of the cached keys
 
     @property
     def length(self) -> int:
@@ -137,6 +142,8 @@ class VisualProjector(nn.Module):
 
 
 class DecoderAttention(nn.Module):
+    """Causal self-attention with a KV cache; scores through the encoding's ``attend`` (the ViTs' path)."""
+
     def __init__(self, dim: int, num_heads: int, qkv_bias: bool = False) -> None:
         super().__init__()
         self.num_heads = num_heads
@@ -147,19 +154,16 @@ class DecoderAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        encoding: MultimodalRotary,
-        table: torch.Tensor,
+        pe: LayerPE,
         mask: torch.Tensor,
         past: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         B, L, C = x.shape
         q, k, v = self.qkv(x).reshape(B, L, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        # the rotary family's one rotation hook (the rotated keys are what the KV cache keeps)
-        q, k = encoding.rotate_qk(q, k, table)
-        if past is not None:
+        if past is not None:  # cached keys are kept before rotation: the state's table covers them
             k = torch.cat([past[0], k], dim=2)
             v = torch.cat([past[1], v], dim=2)
-        out = sdpa(q, k, v, attn_mask=mask)
+        out = encoding_attend(pe, q, k, v, mask, 0.0, False)
         return self.proj(out.transpose(1, 2).reshape(B, L, C)), (k, v)
 
 
@@ -174,8 +178,8 @@ class DecoderBlock(nn.Module):
         self.mlp = Mlp(dim, int(dim * mlp_ratio), drop=dropout)
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x, encoding, table, mask, past=None):
-        h, kv = self.attn(self.norm1(x), encoding, table, mask, past)
+    def forward(self, x: torch.Tensor, pe: LayerPE, mask: torch.Tensor, past: tuple[torch.Tensor, torch.Tensor] | None = None):
+        h, kv = self.attn(self.norm1(x), pe, mask, past)
         x = x + self.drop(h)
         x = x + self.mlp(self.norm2(x))
         return x, kv
@@ -439,6 +443,10 @@ class VideoLLM(nn.Module):
                     raise ValueError(f"cache layer {i}: keys/values must be {expected}, got {shape(k)} / {shape(v)}")
             if cache.rope_delta.numel() not in (1, B):
                 raise ValueError(f"cache.rope_delta must have 1 or B={B} values, got shape {shape(cache.rope_delta)}")
+            table = cache.key_table
+            if not isinstance(table, torch.Tensor) or table.ndim != 4 or table.shape[0] != B or table.shape[-2] != lk:
+                raise ValueError(f"cache.key_table must be the (B={B}, 1|H, Lk={lk}, P) rotation table of the cached keys "
+                                 f"(from a forward with use_cache=True), got {shape(table) if isinstance(table, torch.Tensor) else table!r}")
 
     def forward(
         self,
@@ -487,21 +495,30 @@ class VideoLLM(nn.Module):
                     "(vispe.positions.build_positions / VideoLLM.pack)"
                 )
         table = self.pos_encoding.table_from_positions(position_ids.to(x.device))
+        if cache is not None:
+            table = torch.cat([cache.key_table, table], dim=-2)
+        state = KeyTable(table)
         mask = self._attn_mask(key_mask, L)
         new_k, new_v = [], []
         for i, blk in enumerate(self.blocks):
             past = (cache.keys[i], cache.values[i]) if cache is not None else None
-            x, (k, v) = blk(x, self.pos_encoding, table, mask, past)
+            x, (k, v) = blk(x, LayerPE(self.pos_encoding, state, i), mask, past)
             new_k.append(k)
             new_v.append(v)
         logits = self.lm_head(self.norm(x))
         out_cache = None
         if use_cache:
-            out_cache = KVCache(new_k, new_v, key_mask, torch.as_tensor(rope_delta, device=x.device).reshape(-1).expand(B))
+            out_cache = KVCache(new_k, new_v, key_mask, torch.as_tensor(rope_delta, device=x.device).reshape(-1).expand(B), table)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1), ignore_index=IGNORE_INDEX)
+        record_auxiliary_loss(self)
         return LLMOutput(logits, out_cache, loss)
+
+    def auxiliary_loss(self) -> torch.Tensor | None:
+        """The training regularisers of this model's modules (e.g. a vision encoder's SeqPE), found by
+        :func:`vispe.models.layers.auxiliary_loss`; ``None`` when none has one."""
+        return auxiliary_loss(self)
 
     def forward_batch(self, batch: MultimodalBatch, labels: torch.Tensor | None = None, use_cache: bool = False) -> LLMOutput:
         """Forward over a :meth:`pack` result."""

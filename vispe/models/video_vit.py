@@ -52,8 +52,7 @@ from ..encodings import (
 )
 from .._checks import Int, Ints, check_options
 from ..encodings.base import check_context_fields
-from .layers import (NOT_PREPARED, PEAttention, PEBlock, drop_patches, encoding_embed_tokens, encoding_keep_tokens, encoding_prepare,
-                     record_auxiliary_loss, run_blocks, take_auxiliary_loss)
+from .layers import NOT_PREPARED, PEAttention, PEBlock, auxiliary_loss, embed_grid, record_auxiliary_loss, run_blocks
 from ..encodings.spec import PosEncodingArg, parse_pos_encoding
 
 __all__ = ["TubeletEmbed", "VispeVideoViT"]
@@ -110,8 +109,6 @@ def _tubelet_grid(tokens: torch.Tensor, num_prefix_tokens: int) -> PositionGrid:
 
 torch.fx.wrap("_as_video")  # opaque under any FX tracer (see vispe.models.layers)
 torch.fx.wrap("_tubelet_grid")
-for _fn in ("encoding_prepare", "encoding_embed_tokens", "encoding_keep_tokens"):
-    torch.fx.wrap(_fn)
 
 
 #: the clip size a video ViT is built for: frame count and (H, W) (or one side), refused naming the option when bad
@@ -208,6 +205,7 @@ class VispeVideoViT(nn.Module):
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if class_token else None
         self.reg_token = nn.Parameter(torch.zeros(1, reg_tokens, embed_dim)) if reg_tokens else None
         self.pos_drop = nn.Dropout(pos_drop_rate)
+        self.norm_pre = nn.Identity()  # the host protocol's pre-block norm (timm's ViT has one; none here)
         if not 0.0 <= patch_drop_rate < 1.0:
             raise ValueError(f"patch_drop_rate={patch_drop_rate!r} must be in [0, 1)")
         self.patch_drop = (
@@ -265,20 +263,8 @@ class VispeVideoViT(nn.Module):
         """:meth:`embed` plus the encoding's per-forward state (``prepare`` first, narrowed after patch dropout)."""
         video = x
         x = self.patch_embed(x)  # (B, t, h, w, D)
-        B = x.shape[0]
         grid = _tubelet_grid(x, self.num_prefix_tokens)
-        x = x.flatten(1, 3)
-        prefix = []
-        if self.cls_token is not None:
-            prefix.append(self.cls_token.expand(B, -1, -1))
-        if self.reg_token is not None:
-            prefix.append(self.reg_token.expand(B, -1, -1))
-        if prefix:
-            x = torch.cat(prefix + [x], dim=1)
-        state = encoding_prepare(self.pos_encoding, grid, x)
-        x = encoding_embed_tokens(self.pos_encoding, x, grid, state, video)
-        x, grid = drop_patches(self.patch_drop, self.pos_drop(x), grid)
-        return x, grid, encoding_keep_tokens(self.pos_encoding, state, grid)
+        return embed_grid(self, x.flatten(1, 3), grid, video)
 
     def iter_blocks(self, x: torch.Tensor, grid: PositionGrid, attn_mask: torch.Tensor | None = None, state: Any = NOT_PREPARED):
         """Run the blocks, yielding ``(index, tokens)`` after each (``state`` from :meth:`embed_with_state`;
@@ -398,9 +384,10 @@ class VispeVideoViT(nn.Module):
         return names
 
     def auxiliary_loss(self) -> torch.Tensor | None:
-        """The positional encoding's training regulariser (``None`` if it has none); tasks add it to their loss.
-        Computed inside the training forward (:func:`~vispe.models.layers.record_auxiliary_loss`: sharded training)."""
-        return take_auxiliary_loss(self)
+        """The training regularisers of this model's modules (the positional encoding's, e.g. SeqPE's; ``None`` if
+        none has one), as :func:`vispe.models.layers.auxiliary_loss` finds them; recorded inside the training
+        forward (sharded training)."""
+        return auxiliary_loss(self)
 
 
 def _list_3d() -> list[str]:

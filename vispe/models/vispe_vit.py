@@ -20,9 +20,8 @@ from ..encodings import EncodingContext, PositionGrid, create_encoding, get_enco
 from ..encodings.base import check_context_fields
 from ..encodings.spec import PosEncodingArg, parse_pos_encoding
 from .checkpoint import timm_checkpoint_filter
-from .layers import (NOT_PREPARED, PEAttention, PEBlock, drop_patches, encoding_embed_tokens, encoding_keep_tokens, encoding_prepare,
-                     record_auxiliary_loss, run_blocks, take_auxiliary_loss)
-from .naflex import GroupedEncoding, NaFlexGroup, grids_from_patch_coord, masked_global_pool, parse_naflex_input, unpatchify
+from .layers import NOT_PREPARED, PEAttention, PEBlock, auxiliary_loss, embed_grid, record_auxiliary_loss, run_blocks
+from .naflex import GroupedEncoding, embed_naflex, forward_naflex_blocks, naflex_pool, parse_naflex_input
 
 __all__ = ["VispeVisionTransformer", "parse_pos_encoding"]  # parse_pos_encoding: re-exported from vispe.encodings.spec
 
@@ -93,7 +92,7 @@ def _patch_grid(patch_embed: torch.nn.Module, patches: torch.Tensor, image: torc
     return PositionGrid(grid_hw, num_prefix_tokens)
 
 
-for _fn in ("_check_image_input", "_check_attn_mask", "_patch_grid", "encoding_prepare", "encoding_embed_tokens", "encoding_keep_tokens", "drop_patches"):
+for _fn in ("_check_image_input", "_check_attn_mask", "_patch_grid"):
     torch.fx.wrap(_fn)  # opaque under any FX tracer (see vispe.models.layers)
 
 
@@ -152,22 +151,6 @@ class VispeVisionTransformer(VisionTransformer):
         x, grid, _ = self.embed_with_state(x)
         return x, grid
 
-    def _encode_patch_tokens(self, x: torch.Tensor, grid: PositionGrid, image: torch.Tensor) -> tuple[torch.Tensor, PositionGrid, Any]:
-        """Patch tokens ``(B, N, D)`` of one grid -> prefix tokens prepended, the encoding's ``prepare`` and
-        ``embed_tokens``, position dropout, patch dropout (plain batches and each grid group of a NaFlex batch)."""
-        to_cat = []
-        if self.cls_token is not None:
-            to_cat.append(self.cls_token.expand(x.shape[0], -1, -1))
-        if self.reg_token is not None:
-            to_cat.append(self.reg_token.expand(x.shape[0], -1, -1))
-        if to_cat:
-            x = torch.cat(to_cat + [x], dim=1)
-        state = encoding_prepare(self.pos_encoding, grid, x)
-        x = encoding_embed_tokens(self.pos_encoding, x, grid, state, image)
-        x = self.pos_drop(x)
-        x, grid = drop_patches(self.patch_drop, x, grid)
-        return x, grid, state
-
     def embed_with_state(self, x: torch.Tensor) -> tuple[torch.Tensor, PositionGrid, Any]:
         """:meth:`embed` plus the encoding's per-forward state: ``prepare`` runs first, its state feeds
         ``embed_tokens``, is narrowed after patch dropout and is what every block receives."""
@@ -179,10 +162,7 @@ class VispeVisionTransformer(VisionTransformer):
         grid = _patch_grid(self.patch_embed, x, image, self.num_prefix_tokens)
         if not self.patch_embed.flatten:  # NHWC patches (timm's dynamic_img_size mode)
             x = x.flatten(1, 2)
-        x, grid, state = self._encode_patch_tokens(x, grid, image)
-        state = encoding_keep_tokens(self.pos_encoding, state, grid)
-        x = self.norm_pre(x)
-        return x, grid, state
+        return embed_grid(self, x, grid, image)
 
     def iter_blocks(
         self,
@@ -268,52 +248,7 @@ class VispeVisionTransformer(VisionTransformer):
         images. Each group of samples sharing a grid is embedded exactly as a plain batch of that grid (the
         encoding prepared for that grid); returns the padded tokens ``(B, S + N, D)`` and the per-group binding
         the blocks run the encoding through."""
-        pe_ = self.patch_embed
-        patch = tuple(int(p) for p in pe_.patch_size)
-        in_chans = pe_.proj.in_channels
-        if isinstance(patches, list):
-            if not patches:
-                raise ValueError("a mixed-resolution batch given as a list of images must not be empty")
-            for i, img in enumerate(patches):
-                if not isinstance(img, torch.Tensor) or img.ndim != 3:
-                    raise ValueError(f"image {i} of the list must be a (C, H, W) tensor, got "
-                                     f"{type(img).__name__} {tuple(getattr(img, 'shape', ()))}")
-                if img.shape[-2] % patch[0] or img.shape[-1] % patch[1]:
-                    raise ValueError(f"image {i} of the list is {img.shape[-2]}x{img.shape[-1]}, not a multiple of the patch size "
-                                     f"{patch[0]}x{patch[1]}; resize it to a multiple")
-            grids = [(int(img.shape[-2]) // patch[0], int(img.shape[-1]) // patch[1]) for img in patches]
-            batch = len(patches)
-        else:
-            if patch_coord is None or patch_valid is None:
-                raise ValueError("a padded patch batch needs both patch_coord (B, N, 2) and patch_valid (B, N)")
-            if not isinstance(patches, torch.Tensor) or patches.ndim != 3 or patches.shape[-1] != patch[0] * patch[1] * in_chans:
-                raise ValueError(f"patches must be (B, N, P*P*C) = (B, N, {patch[0] * patch[1] * in_chans}) flattened (ph, pw, C) "
-                                 f"patches, got {tuple(getattr(patches, 'shape', ()))}")
-            grids = grids_from_patch_coord(patch_coord, patch_valid)
-            batch = patches.shape[0]
-        by_grid: Dict[Tuple[int, int], List[int]] = {}
-        for b, g in enumerate(grids):
-            by_grid.setdefault(g, []).append(b)
-        groups, tokens = [], []
-        for (h, w), rows in by_grid.items():
-            if isinstance(patches, list):
-                image = torch.stack([patches[b] for b in rows])
-            else:
-                image = unpatchify(patches[rows, : h * w], (h, w), patch, in_chans)
-            _check_image_input(image, patch, tuple(pe_.img_size), False, True, in_chans, pe_.proj.weight.dtype)
-            # the patch embedding of a plain batch (timm's PatchEmbed without its fixed-size check)
-            x = pe_.norm(pe_.proj(image).flatten(2).transpose(1, 2))
-            x, grid, state = self._encode_patch_tokens(x, PositionGrid((h, w), self.num_prefix_tokens), image)
-            state = encoding_keep_tokens(self.pos_encoding, state, grid)
-            x = self.norm_pre(x)
-            index = torch.tensor(rows, device=x.device)
-            groups.append(NaFlexGroup(index, grid, x.shape[1], state))
-            tokens.append(x)
-        seq_len = max(t.shape[1] for t in tokens)
-        out = tokens[0].new_zeros(batch, seq_len, tokens[0].shape[-1])
-        for g, t in zip(groups, tokens):
-            out = out.index_copy(0, g.index, torch.nn.functional.pad(t, (0, 0, 0, seq_len - t.shape[1])))
-        return out, GroupedEncoding(self.pos_encoding, groups, seq_len)
+        return embed_naflex(self, patches, patch_coord, patch_valid)
 
     def forward_features_naflex(
         self, patches: Union[torch.Tensor, List[torch.Tensor]], patch_coord: Optional[torch.Tensor] = None,
@@ -322,23 +257,14 @@ class VispeVisionTransformer(VisionTransformer):
         """Blocks over a mixed-resolution batch. Returns timm NaFlexViT's dict: ``patches`` (normalised tokens
         ``(B, S + N, D)``, prefix first, padding rows at the end of each sample) and ``patch_valid`` ``(B, N)``."""
         x, grouped = self.embed_naflex(patches, patch_coord, patch_valid)
-        for _, x in run_blocks(self.blocks, grouped, x, None, None, False, self.grad_checkpointing, None, None):  # type: ignore[arg-type]
-            pass
+        x = forward_naflex_blocks(self.blocks, x, grouped, self.grad_checkpointing)
         return {"patches": self.norm(x), "patch_valid": grouped.token_valid(x.device)[:, self.num_prefix_tokens:]}
 
     def pool(self, x: torch.Tensor, pool_type: Optional[str] = None, patch_valid: Optional[torch.Tensor] = None) -> torch.Tensor:
         """timm's pooling; with ``patch_valid`` (a mixed-resolution batch) padding tokens are left out."""
         if patch_valid is None:
             return super().pool(x, pool_type)
-        npt = self.num_prefix_tokens
-        if self.attn_pool is not None:
-            keys = patch_valid.bool()
-            if self.pool_include_prefix:
-                keys = torch.cat([keys.new_ones(x.shape[0], npt), keys], dim=1)
-            else:
-                x = x[:, npt:]
-            return self.attn_pool(x, attn_mask=keys[:, None, None, :])
-        return masked_global_pool(x, patch_valid, self.global_pool if pool_type is None else pool_type, npt, self.pool_include_prefix)
+        return naflex_pool(self, x, patch_valid, pool_type)
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False, patch_valid: Optional[torch.Tensor] = None) -> torch.Tensor:
         x = self.pool(x, patch_valid=patch_valid)
@@ -376,9 +302,10 @@ class VispeVisionTransformer(VisionTransformer):
         return names
 
     def auxiliary_loss(self) -> Optional[torch.Tensor]:
-        """The positional encoding's training regulariser (``None`` if it has none); tasks add it to their loss.
-        Computed inside the training forward (:func:`~vispe.models.layers.record_auxiliary_loss`: sharded training)."""
-        return take_auxiliary_loss(self)
+        """The training regularisers of this model's modules (the positional encoding's, e.g. SeqPE's; ``None`` if
+        none has one), as :func:`vispe.models.layers.auxiliary_loss` finds them; recorded inside the training
+        forward (sharded training)."""
+        return auxiliary_loss(self)
 
 
 # ----------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torchmetrics import Accuracy, MetricCollection
 
+from vispe.models.layers import auxiliary_loss
 from vispe.tasks.optim import adamw_warmup_cosine, check_schedule, param_groups_no_decay, warmup_cosine
 
 __all__ = ["ImageClassification", "build_model", "param_groups_no_decay", "warmup_cosine"]
@@ -57,12 +58,12 @@ def build_model(
 
 def add_auxiliary_loss(task: pl.LightningModule, model: nn.Module, loss: torch.Tensor, weight: float,
                        batch_size: int | None = None) -> torch.Tensor:
-    """``loss + weight * model.auxiliary_loss()`` (the positional encoding's own regulariser, e.g. SeqPE's), logged
-    as ``train/aux_loss``; ``loss`` unchanged when the weight is 0 or the model/encoding has none."""
-    get = getattr(model, "auxiliary_loss", None)
-    if weight == 0 or not callable(get):
+    """``loss + weight * auxiliary_loss(model)`` -- the auxiliary losses of the model's modules, found by walking them
+    (:func:`vispe.models.layers.auxiliary_loss`; e.g. SeqPE's regulariser) -- logged as ``train/aux_loss``; ``loss``
+    unchanged when the weight is 0 or no module has one."""
+    if weight == 0:
         return loss
-    aux = get()
+    aux = auxiliary_loss(model)
     if aux is None:
         return loss
     task.log("train/aux_loss", aux.detach(), on_step=True, on_epoch=True, batch_size=batch_size)
@@ -174,8 +175,8 @@ class ImageClassification(pl.LightningModule):
         return x, soft * (1 - eps) + eps / self.num_classes
 
     def setup(self, stage: str) -> None:
-        """Hand the model's patch size to the data module (its mixed resolutions must tile it; ``'sample'`` lays
-        out patches with it), so a config states it once: in the model."""
+        """Hand the model's patch size to the data module (its mixed resolutions must tile it), so a config states
+        it once: in the model."""
         dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         patch = getattr(getattr(self.model, "patch_embed", None), "patch_size", None)
         if dm is None or patch is None or not hasattr(dm, "use_model_patch_size"):
