@@ -33,7 +33,6 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("vispe.benchmarks.speed:main", "speed and memory of every encoding vs timm ('vispe bench speed')"),
     "retrieval": ("vispe.benchmarks.retrieval:main", "text-video retrieval benchmark"),
     "niah": ("vispe.benchmarks.niah:main", "video needle-in-a-haystack benchmark for the video-LLM"),
-    "hf-niah": ("vispe.benchmarks.hf_niah:main", "video NIAH inside a tiny Hugging Face Qwen2-VL / Qwen3-VL with a vispe scheme"),
     "hf-figures": ("vispe.benchmarks.hf_figures:main", "figures of the HF integration's checks (needs a checkout's tests/)"),
 }
 

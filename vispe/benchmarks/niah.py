@@ -38,12 +38,10 @@ KEEP = 0.9
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="vispe niah",
-        description="Video needle-in-a-haystack: train a small video-LLM per position scheme at one length, score lengths x depths. "
-                    "The recipe (episodes, model, schedule) is vispe/recipes/niah.yaml; change it with --set.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    p = grid.benchmark_parser(
+        "vispe niah",
+        "Video needle-in-a-haystack: train a small video-LLM per position scheme at one length, score lengths x depths. "
+        "The recipe (episodes, model, schedule) is vispe/recipes/niah.yaml; change it with --set.")
     p.add_argument("--schemes", default=",".join(DEFAULT_SCHEMES), help="comma-separated multimodal schemes")
     p.add_argument("--out", default="outputs/niah", help="output folder")
     p.add_argument("--quick", action="store_true", help="tiny smoke run (numbers are meaningless)")

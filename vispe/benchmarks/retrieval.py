@@ -32,12 +32,10 @@ BENCHMARK_TRAINER: dict[str, Any] = {**grid.BENCHMARK_TRAINER, "trainer.enable_p
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="vispe retrieval",
-        description="Text-video retrieval benchmark: one small video-text CLIP per 3D positional encoding, generated data. "
-                    "The recipe (clips, towers, schedule, evaluation views) is vispe/recipes/retrieval.yaml; change it with --set.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    p = grid.benchmark_parser(
+        "vispe retrieval",
+        "Text-video retrieval benchmark: one small video-text CLIP per 3D positional encoding, generated data. "
+        "The recipe (clips, towers, schedule, evaluation views) is vispe/recipes/retrieval.yaml; change it with --set.")
     p.add_argument("--encodings", default=",".join(DEFAULT_ENCODINGS), help="comma-separated 3D encodings (vispe.list_encodings(grid_ndim=3))")
     p.add_argument("--out", default="outputs/retrieval", help="output folder for results.json/.md/.png")
     p.add_argument("--data-root", default=None, help="where generated clips are written (default $VISPE_DATA_ROOT/generated or the temp dir)")

@@ -15,7 +15,6 @@ Usage::
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -201,7 +200,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     from vispe._checks import did_you_mean
 
-    p = argparse.ArgumentParser(prog="vispe bench scaling", description=__doc__.split("\n\n")[0])
+    from vispe.benchmarks.grid import benchmark_parser
+
+    p = benchmark_parser("vispe bench scaling", __doc__.split("\n\n")[0], "plain")
     p.add_argument("--encodings", default=",".join(DEFAULT_ENCODINGS), help="comma-separated registry names")
     p.add_argument("--strategies", default=",".join(STRATEGIES), help=f"from {list(STRATEGIES)}")
     p.add_argument("--nproc", type=int, default=2, help="processes of the multi-process strategies")

@@ -439,11 +439,10 @@ def summarise(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="vispe bench speed",
-        description="Train-step time, inference throughput and peak memory of every encoding vs timm's own ViTs "
-        "(one process, models interleaved round-robin).",
-    )
+    from vispe.benchmarks.grid import benchmark_parser
+
+    p = benchmark_parser("vispe bench speed", "Train-step time, inference throughput and peak memory of every encoding vs timm's "
+                         "own ViTs (one process, models interleaved round-robin).", "plain")
     p.add_argument("--models", default=",".join(DEFAULT_MODELS),
                    help=f"model sizes, comma-separated from {sorted(BENCH_CONFIGS)} (video_s16: the video ViT with 3D encodings)")
     p.add_argument("--encodings", default=None,

@@ -36,12 +36,10 @@ BENCHMARK_TRAINER: dict[str, Any] = dict(grid.BENCHMARK_TRAINER)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="vispe three-cell",
-        description="Three Cell Experiment leaderboard: one tiny ViT per positional encoding, same recipe, generated data. "
-                    "The recipe (data, model, schedule) is vispe/recipes/three_cell.yaml; change it with --set.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    p = grid.benchmark_parser(
+        "vispe three-cell",
+        "Three Cell Experiment leaderboard: one tiny ViT per positional encoding, same recipe, generated data. "
+        "The recipe (data, model, schedule) is vispe/recipes/three_cell.yaml; change it with --set.")
     p.add_argument("--quick", action="store_true", help=f"a few-minute CPU run of {', '.join(QUICK_ENCODINGS)} (writes nothing unless --out)")
     p.add_argument("--encodings", default=None, help="comma-separated encoding names, or 'all' (every 2D encoding registered)")
     p.add_argument("--pe-options", default="{}", help='JSON {encoding: {option: value}} passed to the encodings, e.g. \'{"irpe": {"mode": "bias"}}\'')
