@@ -123,3 +123,23 @@ def test_grid_names_short_long_and_misspelt(tmp_path):
     with pytest.raises(ValueError, match="grid='cpux' is neither a shipped grid nor a YAML file; choose one of .*did you mean 'cpu'"):
         load_grid("cpux", "resolution")
     assert load_grid("cpu", "resolution").name == load_grid("resolution_cpu").name == "resolution_cpu"
+
+
+def test_a_newly_registered_2d_encoding_joins_the_registry_grids_and_three_cell_all():
+    from vispe.benchmarks.three_cell import _resolve_encodings
+    from vispe.encodings import base
+    from vispe.encodings.absolute import SinCos2d
+
+    class _NewEncoding(SinCos2d):
+        """A stand-in for a new catalogue entry."""
+
+    base.register_encoding("zz_new_2d")(_NewEncoding)
+    try:
+        part = load_grid("cpu", "resolution").part("fashion_mnist")
+        assert "zz_new_2d" in part.encodings and "zz_new_2d" in dict(part.runs())
+        assert "zz_new_2d" not in load_grid("cpu", "resolution").part("cifar10").encodings  # a list stays as written
+        assert _resolve_encodings("all", quick=False) == list(select_encodings({"registry": {"grid_ndim": 2}}))
+        assert "zz_new_2d" in _resolve_encodings("all", quick=False)
+    finally:
+        base._REGISTRY.pop("zz_new_2d")
+    assert set(_resolve_encodings("all", quick=False)) == set(ALL_2D_AT_WRITING) - {"learned+rope_axial"}

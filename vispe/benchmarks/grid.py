@@ -41,7 +41,7 @@ from vispe._checks import did_you_mean
 
 __all__ = ["BENCHMARK_TRAINER", "EVALUATE_KEYS", "GRID_KEYS", "Grid", "PART_KEYS", "POLICY_LINE_NOTE", "POLICY_STYLES", "Part", "RunTask",
            "accuracy_axes", "add_recipe_arguments", "benchmark_parser", "figure_legend", "grid_path", "list_grids", "load_grid", "part_title",
-           "save_figure", "select_encodings", "train_runs"]
+           "save_figure", "select_encodings", "train_one", "train_runs"]
 
 #: One line convention for every resolution figure: the extrapolation policy is the line style (an encoding with
 #: one built-in behaviour draws solid, like ``interpolate``)
@@ -259,7 +259,13 @@ def load_grid(name_or_path: str | Path, benchmark: str | None = None) -> Grid:
 @dataclass(frozen=True)
 class RunTask:
     """One run to train: ``runner.run(recipe, overrides, seed=seed, ckpt_path=ckpt_path)``; ``log``: the file its
-    output goes to when it trains in a worker process."""
+    output goes to when it trains in a worker process.
+
+    ``score`` (``'module:function'``, importable in a worker) scores the trained run where it trained, with the run's
+    own Trainer: ``function(task, result, started)`` (``result``: the :class:`vispe.runner.RunResult`; ``started``:
+    ``(time.perf_counter(), time.process_time())`` at the run's start) returns the benchmark's row. ``callbacks``
+    (``'module:function'`` each) make Lightning callbacks for the run: ``function(task)``. ``context``: what they
+    need (picklable)."""
 
     name: str
     recipe: str
@@ -267,6 +273,9 @@ class RunTask:
     seed: int
     ckpt_path: str | None = None
     log: Path | None = None
+    score: str | None = None
+    callbacks: tuple[str, ...] = ()
+    context: dict[str, Any] = field(default_factory=dict)
 
 
 @contextlib.contextmanager
@@ -293,17 +302,32 @@ def _output_to(path: Path | None) -> Iterator[None]:
                 os.close(fd)
 
 
-def _train(task: RunTask) -> float:
-    """A runner worker: train one run, return its wall time in seconds."""
+def _function(target: str) -> Callable[..., Any]:
+    import importlib
+
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _train(task: RunTask) -> tuple[float, Any]:
+    """A runner worker: train one run (and score it, with ``task.score``); returns its training wall time in seconds
+    and the score."""
     import warnings
 
     from vispe.runner import run
 
     with _output_to(task.log), warnings.catch_warnings():
         warnings.filterwarnings("ignore", ".*GPU available but not used.*")
-        start = time.perf_counter()
-        run(task.recipe, task.overrides, seed=task.seed, ckpt_path=task.ckpt_path)
-        return time.perf_counter() - start
+        started = (time.perf_counter(), time.process_time())
+        result = run(task.recipe, task.overrides, seed=task.seed, ckpt_path=task.ckpt_path,
+                     callbacks=[_function(c)(task) for c in task.callbacks])
+        seconds = time.perf_counter() - started[0]
+        return seconds, None if task.score is None else _function(task.score)(task, result, started)
+
+
+def train_one(task: RunTask) -> Any:
+    """Train one run in this process; returns what its ``score`` function returned."""
+    return _train(RunTask(**{**task.__dict__, "log": None}))[1]
 
 
 @contextlib.contextmanager
@@ -320,19 +344,21 @@ def _environment(**values: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def train_runs(tasks: Sequence[RunTask], jobs: int = 1, threads: int = 1, done: Callable[[RunTask, float], None] | None = None,
-               log: Callable[[str], None] | None = None) -> None:
+def train_runs(tasks: Sequence[RunTask], jobs: int = 1, threads: int = 1,
+               done: Callable[[RunTask, float, Any], None] | None = None, log: Callable[[str], None] | None = None) -> None:
     """Train ``tasks`` in order through :func:`vispe.runner.run`: in this process for ``jobs == 1``, else ``jobs`` at a
     time in a process pool of runner workers (spawned, ``OMP_NUM_THREADS=threads``, a fixed hash seed; each run's output
-    goes to its ``log`` file). ``done(task, seconds)`` is called as each run finishes; a failed run raises naming its
-    log."""
+    goes to its ``log`` file). ``done(task, seconds, score)`` is called as each run finishes (``score``: what
+    ``task.score`` returned, else ``None``); a failed run raises naming its log."""
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"jobs={jobs!r} is not valid; it must be an integer >= 1 (runs trained at a time)")
     say = log or (lambda msg: None)
     if jobs == 1:
         for task in tasks:
             say(f"[{time.strftime('%H:%M:%S')}] start {task.name}")
-            seconds = _train(RunTask(**{**task.__dict__, "log": None}))
+            seconds, score = _train(RunTask(**{**task.__dict__, "log": None}))
             if done is not None:
-                done(task, seconds)
+                done(task, seconds, score)
         return
     import multiprocessing
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -352,9 +378,10 @@ def train_runs(tasks: Sequence[RunTask], jobs: int = 1, threads: int = 1, done: 
                 err = future.exception()
                 if err is not None:
                     raise RuntimeError(f"{task.name} failed ({type(err).__name__}: {err}); see {task.log}") from err
-                say(f"[{time.strftime('%H:%M:%S')}] {task.name} done in {future.result():.1f} s")
+                seconds, score = future.result()
+                say(f"[{time.strftime('%H:%M:%S')}] {task.name} done in {seconds:.1f} s")
                 if done is not None:
-                    done(task, future.result())
+                    done(task, seconds, score)
 
 
 # ------------------------------------------------------------------------------------------------------------------

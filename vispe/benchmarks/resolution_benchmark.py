@@ -127,7 +127,7 @@ def train_part(grid: Grid, part: Part, out: Path, jobs: int, threads: int, data_
     tasks = [run_task(grid, part, enc, seed, out, data_dir, threads, recipe, overrides)
              for enc, seed in training_order(part.runs(), out, timings)]
 
-    def done(task: RunTask, seconds: float) -> None:
+    def done(task: RunTask, seconds: float, _: Any) -> None:
         nonlocal timings
         timings = record_timing(timings_path, task.name, seconds)
 
