@@ -3,6 +3,7 @@ registry query selects the 2D encodings a benchmark trains, and each shipped res
 (names, encoding values, overrides, seeds) the Python parts it replaced made."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -143,3 +144,14 @@ def test_a_newly_registered_2d_encoding_joins_the_registry_grids_and_three_cell_
     finally:
         base._REGISTRY.pop("zz_new_2d")
     assert set(_resolve_encodings("all", quick=False)) == set(ALL_2D_AT_WRITING) - {"learned+rope_axial"}
+
+
+@pytest.mark.slow
+def test_vispe_bench_runs_a_grid_by_name(tmp_path, capsys):
+    from vispe.cli import main as vispe_main
+
+    assert vispe_main(["bench", "resolution_tiny", "--encodings", "none", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "summary.json").read_text())["rows"]
+    assert [(r["encoding"], r["seeds"]) for r in rows] == [("none", 1)]
+    assert vispe_main(["bench", "resolution_tinyy"]) == 2
+    assert "unknown benchmark 'resolution_tinyy'; choose 'speed', 'scaling', a grid [" in capsys.readouterr().err

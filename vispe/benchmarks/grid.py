@@ -40,7 +40,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 from vispe._checks import did_you_mean
 
 __all__ = ["BENCHMARK_TRAINER", "EVALUATE_KEYS", "GRID_KEYS", "Grid", "PART_KEYS", "POLICY_LINE_NOTE", "POLICY_STYLES", "Part", "RunTask",
-           "accuracy_axes", "add_recipe_arguments", "benchmark_parser", "figure_legend", "grid_path", "list_grids", "load_grid", "part_title",
+           "accuracy_axes", "add_recipe_arguments", "bench_grid", "benchmark_parser", "is_grid", "figure_legend", "grid_path", "list_grids", "load_grid", "part_title",
            "save_figure", "select_encodings", "train_one", "train_runs"]
 
 #: One line convention for every resolution figure: the extrapolation policy is the line style (an encoding with
@@ -68,6 +68,8 @@ PART_KEYS = ("name", "recipe", "overrides", "encodings", "seeds", "first_seed_on
 EVALUATE_KEYS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "resolution": (("train_size", "patch"), ("eval_subset",)),
 }
+#: the command that runs each benchmark's grids (``vispe bench GRID`` dispatches here)
+BENCHMARK_MAINS: dict[str, str] = {"resolution": "vispe.benchmarks.resolution_benchmark:main"}
 #: keys of an ``encodings: {...}`` query
 _QUERY_KEYS = ("registry", "add")
 #: registered 2D encodings no benchmark trains on their own: the parts of the vision towers' composed encodings
@@ -189,6 +191,23 @@ def grid_path(name_or_path: str | Path, benchmark: str | None = None) -> Path:
     raise ValueError(f"grid={name!r} is neither a shipped grid nor a YAML file; choose one of {mine}{did_you_mean(name, mine)}")
 
 
+def is_grid(name_or_path: str) -> bool:
+    """A shipped grid's name or a YAML file (``vispe bench GRID``)."""
+    return name_or_path in list_grids() or (Path(name_or_path).suffix in (".yaml", ".yml") and Path(name_or_path).is_file())
+
+
+def bench_grid(argv: Sequence[str]) -> int:
+    """``vispe bench GRID [options]``: the grid's own benchmark command with ``--grid GRID`` (its options follow)."""
+    import yaml
+
+    path = grid_path(argv[0])
+    data = yaml.safe_load(path.read_text())
+    kind = data.get("benchmark") if isinstance(data, dict) else None
+    if kind not in BENCHMARK_MAINS:
+        raise ValueError(f"grid {str(path)!r}: benchmark={kind!r} is not valid; choose one of {list(BENCHMARK_MAINS)}")
+    return _function(BENCHMARK_MAINS[kind])(["--grid", str(argv[0]), *argv[1:]])
+
+
 def load_grid(name_or_path: str | Path, benchmark: str | None = None) -> Grid:
     """Read and check a grid file (see the module's docstring); ``benchmark`` also requires the grid to be that
     benchmark's. Every error is one ``ValueError`` naming the file, the key and what is valid."""
@@ -210,7 +229,7 @@ def load_grid(name_or_path: str | Path, benchmark: str | None = None) -> Grid:
             if key not in data:
                 raise ValueError(f": missing key {key!r}")
         kind = data["benchmark"]
-        if kind not in EVALUATE_KEYS:
+        if kind not in EVALUATE_KEYS:  # one entry per benchmark of BENCHMARK_MAINS
             raise ValueError(f": benchmark={kind!r} is not valid; choose one of {list(EVALUATE_KEYS)}{did_you_mean(kind, EVALUATE_KEYS)}")
         if benchmark is not None and kind != benchmark:
             raise ValueError(f" is a {kind!r} grid, not a {benchmark!r} grid")

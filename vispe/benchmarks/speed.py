@@ -645,7 +645,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return scaling_main(argv[1:])
     elif argv and not argv[0].startswith("-"):
-        print(f"vispe bench: unknown benchmark {argv[0]!r}; choose 'speed' or 'scaling'", file=sys.stderr)
+        from .grid import bench_grid, is_grid, list_grids
+
+        if is_grid(argv[0]):  # 'vispe bench resolution_tiny ...': a training benchmark's grid
+            return bench_grid(argv)
+        print(f"vispe bench: unknown benchmark {argv[0]!r}; choose 'speed', 'scaling', a grid {list_grids()} or a grid YAML file",
+              file=sys.stderr)
         return 2
     args = build_parser().parse_args(argv)
     t_start = time.perf_counter()
