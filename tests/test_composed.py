@@ -356,11 +356,13 @@ def test_eva02at_joint_rotary_follows_the_paper():
 
 
 def test_benchmarks_take_composed_names():
-    from vispe.benchmarks.resolution_benchmark import split_run_encoding
+    from vispe.benchmarks.grid import load_grid
     from vispe.benchmarks.three_cell import _resolve_encodings
 
-    assert split_run_encoding("learned+rope_axial") == ("learned+rope_axial", None)
-    assert split_run_encoding("rope_axial+randpos") == ("rope_axial", "randpos")
+    grid = load_grid("cpu", "resolution")
+    assert grid.split_run_encoding("learned+rope_axial") == ("learned+rope_axial", None)
+    assert grid.split_run_encoding("rope_axial+randpos") == ("rope_axial", "randpos")
+    assert grid.pos_encoding("rope_axial+randpos") == "rope_axial[random_positions=2.0]"
     assert _resolve_encodings("learned+rope_axial,qwen3vl_vision", quick=False) == ["learned+rope_axial", "qwen3vl_vision"]
     with pytest.raises(ValueError, match="attention-side"):
         _resolve_encodings("rope_axial+rope_mixed", quick=False)

@@ -156,6 +156,17 @@ def _run_shell(cmd: str, env: dict[str, str], where: str) -> int:
         args = expanded[1:]
     elif expanded[:2] == ["python", "train/fit.py"]:
         args = expanded[2:] if expanded[2:3] and expanded[2] in FIT_COMMANDS else ["fit", *expanded[2:]]
+    elif expanded[0] == "python" and expanded[1:2] and expanded[1].startswith("examples/"):  # a script of the checkout
+        import runpy
+
+        argv, sys.argv = sys.argv, expanded[1:]
+        try:
+            runpy.run_path(str(ROOT / expanded[1]), run_name="__main__")
+        except SystemExit as done:
+            assert not done.code, f"{where}: {cmd!r} exited {done.code}"
+        finally:
+            sys.argv = argv
+        return 0
     elif expanded[:2] == ["python", "-c"]:
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf):

@@ -16,7 +16,7 @@ import pytest
 import torch
 import yaml
 
-from vispe.benchmarks.resolution_benchmark import ALL_2D, RECIPES
+from vispe.benchmarks.grid import list_grids, load_grid
 from vispe.recipes import list_recipes, recipe_path
 from vispe.train_cli import expand_recipe_args, main, run_name
 
@@ -53,7 +53,7 @@ def test_every_shipped_recipe_parses_through_lightning_cli(name):
         assert cfg["model"]["init_args"][key] == value, key
 
 
-@pytest.mark.parametrize("encoding", ALL_2D)
+@pytest.mark.parametrize("encoding", load_grid("cpu", "resolution").part("fashion_mnist").encodings)
 @pytest.mark.slow
 def test_cifar10_recipe_takes_every_2d_encoding_as_an_override(encoding):
     cfg = _parsed("--recipe", "cifar10", "--model.init_args.pos_encoding", encoding)
@@ -120,8 +120,8 @@ def test_bad_recipe_or_override_is_one_sentence(args, needles, tmp_path):
 
 
 def test_resolution_benchmark_parts_are_shipped_recipes_with_overrides():
-    for parts in RECIPES.values():
-        for part in parts:
+    for name in list_grids():
+        for part in load_grid(name).parts:
             assert part.recipe in list_recipes(), part
             assert all(k.split(".")[0] in ("trainer", "model", "data") for k in part.overrides), part.overrides
 

@@ -7,23 +7,25 @@ import math
 import statistics
 
 import pytest
+import yaml
 
-from vispe.benchmarks.resolution_benchmark import RECIPES, main, training_order
+from vispe.benchmarks.grid import load_grid
+from vispe.benchmarks.resolution_benchmark import main, sizes, training_order
 
 
 @pytest.mark.slow
 def test_tiny_recipe_end_to_end_and_resume(tmp_path, capsys):
-    assert main(["--recipe", "tiny", "--out", str(tmp_path)]) == 0
+    assert main(["--grid", "tiny", "--out", str(tmp_path)]) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
     sweep = json.loads((tmp_path / "synthetic" / "resolution" / "resolution.json").read_text())
-    part = RECIPES["tiny"][0]
-    assert part.sizes() == [8, 12, 16, 20, 24, 28, 32]  # 0.5x .. 2x of 16 px, patch 4
+    part = load_grid("tiny", "resolution").parts[0]
+    assert sizes(part) == [8, 12, 16, 20, 24, 28, 32]  # 0.5x .. 2x of 16 px, patch 4
     rows = {(r["encoding"], r["extrapolation"]): r for r in summary["rows"]}
     assert set(rows) == {("none", "own (no option)"), ("rope_axial", "extend"), ("rope_axial", "interpolate")}
     assert rows[("rope_axial", "extend")]["seeds"] == 2 and rows[("none", "own (no option)")]["seeds"] == 1
     # the summary is the per-checkpoint sweep regrouped: mean and std over seeds, binomial s.e. for one seed
     per_seed = [r for r in sweep["results"] if r["encoding"] == "rope_axial" and r["extrapolation"] == "extend"]
-    for s in part.sizes():
+    for s in sizes(part):
         vals = [r["accuracy"][str(s)]["top1"] for r in per_seed]
         row = rows[("rope_axial", "extend")]
         assert row["mean"][str(s)] == pytest.approx(statistics.fmean(vals))
@@ -35,7 +37,7 @@ def test_tiny_recipe_end_to_end_and_resume(tmp_path, capsys):
     stamps = {p: p.stat().st_mtime_ns for p in tmp_path.glob("synthetic/*/version_*/checkpoints/last.ckpt")}
     assert len(stamps) == 3
     capsys.readouterr()
-    assert main(["--recipe", "tiny", "--out", str(tmp_path)]) == 0
+    assert main(["--grid", "tiny", "--out", str(tmp_path)]) == 0
     assert "start" not in capsys.readouterr().err
     assert stamps == {p: p.stat().st_mtime_ns for p in tmp_path.glob("synthetic/*/version_*/checkpoints/last.ckpt")}
     # a run killed mid-way has a last.ckpt (written every epoch) but no recorded wall time: it is not
@@ -45,9 +47,9 @@ def test_tiny_recipe_end_to_end_and_resume(tmp_path, capsys):
     del timings["rope_axial-s1"]
     timings_path.write_text(json.dumps(timings))
     capsys.readouterr()
-    assert main(["--recipe", "tiny", "--out", str(tmp_path)]) == 0
+    assert main(["--grid", "tiny", "--out", str(tmp_path)]) == 0
     err = capsys.readouterr().err
-    assert "start rope_axial seed 1" in err and "start rope_axial seed 0" not in err and "start none" not in err
+    assert "start rope_axial-s1" in err and "start rope_axial-s0" not in err and "start none" not in err
     assert "rope_axial-s1" in json.loads(timings_path.read_text())
     assert json.loads((tmp_path / "summary.json").read_text())["rows"] == summary["rows"]
 
@@ -67,11 +69,17 @@ def test_training_order_resumes_killed_runs_first_then_goes_seed_by_seed(tmp_pat
 
 
 def test_bad_arguments_fail_before_training(tmp_path, capsys):
-    assert main(["--recipe", "tiny", "--parts", "imagenet", "--out", str(tmp_path)]) == 2
+    assert main(["--grid", "tiny", "--parts", "imagenet", "--out", str(tmp_path)]) == 2
     assert "unknown part(s) ['imagenet']" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="unknown positional encoding 'rope_9d'"):
-        main(["--recipe", "tiny", "--encodings", "rope_9d", "--out", str(tmp_path)])
-    assert main(["--recipe", "cpu", "--parts", "fashion_mnist", "--data-dir", str(tmp_path / "nowhere"), "--out", str(tmp_path)]) == 2
+    assert main(["--grid", "tiny", "--encodings", "rope_9d", "--out", str(tmp_path)]) == 2
+    assert "unknown positional encoding 'rope_9d'" in capsys.readouterr().err
+    # --recipe is a training recipe everywhere: a grid name there is refused naming the shipped recipes
+    assert main(["--recipe", "cpu", "--out", str(tmp_path)]) == 2
+    assert "recipe='cpu' is neither a shipped recipe" in capsys.readouterr().err
+    assert main(["--grid", "cpux", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "grid='cpux' is neither a shipped grid" in err and "did you mean 'cpu'" in err
+    assert main(["--grid", "cpu", "--parts", "fashion_mnist", "--data-dir", str(tmp_path / "nowhere"), "--out", str(tmp_path)]) == 2
     assert "needs 'fashion-mnist'" in capsys.readouterr().err
     assert not any((tmp_path).glob("**/checkpoints"))
 
@@ -102,10 +110,11 @@ def test_claims_verdicts_follow_the_figures():
 
 @pytest.mark.slow
 def test_same_command_same_numbers(tmp_path):
-    """Run to run on one machine the benchmark's numbers are identical (seeded runs, one thread each)."""
+    """Run to run on one machine the benchmark's numbers are identical (seeded runs, one thread each), whether the
+    runs train in this process or in a pool of runner workers (--jobs 2)."""
     tables = []
-    for out in (tmp_path / "a", tmp_path / "b"):
-        assert main(["--recipe", "tiny", "--out", str(out), "--encodings", "rope_axial"]) == 0
+    for out, jobs in ((tmp_path / "a", "1"), (tmp_path / "b", "2")):
+        assert main(["--grid", "tiny", "--out", str(out), "--encodings", "rope_axial", "--jobs", jobs]) == 0
         tables.append([(r["encoding"], r["extrapolation"], r["mean"]) for r in json.loads((out / "summary.json").read_text())["rows"]])
     assert tables[0] == tables[1]
 
@@ -115,16 +124,13 @@ def test_parts_run_by_separate_calls_join_one_summary(tmp_path, monkeypatch, cap
     """A long part run on its own joins the top-level table: each part keeps its rows and meta in
     ``<part>/summary.json``; the top-level summary has every part of the recipe found under ``--out``, in the
     recipe's order. The sweep keeps evaluations a narrower call did not ask for, and reuses them later."""
-    from vispe.benchmarks.resolution_benchmark import Part
-
-    base = RECIPES["tiny"][0]
-    first = Part(**{**base.__dict__, "encodings": ("none",), "seeds": (0,)})
-    second = Part(**{**base.__dict__, "name": "synthetic_b", "encodings": ("none", "rope_axial"), "seeds": (0,),
-                     "extra_seed_encodings": ()})
-    monkeypatch.setitem(RECIPES, "two_parts", [first, second])
+    part = {"recipe": "synthetic_tiny", "seeds": [0], "evaluate": {"train_size": 16, "patch": 4}}
+    grid_file = tmp_path / "two_parts.yaml"
+    grid_file.write_text(yaml.safe_dump({"benchmark": "resolution", "parts": [
+        {"name": "synthetic", "encodings": ["none"], **part}, {"name": "synthetic_b", "encodings": ["none", "rope_axial"], **part}]}))
     out = tmp_path / "bench"
-    assert main(["--recipe", "two_parts", "--parts", "synthetic_b", "--encodings", "rope_axial", "--out", str(out)]) == 0
-    assert main(["--recipe", "two_parts", "--parts", "synthetic", "--out", str(out)]) == 0
+    assert main(["--grid", str(grid_file), "--parts", "synthetic_b", "--encodings", "rope_axial", "--out", str(out)]) == 0
+    assert main(["--grid", str(grid_file), "--parts", "synthetic", "--out", str(out)]) == 0
     alone = json.loads((out / "synthetic" / "summary.json").read_text())
     assert alone["meta"]["part"] == "synthetic" and alone["meta"]["argv"][-1] == str(out)
     assert all((out / p / "summary.png").stat().st_size > 0 for p in ("synthetic", "synthetic_b"))  # each part's own plot
@@ -137,16 +143,16 @@ def test_parts_run_by_separate_calls_join_one_summary(tmp_path, monkeypatch, cap
     assert "### synthetic (" in text and "### synthetic_b (" in text and "Part `synthetic_b`: from an earlier call" in text
     # widening the second part trains and evaluates only the new run; narrowing it again evaluates nothing
     capsys.readouterr()
-    assert main(["--recipe", "two_parts", "--parts", "synthetic_b", "--out", str(out)]) == 0
+    assert main(["--grid", str(grid_file), "--parts", "synthetic_b", "--out", str(out)]) == 0
     printed = capsys.readouterr()
-    assert "start none seed 0" in printed.err and "start rope_axial" not in printed.err
+    assert "start none-s0" in printed.err and "start rope_axial" not in printed.err
     assert "none-s0" in printed.out and "rope_axial-s0 (extend)" not in printed.out
-    assert main(["--recipe", "two_parts", "--parts", "synthetic_b", "--encodings", "rope_axial", "--out", str(out)]) == 0
+    assert main(["--grid", str(grid_file), "--parts", "synthetic_b", "--encodings", "rope_axial", "--out", str(out)]) == 0
     sweep = json.loads((out / "synthetic_b" / "resolution" / "resolution.json").read_text())
     assert {r["label"] for r in sweep["results"]} == {"rope_axial-s0 (extend)", "rope_axial-s0 (interpolate)"}
     assert [r["label"] for r in sweep["other_results"]] == ["none-s0"]
     capsys.readouterr()
-    assert main(["--recipe", "two_parts", "--parts", "synthetic_b", "--out", str(out)]) == 0
+    assert main(["--grid", str(grid_file), "--parts", "synthetic_b", "--out", str(out)]) == 0
     assert "none-s0" not in capsys.readouterr().out  # reused from other_results, not evaluated again
 
 
@@ -157,13 +163,13 @@ def test_techniques_train_with_the_encoding_options_and_compare_with_the_plain_r
     the plain row of the same policy; ``--policies all`` adds ntk / yarn; bad names are refused before training."""
     import torch
 
-    from vispe.benchmarks.resolution_benchmark import TECHNIQUES
+    techniques = load_grid("tiny", "resolution").techniques
 
-    assert main(["--recipe", "tiny", "--out", str(tmp_path), "--encodings", "rope_axial", "--techniques", "randpos",
+    assert main(["--grid", "tiny", "--out", str(tmp_path), "--encodings", "rope_axial", "--techniques", "randpos",
                  "--policies", "all"]) == 0
     ckpt = torch.load(tmp_path / "synthetic" / "rope_axial+randpos-s1" / "version_0" / "checkpoints" / "last.ckpt", map_location="cpu",
                       weights_only=False)
-    assert ckpt["hyper_parameters"]["pos_encoding"] == f"rope_axial[{TECHNIQUES['randpos']}]"
+    assert ckpt["hyper_parameters"]["pos_encoding"] == f"rope_axial[{techniques['randpos']}]"
     summary = json.loads((tmp_path / "summary.json").read_text())
     rows = {(r["technique"], r["extrapolation"]): r for r in summary["rows"]}
     assert set(rows) == {(t, p) for t in (None, "randpos") for p in ("extend", "interpolate", "ntk", "yarn")}
@@ -178,7 +184,7 @@ def test_techniques_train_with_the_encoding_options_and_compare_with_the_plain_r
     # the claims use the plain rows only
     assert all("+" not in c["encoding"] for c in summary["claims"])
     capsys.readouterr()
-    assert main(["--recipe", "tiny", "--out", str(tmp_path / "bad"), "--techniques", "dropout"]) == 2
+    assert main(["--grid", "tiny", "--out", str(tmp_path / "bad"), "--techniques", "dropout"]) == 2
     assert "unknown technique(s) ['dropout']" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()
 
@@ -195,20 +201,18 @@ def _data_root():
 @pytest.mark.skipif(_data_root() is None, reason="real data folder (../shared/data or $VISPE_TEST_DATA) with cifar10-jpeg not present")
 @pytest.mark.slow
 def test_gpu_recipe_trains_on_cpu_with_a_tiny_budget(tmp_path):
-    """No GPU here: the GPU recipe's own fit command (its model, schedule, data) runs 2 steps on CPU."""
-    import os
-    import subprocess
+    """No GPU here: the GPU recipe's own fit command (its model, schedule, data) runs 2 steps on CPU (through the runner, as the benchmark runs it)."""
+    from vispe.benchmarks.resolution_benchmark import run_task
+    from vispe.runner import run
 
-    from vispe.benchmarks.resolution_benchmark import _fit_command
-
-    part = RECIPES["gpu"][0]
-    cmd = _fit_command(part, "rope_mixed", 0, tmp_path, str(_data_root()))
-    assert "--trainer.accelerator" in cmd and cmd[cmd.index("--trainer.accelerator") + 1] == "gpu"
-    cmd += ["--trainer.accelerator", "cpu", "--trainer.precision", "32-true", "--trainer.max_steps", "2", "--trainer.max_epochs", "1",
-            "--trainer.limit_val_batches", "1", "--data.init_args.train_subset", "64", "--data.init_args.eval_subset", "64"]
-    run = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=600)
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert list(tmp_path.glob("rope_mixed-s0/**/checkpoints/last.ckpt")) or list(tmp_path.glob("rope_mixed-s0/checkpoints/last.ckpt"))
+    grid = load_grid("gpu", "resolution")
+    task = run_task(grid, grid.parts[0], "rope_mixed", 0, tmp_path, str(_data_root()))
+    assert task.overrides["trainer.accelerator"] == "gpu" and task.recipe == "cifar10"
+    overrides = {**task.overrides, "trainer.accelerator": "cpu", "trainer.precision": "32-true", "trainer.max_steps": 2,
+                 "trainer.max_epochs": 1, "trainer.limit_val_batches": 1, "data.init_args.train_subset": 64,
+                 "data.init_args.eval_subset": 64}
+    run(task.recipe, overrides, seed=task.seed)
+    assert list(tmp_path.glob("rope_mixed-s0/**/checkpoints/last.ckpt"))
 
 
 @pytest.mark.slow
@@ -216,7 +220,7 @@ def test_aspect_ratio_part_on_trained_runs_and_sweep_only(tmp_path, capsys):
     import shutil
 
     ratios = "1:2,1:1,2:1"
-    assert main(["--recipe", "tiny", "--out", str(tmp_path), "--aspect-ratios", ratios]) == 0
+    assert main(["--grid", "tiny", "--out", str(tmp_path), "--aspect-ratios", ratios]) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
     aspect = json.loads((tmp_path / "synthetic" / "aspect" / "resolution.json").read_text())
     rows = {(r["encoding"], r["extrapolation"]): r for r in summary["aspect_rows"]}
@@ -249,7 +253,7 @@ def test_aspect_ratio_part_on_trained_runs_and_sweep_only(tmp_path, capsys):
     size_sweep = tmp_path / "synthetic" / "resolution" / "resolution.json"
     stamp = size_sweep.stat().st_mtime_ns
     capsys.readouterr()
-    assert main(["--recipe", "tiny", "--out", str(tmp_path), "--aspect-ratios", ratios, "--sweep-only", "--aspect-only"]) == 0
+    assert main(["--grid", "tiny", "--out", str(tmp_path), "--aspect-ratios", ratios, "--sweep-only", "--aspect-only"]) == 0
     err = capsys.readouterr().err
     assert "start" not in err and "no last.ckpt for rope_axial-s1" in err
     again_summary = json.loads((tmp_path / "summary.json").read_text())
@@ -257,31 +261,31 @@ def test_aspect_ratio_part_on_trained_runs_and_sweep_only(tmp_path, capsys):
     assert again[("rope_axial", "extend")]["seeds"] == 1
     assert again_summary["rows"] == summary["rows"] and size_sweep.stat().st_mtime_ns == stamp
     assert not (tmp_path / "synthetic" / "rope_axial-s1").exists()
-    assert main(["--recipe", "tiny", "--out", str(tmp_path), "--aspect-ratios", "1:0"]) == 2
-    assert "--aspect-ratios takes width:height" in capsys.readouterr().err
-    assert main(["--recipe", "tiny", "--out", str(tmp_path / "empty"), "--sweep-only"]) == 2
-    assert main(["--recipe", "tiny", "--out", str(tmp_path), "--aspect-only"]) == 2  # needs --aspect-ratios
+    assert main(["--grid", "tiny", "--out", str(tmp_path), "--aspect-ratios", "1:0"]) == 2
+    assert "--aspect-ratios='1:0' is not valid; it must be width:height ratios" in capsys.readouterr().err
+    assert main(["--grid", "tiny", "--out", str(tmp_path / "empty"), "--sweep-only"]) == 2
+    assert main(["--grid", "tiny", "--out", str(tmp_path), "--aspect-only"]) == 2  # needs --aspect-ratios
 
 
 @pytest.mark.slow
 def test_train_only_calls_per_seed_then_one_sweep(tmp_path, capsys):
     # training split over calls (one per seed, as two CPU queues would run them) writes checkpoints and no sweep;
     # the --sweep-only call after them sweeps every run and trains nothing
-    assert main(["--recipe", "tiny", "--out", str(tmp_path), "--seeds", "0", "--train-only"]) == 0
+    assert main(["--grid", "tiny", "--out", str(tmp_path), "--seeds", "0", "--train-only"]) == 0
     assert "--train-only: 2 run(s)" in capsys.readouterr().err
     assert not (tmp_path / "summary.json").exists() and not (tmp_path / "synthetic" / "resolution").exists()
-    assert main(["--recipe", "tiny", "--out", str(tmp_path), "--seeds", "1", "--train-only"]) == 0
+    assert main(["--grid", "tiny", "--out", str(tmp_path), "--seeds", "1", "--train-only"]) == 0
     err = capsys.readouterr().err
     # seed 0 is done (skipped); `none` has one seed, its run is seed 0: --seeds 1 leaves it alone
-    assert "start rope_axial seed 1" in err and "seed 0" not in err and "start none" not in err
+    assert "start rope_axial-s1" in err and "-s0" not in err and "start none" not in err
     assert set(json.loads((tmp_path / "synthetic" / "timings.json").read_text())) == {"none-s0", "rope_axial-s0", "rope_axial-s1"}
-    assert main(["--recipe", "tiny", "--out", str(tmp_path), "--sweep-only"]) == 0
+    assert main(["--grid", "tiny", "--out", str(tmp_path), "--sweep-only"]) == 0
     assert "start" not in capsys.readouterr().err
     rows = {(r["encoding"], r["extrapolation"]): r for r in json.loads((tmp_path / "summary.json").read_text())["rows"]}
     assert rows[("rope_axial", "extend")]["seeds"] == 2 and rows[("none", "own (no option)")]["seeds"] == 1
-    assert main(["--recipe", "tiny", "--out", str(tmp_path), "--train-only", "--sweep-only"]) == 2
-    assert "exclude each other" in capsys.readouterr().err
-    assert main(["--recipe", "tiny", "--out", str(tmp_path), "--seeds", "7", "--train-only"]) == 2
+    assert main(["--grid", "tiny", "--out", str(tmp_path), "--train-only", "--sweep-only"]) == 2
+    assert "--train-only and --sweep-only cannot be used together" in capsys.readouterr().err
+    assert main(["--grid", "tiny", "--out", str(tmp_path), "--seeds", "7", "--train-only"]) == 2
     assert "no run has these seeds (the parts' seeds: [0, 1])" in capsys.readouterr().err
 
 
@@ -315,17 +319,32 @@ def _record_many(path, tag):
 
 
 def test_mixed_resolution_part_trains_the_fashion_mnist_recipe_on_mixed_grids(tmp_path):
-    from vispe.benchmarks.resolution_benchmark import HEADLINE, MIXED_FASHION_MNIST, _fit_command
+    from vispe.benchmarks.resolution_benchmark import run_task
     from vispe.data.image_datamodule import parse_resolutions
 
-    parts = {p.name: p for p in RECIPES["cpu"]}
-    mixed, plain = parts["fashion_mnist_mixed"], parts["fashion_mnist"]
-    assert mixed.recipe == plain.recipe and (mixed.train_size, mixed.patch) == (plain.train_size, plain.patch)
-    assert mixed.encodings == HEADLINE and mixed.seeds == (0, 1, 2)
-    grids = {(h // 7, w // 7) for h, w in parse_resolutions(MIXED_FASHION_MNIST["data.init_args.resolutions"], 7)}
+    grid = load_grid("cpu", "resolution")
+    mixed, plain = grid.part("fashion_mnist_mixed"), grid.part("fashion_mnist")
+    assert mixed.recipe == plain.recipe and mixed.evaluate == plain.evaluate == {"train_size": 28, "patch": 7}
+    assert mixed.encodings == grid.part("cifar10").encodings and mixed.seeds == (0, 1, 2)
+    resolutions = mixed.overrides["data.init_args.resolutions"]
+    grids = {(h // 7, w // 7) for h, w in parse_resolutions(resolutions, 7)}
     assert (4, 4) in grids and {(3, 5), (5, 3)} <= grids  # the training grid and both orientations
-    cmd = _fit_command(mixed, "rope_mixed", 1, tmp_path, str(tmp_path / "data"))
-    at = {cmd[i]: cmd[i + 1] for i in range(len(cmd) - 1) if cmd[i].startswith("--")}
-    assert json.loads(at["--data.init_args.resolutions"]) == MIXED_FASHION_MNIST["data.init_args.resolutions"]
-    assert at["--data.init_args.resolution_sampling"] == "sample" and at["--data.init_args.patch_size"] == "7"
-    assert at["--recipe"] == "fashion_mnist" and at["--seed_everything"] == "1"
+    task = run_task(grid, mixed, "rope_mixed", 1, tmp_path, str(tmp_path / "data"))
+    assert task.overrides["data.init_args.resolutions"] == resolutions
+    assert task.overrides["data.init_args.resolution_sampling"] == "sample" and task.overrides["data.init_args.patch_size"] == 7
+    assert task.recipe == "fashion_mnist" and task.seed == 1
+    assert task.overrides["data.init_args.data_dir"] == str(tmp_path / "data" / "fashion-mnist")
+
+
+def test_published_fashion_mnist_table_is_the_report_of_its_raw_results():
+    """docs/resolution-benchmark.md shows the table :func:`markdown` makes from the raw results in results/ (every row)."""
+    from pathlib import Path
+
+    from vispe.benchmarks.resolution_benchmark import _int_sizes, markdown
+
+    root = Path(__file__).resolve().parents[1]
+    raw = json.loads((root / "results" / "resolution-benchmark-fmnist.json").read_text())
+    table = [line for line in markdown([_int_sizes(r) for r in raw["rows"]], {"wall_s": 0, "machine": ""}).splitlines()
+             if line.startswith("| ")]
+    docs = (root / "docs" / "resolution-benchmark.md").read_text().splitlines()
+    assert len(table) == 25 and all(line in docs for line in table), [line for line in table if line not in docs]

@@ -124,10 +124,11 @@ def test_three_cell_command_is_deterministic_whatever_the_callers_thread_count(t
     # the user-visible failure: the same command printing different accuracies depending on the process's
     # torch thread count (torch defaults to one thread per core); the command pins its own
     args = ["three-cell", "--encodings", "none,rope_mixed", "--set", "trainer.max_steps=12", "--no-pesi", *TINY[:-2]]
+    # ... and whether the encodings train in this process or in a pool of runner workers (--jobs 2)
     rows = []
-    for i, threads in enumerate((2, 1, 2)):
+    for i, (threads, jobs) in enumerate(((2, "1"), (1, "1"), (2, "2"))):
         torch.set_num_threads(threads)
-        assert vispe_main([*args, "--out", str(tmp_path / f"run{i}")]) == 0
+        assert vispe_main([*args, "--jobs", jobs, "--out", str(tmp_path / f"run{i}")]) == 0
         rows.append(_table_rows(tmp_path / f"run{i}"))
     assert rows[0] == rows[1] == rows[2]
     assert rows[0]["rope_mixed"]["steps"] == 12

@@ -30,10 +30,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "resolution": ("vispe.benchmarks.resolution_sweep:main", "accuracy of checkpoints across input resolutions"),
     "resolution-benchmark": ("vispe.benchmarks.resolution_benchmark:main", "train every 2D encoding, sweep 0.5x-2x (seeds, spreads)"),
     "three-cell": ("vispe.benchmarks.three_cell:main", "the Three Cell Experiment leaderboard (--quick for a first run)"),
-    "bench": ("vispe.benchmarks.speed:main", "speed and memory of every encoding vs timm ('vispe bench speed')"),
+    "bench": ("vispe.benchmarks.speed:main", "'vispe bench speed|scaling': speed and memory of every encoding; 'vispe bench GRID': a training grid"),
     "retrieval": ("vispe.benchmarks.retrieval:main", "text-video retrieval benchmark"),
     "niah": ("vispe.benchmarks.niah:main", "video needle-in-a-haystack benchmark for the video-LLM"),
-    "hf-niah": ("vispe.benchmarks.hf_niah:main", "video NIAH inside a tiny Hugging Face Qwen2-VL / Qwen3-VL with a vispe scheme"),
     "hf-figures": ("vispe.benchmarks.hf_figures:main", "figures of the HF integration's checks (needs a checkout's tests/)"),
 }
 

@@ -10,7 +10,6 @@ text-only vs the unpatched model (1D RoPE), save -> vispe load; and the long-vid
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import importlib
 import json
@@ -21,7 +20,9 @@ from typing import Any
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="vispe hf-figures", description=__doc__.splitlines()[0])
+    from vispe.benchmarks.grid import benchmark_parser
+
+    p = benchmark_parser("vispe hf-figures", __doc__.splitlines()[0], "plain")
     p.add_argument("out", help="JSON file to write")
     p.add_argument("--tests-dir", default="tests", help="the source checkout's tests/ folder (its tiny models and batches)")
     args = p.parse_args(argv)

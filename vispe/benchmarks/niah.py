@@ -22,7 +22,7 @@ from vispe.benchmarks import grid
 from vispe.positions import POSITION_SCHEMES, SCHEMES
 
 __all__ = ["main", "build_parser", "run_one", "run_benchmark", "format_table", "plot_heatmaps", "plot_lines", "extrapolation_ratio",
-           "DEFAULT_SCHEMES", "QUICK", "RECIPE"]
+           "DEFAULT_SCHEMES", "QUICK", "RECIPE", "run_task", "score_run"]
 
 DEFAULT_SCHEMES: tuple[str, ...] = POSITION_SCHEMES
 SCHEME_TITLES = {name: rec.label for name, rec in SCHEMES.items()}
@@ -38,12 +38,10 @@ KEEP = 0.9
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="vispe niah",
-        description="Video needle-in-a-haystack: train a small video-LLM per position scheme at one length, score lengths x depths. "
-                    "The recipe (episodes, model, schedule) is vispe/recipes/niah.yaml; change it with --set.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    p = grid.benchmark_parser(
+        "vispe niah",
+        "Video needle-in-a-haystack: train a small video-LLM per position scheme at one length, score lengths x depths. "
+        "The recipe (episodes, model, schedule) is vispe/recipes/niah.yaml; change it with --set.")
     p.add_argument("--schemes", default=",".join(DEFAULT_SCHEMES), help="comma-separated multimodal schemes")
     p.add_argument("--out", default="outputs/niah", help="output folder")
     p.add_argument("--quick", action="store_true", help="tiny smoke run (numbers are meaningless)")
@@ -51,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
                                   "--set model.init_args.dim=32 --set data.init_args.haystack_videos=[a.mp4,b.mp4]")
     g.add_argument("--seeds", default="0", help="comma-separated seeds; each scheme trains once per seed and the grids are averaged")
     g.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave torch's default)")
+    g.add_argument("--jobs", type=int, default=1, help="runs trained at a time (runner workers in a process pool; "
+                   "each run's output in --out/logs/)")
     s = p.add_argument_group("scoring")
     for name, rec in SCHEMES.items():  # each scheme's evaluation-time options, e.g. --hope-gamma, --v2pe-delta
         for opt, value in rec.eval_options.items():
@@ -84,31 +84,42 @@ def extrapolation_ratio(by_length: dict[int, float], train_frames: int, keep: fl
     return ratio
 
 
-def run_one(scheme: str, args: argparse.Namespace, seed: int = 0) -> dict[str, Any]:
-    """Train and score one scheme with one seed (model init and episodes both follow ``seed``)."""
-    from vispe.runner import apply_overrides, load_recipe, run
+def run_task(scheme: str, args: argparse.Namespace, seed: int = 0) -> grid.RunTask:
+    """One run of the grid: the recipe with ``scheme`` and ``seed`` (model init and episodes both follow it), scored by
+    :func:`score_run` where it trains."""
+    from vispe.runner import apply_overrides, load_recipe
 
     overrides = _overrides(args)
     # the scheme's evaluation options, each settable as --<scheme>-<option> (e.g. --hope-gamma)
     pos_kwargs = {opt: getattr(args, f"{scheme}_{opt}") for opt in SCHEMES[scheme].eval_options}
     recipe_scheme = apply_overrides(load_recipe(args.recipe), overrides)["model"]["init_args"].get("pos_scheme") or {}
     pos_scheme = {**(recipe_scheme if isinstance(recipe_scheme, dict) else {}), "name": scheme}
-    start = time.perf_counter()
-    result = run(args.recipe, {**overrides, "model.init_args.pos_scheme": pos_scheme, "model.init_args.position_kwargs": pos_kwargs,
-                               "data.init_args.seed": seed}, seed=seed)
-    train_s = time.perf_counter() - start
-    result.evaluate("validate")  # every length x depth loader, the run's own Trainer
+    return grid.RunTask(name=f"{scheme}-s{seed}", recipe=args.recipe, seed=seed, log=Path(args.out) / "logs" / f"{scheme}-s{seed}.log",
+                        overrides={**overrides, "model.init_args.pos_scheme": pos_scheme, "model.init_args.position_kwargs": pos_kwargs,
+                                   "data.init_args.seed": seed},
+                        score=f"{__name__}:score_run", context={"scheme": scheme, "position_kwargs": pos_kwargs})
+
+
+def score_run(task: grid.RunTask, result: Any, started: tuple[float, float]) -> dict[str, Any]:
+    """Every length x depth loader with the run's own Trainer; the run's accuracy grid."""
+    train_s = time.perf_counter() - started[0]
+    result.evaluate("validate")
     return {
-        "scheme": scheme,
-        "seed": seed,
-        "position_kwargs": pos_kwargs,
+        "scheme": task.context["scheme"],
+        "seed": task.seed,
+        "position_kwargs": task.context["position_kwargs"],
         "grid": result.model.last_grid,
         "steps": int(result.trainer.global_step),
         "train_s": round(train_s, 1),
-        "wall_s": round(time.perf_counter() - start, 1),
+        "wall_s": round(time.perf_counter() - started[0], 1),
         "train_frames": int(result.datamodule.train_frames),
         "tokens_per_frame": int(result.datamodule.tokens_per_frame),
     }
+
+
+def run_one(scheme: str, args: argparse.Namespace, seed: int = 0) -> dict[str, Any]:
+    """Train and score one scheme with one seed, in this process."""
+    return grid.train_one(run_task(scheme, args, seed))
 
 
 def merge_runs(runs: Sequence[dict[str, Any]], train_frames: int, keep: float, tokens_per_frame: int) -> dict[str, Any]:
@@ -220,15 +231,22 @@ def run_benchmark(args: argparse.Namespace, partial: Any = None) -> list[dict[st
     overrides = _overrides(args)
     for s in names:  # every model must build (e.g. mhrope needs >= 3 heads) before any training starts
         build(args.recipe, {**overrides, "model.init_args.pos_scheme.name": s})
-    rows = []
-    for s in names:
-        runs = [run_one(s, args, seed) for seed in seeds]
-        row = merge_runs(runs, runs[0]["train_frames"], args.keep, runs[0]["tokens_per_frame"])
-        rows.append(row)
+    rows: dict[str, dict[str, Any]] = {}
+    runs: dict[str, dict[int, dict[str, Any]]] = {s: {} for s in names}
+
+    def done(task: grid.RunTask, seconds: float, run: dict[str, Any]) -> None:
+        scheme = run["scheme"]
+        runs[scheme][run["seed"]] = run
+        if len(runs[scheme]) < len(seeds):
+            return
+        mine = [runs[scheme][seed] for seed in seeds]  # a scheme's row once all its seeds are in
+        row = rows[scheme] = merge_runs(mine, mine[0]["train_frames"], args.keep, mine[0]["tokens_per_frame"])
         if partial is not None:
-            partial(rows)
+            partial([rows[s] for s in names if s in rows])
         print(f"{row['title']:>8}: " + "  ".join(f"{f}:{a:5.1f}" for f, a in row["by_length"].items()) + f"  ({row['wall_s']:.0f} s)", flush=True)
-    return rows
+
+    grid.train_runs([run_task(s, args, seed) for s in names for seed in seeds], jobs=args.jobs, threads=args.threads or 1, done=done)
+    return [rows[s] for s in names]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

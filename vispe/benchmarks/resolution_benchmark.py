@@ -1,184 +1,84 @@
-"""``vispe resolution-benchmark``: train every 2D encoding with one recipe, then sweep 0.5x-2x the training size.
+"""``vispe resolution-benchmark``: train a grid of 2D encodings with their recipes, then sweep 0.5x-2x the training size.
 
-    VISPE_DATA_ROOT=/path/to/data vispe resolution-benchmark --recipe cpu --out outputs/resbench
-    vispe resolution-benchmark --recipe tiny --out /tmp/resbench          # generated data, seconds
+    VISPE_DATA_ROOT=/path/to/data vispe resolution-benchmark --grid cpu --out outputs/resbench
+    vispe resolution-benchmark --grid tiny --out /tmp/resbench          # generated data, seconds
 
-Each benchmark recipe is a list of parts; a part is a shipped training recipe (``vispe/recipes/<name>.yaml``: data
-set, model size, schedule) with overrides, the encodings and their seeds. Every run is
-``vispe fit --recipe <name> --model.init_args.pos_encoding <encoding> --seed_everything <seed> <overrides>``
-(LightningCLI, the same task and data modules as any user run; nothing is read from a source checkout); the sweep
-is :func:`vispe.benchmarks.resolution_sweep.run_sweep` with both extrapolation policies where an encoding has them. Runs whose wall time is in ``timings.json`` are skipped and a run killed
-mid-way resumes from its ``last.ckpt`` (killed runs first, then seed by seed: every encoding's first seed comes early),
-so an interrupted benchmark resumes. The summary groups the seeds of each (encoding, policy): mean +- standard
-deviation over seeds, and for a single seed the binomial standard error of the test accuracy
-``sqrt(p (1 - p) / n)`` (what a bootstrap over the test set estimates), marked as such.
+The grid is data (:mod:`vispe.benchmarks.grid`): a YAML file ``vispe/recipes/grids/resolution_<name>.yaml`` (``--grid
+<name>``) or any file of that form, a list of parts; a part is a shipped training recipe (``vispe/recipes/<name>.yaml``:
+data set, model size, schedule) with overrides, the encodings (a list, or every 2D encoding the registry lists) and
+their seeds, and the sweep's training size and patch. Every run is :func:`vispe.runner.run` of the part's recipe with
+the encoding, the seed and the overrides (``--jobs N``: N runner workers in a process pool); the sweep is
+:func:`vispe.benchmarks.resolution_sweep.run_sweep` with both extrapolation policies where an encoding has them. Runs
+whose wall time is in ``timings.json`` are skipped and a run killed mid-way resumes from its ``last.ckpt`` (killed runs
+first, then seed by seed: every encoding's first seed comes early), so an interrupted benchmark resumes. The summary
+groups the seeds of each (encoding, policy): mean +- standard deviation over seeds, and for a single seed the binomial
+standard error of the test accuracy ``sqrt(p (1 - p) / n)`` (what a bootstrap over the test set estimates), marked as such.
 
 Outputs under ``--out``: one folder per part with the runs, ``resolution/`` (the per-checkpoint sweep) and the
 part's own ``summary.json`` / ``summary.png``; at the top, ``summary.json``, ``summary.md`` and ``summary.png``
 (accuracy vs evaluation size with error bands, one panel per part); with ``--techniques`` also ``techniques.png``
-(one panel per encoding, plain vs each technique) and,
-in the summary, each technique's difference from its encoding's plain runs at 0.5x, the training size and 2x.
+(one panel per encoding, plain vs each technique) and, in the summary, each technique's difference from its
+encoding's plain runs at 0.5x, the training size and 2x.
 
-    vispe resolution-benchmark --recipe cpu --parts fashion_mnist --techniques all --policies all   # + RPE-2D, DINOv3 aug
+    vispe resolution-benchmark --grid cpu --parts fashion_mnist --techniques all --policies all   # + RPE-2D, DINOv3 aug
 
 ``--aspect-ratios 1:2,2:3,1:1,3:2,2:1`` also sweeps every run at those aspect ratios (width:height) at the training
 grid's token budget (a second ``run_sweep`` into ``<part>/aspect/``) and adds an aspect-ratio table (``aspect_rows`` in
 ``summary.json``) and ``aspect.png``. ``--sweep-only`` trains nothing (existing checkpoints only); ``--aspect-only``
-skips the size sweep. The ``cpu`` recipe's ``fashion_mnist_mixed`` part is the ``fashion_mnist`` part trained on
+skips the size sweep. The ``cpu`` grid's ``fashion_mnist_mixed`` part is the ``fashion_mnist`` part trained on
 mixed grids (one resolution per sample, NaFlex batches).
 
-    vispe resolution-benchmark --recipe cpu --parts fashion_mnist --sweep-only --aspect-only --aspect-ratios 1:2,1:1,2:1
+    vispe resolution-benchmark --grid cpu --parts fashion_mnist --sweep-only --aspect-only --aspect-ratios 1:2,1:1,2:1
 """
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
-from vispe.benchmarks.grid import POLICY_LINE_NOTE, POLICY_STYLES, accuracy_axes, figure_legend, part_title, save_figure
+from vispe._checks import Choice, Int
+from vispe.benchmarks.grid import (POLICY_LINE_NOTE, POLICY_STYLES, Grid, Part, RunTask, accuracy_axes, add_recipe_arguments,
+                                   benchmark_parser, figure_legend, load_grid, part_title, save_figure, train_runs)
+from vispe.cli_options import Conflict, Option, Options, int_text, strings_text
 from vispe.files import read_json, write_json_atomic
 from vispe.runs import find_last_checkpoint
 
-__all__ = ["CLAIMS", "ENCODING_SPECS", "HEADLINE", "MIXED_FASHION_MNIST", "RECIPES", "TECHNIQUES", "Part", "claims", "main",
-           "markdown_aspect", "plot_aspect", "plot_techniques", "summarise", "summarise_aspect", "technique_effects", "training_order"]
-
-#: The encodings the papers compare at 2x resolution; they get several seeds.
-HEADLINE = ("learned", "sincos2d", "rope_axial", "rope_mixed", "comrope_ap", "comrope_ld")
-#: the 2026 catalogue additions (DINOv3 RoPE, 2D ALiBi, FIRE, LieRE): every seed too, so their rows carry spreads
-CATALOGUE_2026 = ("rope_dinov3", "alibi_2d", "fire", "liere")
-#: SeqPE (Li et al. 2025): its extrapolation is the point of the paper, so every seed too
-SEQPE = ("seqpe",)
-#: composed encodings (issue 31): shipping vision towers' table + RoPE presets and the plain composition, every seed
-COMPOSED_2D = ("learned+rope_axial", "qwen3vl_vision", "glm4v_vision", "gemma4_vision")
-ALL_2D = ("none", "learned", "sincos2d", "rope_axial", "rope_mixed", "irpe", "cpe", "lff", "loope", "comrope_ap", "comrope_ld",
-          *CATALOGUE_2026, *SEQPE, *COMPOSED_2D)
-#: Training-time resolution-generalisation techniques (``--techniques``): name -> the encoding options that turn it on.
-#: A technique run ``<encoding>+<technique>`` trains the encoding with those options, with every seed of the part, and
-#: is swept like any run (so the evaluation-time policies ``ntk`` / ``yarn`` combine with it under ``--policies all``).
-TECHNIQUES = {
-    # DINOv3-style: shift every axis by up to +-1 patch, scale the grid about its centre by [1/2, 2] (log-uniform)
-    "coordaug": "coord_shift=1.0,coord_rescale=2.0",
-    # RPE-2D: each axis's positions an ordered random subset of a grid twice the training one
-    "randpos": "random_positions=2.0",
-}
-#: The encodings the techniques are run for (the ones that take every technique's options).
-TECHNIQUE_ENCODINGS = ("rope_axial", "rope_mixed", "comrope_ld")
+__all__ = ["CLAIMS", "OPTIONS", "claims", "main", "markdown_aspect", "plot_aspect", "plot_techniques", "run_task", "sizes",
+           "summarise", "summarise_aspect", "technique_effects", "training_order"]
 
 
-#: Encodings whose runs in the benchmark take options: SeqPE's regularisers at a CPU scale (8 pivots x 16 negatives,
-#: 8 windows x 16 positions per step instead of the released 32 x 64 each, ~5x the classifier's step on 2 CPU cores)
-ENCODING_SPECS: dict[str, dict[str, Any]] = {
-    "seqpe": {"name": "seqpe", "num_pivots": 8, "num_negatives": 16, "num_windows": 8, "num_distill": 16},
-}
+def sizes(part: Part) -> list[int]:
+    """0.5x .. 2x the part's training size, in steps of about a quarter of it (multiples of the patch)."""
+    train_size, patch = part.evaluate["train_size"], part.evaluate["patch"]
+    step = patch * max(1, round(train_size / 4 / patch))
+    lo = patch * math.ceil(train_size / 2 / patch)
+    return list(range(lo, 2 * train_size + 1, step))
 
 
-@dataclass(frozen=True)
-class Part:
-    """One trained table: a shipped recipe (``vispe/recipes/<recipe>.yaml``) with dotted LightningCLI overrides,
-    which encodings with which seeds, and the sweep's training size and patch."""
-
-    name: str
-    recipe: str
-    overrides: dict[str, Any]
-    encodings: tuple[str, ...]
-    seeds: tuple[int, ...]
-    train_size: int
-    patch: int
-    extra_seed_encodings: tuple[str, ...] = HEADLINE  # these get every seed; the others the first only
-    eval_subset: int | None = None
-    notes: str = ""
-    needs_data: str | None = None  # folder under $VISPE_DATA_ROOT the part reads
-    techniques: tuple[str, ...] = ()  # names in TECHNIQUES, run for the part's TECHNIQUE_ENCODINGS with every seed
-    only_seeds: tuple[int, ...] | None = None  # --seeds: keep these of runs(); a one-seed encoding keeps seeds[0]
-
-    def runs(self) -> list[tuple[str, int]]:
-        """``(run encoding, seed)``; a run encoding is an encoding name or ``<encoding>+<technique>``."""
-        plain = [(e, s) for e in self.encodings for s in (self.seeds if e in self.extra_seed_encodings else self.seeds[:1])]
-        extra = [(f"{e}+{t}", s) for e in self.encodings if e in TECHNIQUE_ENCODINGS for t in self.techniques for s in self.seeds]
-        runs = plain + extra
-        return runs if self.only_seeds is None else [(e, s) for e, s in runs if s in self.only_seeds]
-
-    def sizes(self) -> list[int]:
-        """0.5x .. 2x the training size, in steps of about a quarter of it (multiples of the patch)."""
-        step = self.patch * max(1, round(self.train_size / 4 / self.patch))
-        lo = self.patch * math.ceil(self.train_size / 2 / self.patch)
-        return list(range(lo, 2 * self.train_size + 1, step))
-
-
-#: mixed-resolution training of the Fashion-MNIST part (7-px patches): one size per sample, grids 4x4, 3x5, 5x3, 3x3, 5x5
-MIXED_FASHION_MNIST: dict[str, Any] = {
-    "data.init_args.resolutions": [[28, 28], [21, 35], [35, 21], [21, 21], [35, 35]],
-    "data.init_args.resolution_sampling": "sample",
-    "data.init_args.patch_size": 7,
-}
-
-#: the encodings of the first CPU CIFAR-10 example (docs/training.md), before the catalogue grew
-QUICK_ENCODINGS = ("learned", "sincos2d", "rope_axial", "rope_mixed", "irpe", "cpe", "lff", "loope", "comrope_ap", "comrope_ld", "none")
-
-RECIPES: dict[str, list[Part]] = {
-    # seconds: generated images, a 1-block model, one short epoch; for tests and a first look
-    "tiny": [Part("synthetic", "synthetic_tiny", {}, ("none", "rope_axial"), (0, 1), 16, 4, extra_seed_encodings=("rope_axial",))],
-    # 2-core CPU: Fashion-MNIST at its native 28 px with 7-px patches (4x4 tokens; 0.5x-2x = 2x2..8x8) for
-    # every 2D encoding, CIFAR-10 for the headline ones (the recipes say why each setting)
-    "cpu": [
-        Part("fashion_mnist", "fashion_mnist", {}, ALL_2D, (0, 1, 2), 28, 7,
-             extra_seed_encodings=HEADLINE + CATALOGUE_2026 + SEQPE + COMPOSED_2D, needs_data="fashion-mnist"),
-        Part("cifar10", "cifar10_cpu", {}, HEADLINE, (0, 1, 2), 32, 4, eval_subset=5000, needs_data="cifar10-jpeg"),
-        # the fashion_mnist part trained on mixed grids (NaFlex batches, docs/mixed-resolution.md): every sample drawn
-        # from 4x4 (the training grid), 3x5, 5x3, 3x3 and 5x5 patches; evaluated like the plain part
-        Part("fashion_mnist_mixed", "fashion_mnist", MIXED_FASHION_MNIST, HEADLINE, (0, 1, 2), 28, 7, needs_data="fashion-mnist",
-             notes="trained with data.init_args.resolutions (one per sample): " + str(MIXED_FASHION_MNIST["data.init_args.resolutions"])),
-    ],
-    # one GPU: the published cifar10 recipe (ViT-Tiny class, 100 epochs, mixup/cutmix) in bf16, batch 256
-    "gpu": [Part(
-        "cifar10", "cifar10",
-        {"trainer.accelerator": "gpu", "trainer.precision": "bf16-mixed", "data.init_args.batch_size": 256},
-        HEADLINE, (0, 1, 2), 32, 4, needs_data="cifar10-jpeg",
-    )],
-    # the first, under-trained CPU example of docs/training.md: 2 epochs on 10,000 class-balanced CIFAR-10 images,
-    # validated on 2,000, one seed, the eleven encodings of the time (was train/cifar10_benchmark.py)
-    "cifar10_quick": [Part(
-        "cifar10", "cifar10_cpu",
-        {"trainer.max_epochs": 2, "trainer.log_every_n_steps": 10, "model.init_args.warmup_epochs": 0.25,
-         "data.init_args.train_subset": 10000, "data.init_args.eval_subset": 2000},
-        QUICK_ENCODINGS, (0,), 32, 4, extra_seed_encodings=(), eval_subset=2000, needs_data="cifar10-jpeg",
-    )],
-}
-
-
-def split_run_encoding(run_encoding: str) -> tuple[str, str | None]:
-    """``'rope_axial+randpos'`` -> ``('rope_axial', 'randpos')``; a plain or composed name (``'learned+rope_axial'``)
-    -> ``(name, None)``."""
-    encoding, _, technique = run_encoding.rpartition("+")
-    return (encoding, technique) if technique in TECHNIQUES else (run_encoding, None)
-
-
-def _cli_value(value: Any) -> str:
-    return value if isinstance(value, str) else json.dumps(value)
-
-
-def _fit_command(part: Part, run_encoding: str, seed: int, out: Path, data_dir: str | None) -> list[str]:
-    """``vispe fit --recipe <part's recipe>`` with the encoding, the seed, the run's folder and the part's overrides."""
-    encoding, technique = split_run_encoding(run_encoding)
-    spec: Any = f"{encoding}[{TECHNIQUES[technique]}]" if technique is not None else ENCODING_SPECS.get(encoding, encoding)
-    cmd = [sys.executable, "-m", "vispe.cli", "fit", "--recipe", part.recipe, "--seed_everything", str(seed),
-           "--model.init_args.pos_encoding", _cli_value(spec),
-           "--trainer.logger.init_args.save_dir", str(out), "--trainer.logger.init_args.name", f"{run_encoding}-s{seed}",
-           "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
-    overrides = dict(part.overrides)
+def run_task(grid: Grid, part: Part, run_encoding: str, seed: int, out: Path, data_dir: str | None, threads: int = 1,
+             recipe: str | None = None, overrides: dict[str, Any] | None = None) -> RunTask:
+    """One run of a part: its recipe (or ``recipe``) with the encoding, the seed, the run's folder
+    (``<out>/<run encoding>-s<seed>/version_N``), the part's overrides, then ``overrides``; a run with a
+    ``last.ckpt`` resumes from it, in its own version folder."""
+    name = f"{run_encoding}-s{seed}"
+    values: dict[str, Any] = {"model.init_args.pos_encoding": grid.pos_encoding(run_encoding),
+                              "trainer.logger.init_args.save_dir": str(out), "trainer.logger.init_args.name": name,
+                              "trainer.enable_progress_bar": False, "trainer.enable_model_summary": False}
+    values.update(part.overrides)
     if data_dir is not None and part.needs_data:
-        overrides["data.init_args.data_dir"] = str(Path(data_dir) / part.needs_data)
-    for k, v in overrides.items():
-        cmd += [f"--{k}", _cli_value(v)]
-    return cmd
+        values["data.init_args.data_dir"] = str(Path(data_dir) / part.needs_data)
+    values.update(overrides or {})
+    values["threads"] = threads  # the recipe's own yields: the run's threads are the benchmark's
+    last = find_last_checkpoint(out / name)
+    if last is not None:  # resume into the folder the run was saved in
+        values["trainer.logger.init_args.version"] = int(last.parent.parent.name.rpartition("_")[2]) \
+            if last.parent.parent.name.startswith("version_") else None
+    return RunTask(name=name, recipe=recipe or part.recipe, overrides=values, seed=seed,
+                   ckpt_path=None if last is None else str(last), log=out / "logs" / f"{name}.log")
 
 
 def training_order(runs: Sequence[tuple[str, int]], out: Path, timings: dict[str, Any]) -> list[tuple[str, int]]:
@@ -216,50 +116,22 @@ def record_timing(path: Path, name: str, seconds: float) -> dict[str, Any]:
     return timings
 
 
-def train_part(part: Part, out: Path, jobs: int, threads: int, data_dir: str | None, log) -> dict[str, Any]:
-    """Train the part's runs (``jobs`` at a time), skipping finished ones; returns wall times."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONHASHSEED="0")
+def train_part(grid: Grid, part: Part, out: Path, jobs: int, threads: int, data_dir: str | None, log,
+               recipe: str | None = None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Train the part's runs through the runner (``jobs`` runner workers at a time), skipping finished ones; returns
+    wall times."""
     timings_path = out / "timings.json"
     timings = read_json(timings_path, "benchmark cache") if timings_path.is_file() else {}
     # ``last.ckpt`` is rewritten every epoch, so it does not mean "finished": a run is finished once its
     # wall time is recorded. A killed run has a ``last.ckpt`` but no timing and resumes from it.
-    todo = training_order(part.runs(), out, timings)
+    tasks = [run_task(grid, part, enc, seed, out, data_dir, threads, recipe, overrides)
+             for enc, seed in training_order(part.runs(), out, timings)]
 
-    def command(enc: str, seed: int) -> list[str]:
-        cmd = _fit_command(part, enc, seed, out, data_dir) + ["--threads", str(threads)]  # the recipe's own yields
-        if find_last_checkpoint(out / f"{enc}-s{seed}") is not None:
-            cmd += ["--ckpt_path", "last"]
-        return cmd
+    def done(task: RunTask, seconds: float, _: Any) -> None:
+        nonlocal timings
+        timings = record_timing(timings_path, task.name, seconds)
 
-    if jobs == 1:  # one at a time: in this process (no interpreter start-up per run)
-        from vispe.train_cli import main as fit
-
-        for enc, seed in todo:
-            log(f"[{time.strftime('%H:%M:%S')}] {part.name}: start {enc} seed {seed}")
-            t0 = time.perf_counter()
-            fit(command(enc, seed)[3:])
-            timings = record_timing(timings_path, f"{enc}-s{seed}", time.perf_counter() - t0)
-        return timings
-    running: list[tuple[str, subprocess.Popen, float, Any]] = []
-    while todo or running:
-        while todo and len(running) < jobs:
-            enc, seed = todo.pop(0)
-            cmd = command(enc, seed)
-            (out / "logs").mkdir(parents=True, exist_ok=True)
-            fh = open(out / "logs" / f"{enc}-s{seed}.log", "a")
-            log(f"[{time.strftime('%H:%M:%S')}] {part.name}: start {enc} seed {seed}")
-            running.append((f"{enc}-s{seed}", subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT), time.perf_counter(), fh))
-        time.sleep(0.2)
-        for item in list(running):
-            name, proc, t0, fh = item
-            if proc.poll() is None:
-                continue
-            running.remove(item)
-            fh.close()
-            if proc.returncode:
-                raise RuntimeError(f"{part.name}/{name} failed (exit {proc.returncode}); see {out / 'logs' / (name + '.log')}")
-            timings = record_timing(timings_path, name, time.perf_counter() - t0)
-            log(f"[{time.strftime('%H:%M:%S')}] {part.name}: {name} done in {timings[name]} s")
+    train_runs(tasks, jobs=jobs, threads=threads, done=done, log=lambda msg: log(f"{part.name}: {msg}"))
     return timings
 
 
@@ -281,11 +153,13 @@ def _run_folder(checkpoint: str) -> str:
     return folder.parent.name if folder.name.startswith("version_") else folder.name
 
 
-def _group_runs(sweep: dict[str, Any]) -> list[tuple[tuple[str, str, str], list[dict[str, Any]]]]:
-    """The sweep's per-checkpoint rows grouped by (encoding, technique, policy): the seeds of one table row."""
+def _group_runs(sweep: dict[str, Any], techniques: Collection[str]) -> list[tuple[tuple[str, str, str], list[dict[str, Any]]]]:
+    """The sweep's per-checkpoint rows grouped by (encoding, technique, policy): the seeds of one table row
+    (``techniques``: the grid's technique names, the suffix of a technique run's folder)."""
     groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     for r in sweep["results"]:
-        technique = split_run_encoding(_run_folder(r["checkpoint"]).rsplit("-s", 1)[0])[1]
+        encoding, _, technique = _run_folder(r["checkpoint"]).rsplit("-s", 1)[0].rpartition("+")
+        technique = technique if encoding and technique in techniques else None
         groups.setdefault((r["encoding"], technique or "", r["extrapolation"]), []).append(r)
     return sorted(groups.items())
 
@@ -301,14 +175,14 @@ def _mean_spread(vals: list[float], num_samples: int) -> tuple[float, float]:
 def _row(part: Part, key: tuple[str, str, str], rs: list[dict[str, Any]]) -> dict[str, Any]:
     enc, technique, policy = key
     return {"part": part.name, "encoding": enc, "technique": technique or None, "extrapolation": policy, "seeds": len(rs),
-            "train_size": part.train_size, "num_samples": rs[0]["num_samples"], "mean": {}, "spread": {},
+            "train_size": part.evaluate["train_size"], "num_samples": rs[0]["num_samples"], "mean": {}, "spread": {},
             "spread_kind": "std over seeds" if len(rs) > 1 else "binomial s.e. (1 seed)"}
 
 
-def summarise(sweep: dict[str, Any], part: Part) -> list[dict[str, Any]]:
+def summarise(sweep: dict[str, Any], part: Part, techniques: Collection[str] = ()) -> list[dict[str, Any]]:
     """Group the sweep's per-checkpoint rows by (encoding, technique, policy): mean and spread per size over seeds."""
     rows = []
-    for key, rs in _group_runs(sweep):
+    for key, rs in _group_runs(sweep, techniques):
         row = _row(part, key, rs)
         for s in sorted({int(s) for r in rs for s in r["accuracy"]}):
             row["mean"][s], row["spread"][s] = _mean_spread([r["accuracy"][str(s)]["top1"] for r in rs], rs[0]["num_samples"])
@@ -316,11 +190,11 @@ def summarise(sweep: dict[str, Any], part: Part) -> list[dict[str, Any]]:
     return rows
 
 
-def summarise_aspect(sweep: dict[str, Any], part: Part) -> list[dict[str, Any]]:
+def summarise_aspect(sweep: dict[str, Any], part: Part, techniques: Collection[str] = ()) -> list[dict[str, Any]]:
     """The aspect-ratio sweep grouped like :func:`summarise`: per (encoding, technique, policy), mean and spread over
     seeds of the top-1 at each aspect ratio (keyed by its ``w:h`` label), with the evaluated shape and token count."""
     rows = []
-    for key, rs in _group_runs(sweep):
+    for key, rs in _group_runs(sweep, techniques):
         points = {e["aspect_label"]: e for e in rs[0]["evaluations"] if e["sweep"] == "aspect"}
         row = _row(part, key, rs)
         row["aspects"] = [{"label": k, "aspect": e["aspect"], "shape": e["shape"], "tokens": e["tokens"]}
@@ -498,7 +372,7 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             out.append(f"| {_label(r)} | {r['seeds']} | " + " | ".join(cells) + " |")
         out.append("")
     out.append(f"Spread: std over seeds where seeds > 1, else the binomial standard error of one run. "
-               f"Recipe `{meta['recipe']}`; wall time {meta['wall_s']:.0f} s; {meta['machine']}.")
+               f"Grid `{meta.get('grid', meta.get('recipe'))}`; wall time {meta['wall_s']:.0f} s; {meta['machine']}.")
     for name, m in meta.get("earlier_parts", {}).items():
         out.append(f"Part `{name}`: from an earlier call (`vispe resolution-benchmark {' '.join(m['argv'])}`, "
                    f"wall time {m['wall_s']:.0f} s; {m['machine']}).")
@@ -611,108 +485,132 @@ def plot_techniques(rows: list[dict[str, Any]], path: Path, policies: Sequence[s
     save_figure(fig, path)
 
 
+def _ints_text(text: str) -> list[int]:
+    """``"1,2"`` -> ``[1, 2]``."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError("integers separated by commas (e.g. 0 or 1,2)") from None
+    if not values:
+        raise ValueError("integers separated by commas (e.g. 0 or 1,2)")
+    return values
+
+
+def _aspect_text(text: str) -> list[tuple[float, str]]:
+    from vispe.benchmarks.resolution_sweep import parse_aspect_ratios
+
+    return parse_aspect_ratios(text)
+
+
+#: ``vispe resolution-benchmark``'s options, declared once (vispe.cli_options): the grid and its selection, the runs, the sweep
+OPTIONS = Options("vispe resolution-benchmark", [
+    Option("grid", parse=str, default="cpu", help="the grid: a shipped name (vispe/recipes/grids/resolution_<name>.yaml: "
+                                                  "tiny, cpu, gpu, cifar10_quick) or a grid YAML file"),
+    Option("parts", parse=strings_text, help="comma-separated parts of the grid to run (default: all)"),
+    Option("encodings", parse=strings_text, help="restrict to these encodings (comma-separated)"),
+    Option("out", parse=str, default="outputs/resolution_benchmark", help="output folder"),
+    Option("data_dir", parse=str, help="data root (default $VISPE_DATA_ROOT)"),
+    Option("jobs", Int(1), int_text, default=1, help="training runs at a time (runner workers in a process pool)"),
+    Option("threads", Int(1), int_text, default=1, help="torch threads per run"),
+    Option("techniques", parse=strings_text,
+           help="also train the grid's technique encodings with these training-time techniques, every seed "
+                "(comma-separated, or 'all'; the grid's techniques)"),
+    Option("policies", Choice(("both", "all")), str, default="both",
+           help="evaluation policies of the sweep: extend + interpolate (default), or every one an encoding has "
+                "(adds ntk / yarn for the rotary lattice encodings)"),
+    Option("seeds", parse=_ints_text,
+           help="only the runs with these seeds (comma-separated, e.g. 0 or 1,2); an encoding the part trains "
+                "with one seed keeps its seed-0 run, so --seeds 1,2 trains only the multi-seed encodings"),
+    Option("aspect_ratios", parse=_aspect_text,
+           help="also sweep every run at these aspect ratios width:height (e.g. 1:2,2:3,1:1,3:2,2:1) at the training "
+                "grid's token budget; adds an aspect-ratio table and aspect.png to the summary"),
+    Option("aspect_only", switch=True, help="with --aspect-ratios: run only the aspect-ratio sweep (the part's size table "
+                                            "from an earlier call into the same --out is kept in the summary)"),
+    Option("sweep_only", switch=True,
+           help="train nothing: sweep the part's runs that have a last.ckpt under --out (the others are listed and left out)"),
+    Option("train_only", switch=True,
+           help="train (or resume) the runs and stop: no sweep, no summary (a later --sweep-only call sweeps them; "
+                "lets several training calls, e.g. one per seed, share the CPU before one sweep)"),
+], conflicts=[Conflict("train_only", "sweep_only", "one trains without sweeping, the other sweeps without training"),
+              Conflict("aspect_only", "aspect_ratios", "it sweeps only the aspect ratios given", kind="requires")])
+
+
+def _select(grid: Grid, values: dict[str, Any], overrides: list[str]) -> list[Part]:
+    """The grid's parts after --parts, --encodings, --techniques and --seeds (each refused naming the valid choices)."""
+    from vispe.runner import parse_overrides
+
+    parse_overrides(overrides)  # a bad --set: one line, before anything trains
+    parts = list(grid.parts)
+    if values["parts"]:
+        names = [pt.name for pt in parts]
+        bad = [w for w in values["parts"] if w not in names]
+        if bad:
+            raise ValueError(f"unknown part(s) {bad}; grid {grid.name!r} has {names}")
+        parts = [pt for pt in parts if pt.name in values["parts"]]
+    if values["encodings"]:
+        from vispe.encodings import get_encoding_class
+
+        for e in values["encodings"]:
+            get_encoding_class(e)  # unknown names fail here, naming the valid ones
+        parts = [pt.replace(encodings=tuple(e for e in pt.encodings if e in values["encodings"])) for pt in parts]
+    if values["techniques"]:
+        techniques = list(grid.techniques) if values["techniques"] == ["all"] else values["techniques"]
+        bad = [t for t in techniques if t not in grid.techniques]
+        if bad:
+            raise ValueError(f"unknown technique(s) {bad}; grid {grid.name!r} has {list(grid.techniques)} or 'all'")
+        parts = [pt.replace(techniques=tuple(techniques)) for pt in parts]
+    if values["seeds"]:
+        # a filter on the part's runs, not new seeds: `--seeds 1` trains seed 1 of the encodings that have it and
+        # leaves the one-seed encodings (their run is seed 0) alone
+        parts = [pt.replace(only_seeds=tuple(sorted(set(values["seeds"])))) for pt in parts]
+        if not any(pt.runs() for pt in parts):
+            have = sorted({v for pt in parts for v in pt.seeds})
+            raise ValueError(f"--seeds {values['seeds']}: no run has these seeds (the parts' seeds: {have})")
+    return parts
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="vispe resolution-benchmark", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--recipe", default="cpu", choices=sorted(RECIPES))
-    p.add_argument("--parts", default=None, help="comma-separated parts of the recipe to run (default: all)")
-    p.add_argument("--encodings", default=None, help="restrict to these encodings (comma-separated)")
-    p.add_argument("--out", default="outputs/resolution_benchmark")
-    p.add_argument("--data-dir", default=None, help="data root (default $VISPE_DATA_ROOT)")
-    p.add_argument("--jobs", type=int, default=1, help="training runs at a time")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per run")
-    p.add_argument("--techniques", default=None,
-                   help=f"also train {', '.join(TECHNIQUE_ENCODINGS)} with these training-time techniques, every seed "
-                        f"(comma-separated, or 'all'; choices: {', '.join(TECHNIQUES)})")
-    p.add_argument("--policies", default="both", choices=("both", "all"),
-                   help="evaluation policies of the sweep: extend + interpolate (default), or every one an encoding has "
-                        "(adds ntk / yarn for the rotary lattice encodings)")
-    p.add_argument("--seeds", default=None,
-                   help="only the runs with these seeds (comma-separated, e.g. 0 or 1,2); an encoding the part trains "
-                        "with one seed keeps its seed-0 run, so --seeds 1,2 trains only the multi-seed encodings")
-    p.add_argument("--aspect-ratios", default=None,
-                   help="also sweep every run at these aspect ratios width:height (e.g. 1:2,2:3,1:1,3:2,2:1) at the training "
-                        "grid's token budget; adds an aspect-ratio table and aspect.png to the summary")
-    p.add_argument("--aspect-only", action="store_true",
-                   help="with --aspect-ratios: run only the aspect-ratio sweep (the part's size table from an earlier call into "
-                        "the same --out is kept in the summary)")
-    p.add_argument("--sweep-only", action="store_true",
-                   help="train nothing: sweep the part's runs that have a last.ckpt under --out (the others are listed and left out)")
-    p.add_argument("--train-only", action="store_true",
-                   help="train (or resume) the runs and stop: no sweep, no summary (a later --sweep-only call sweeps them; "
-                        "lets several training calls, e.g. one per seed, share the CPU before one sweep)")
-    args = p.parse_args(list(argv) if argv is not None else None)
-    from vispe.benchmarks.resolution_sweep import parse_aspect_ratios, run_sweep
+    parser = benchmark_parser("vispe resolution-benchmark", __doc__, "raw")
+    OPTIONS.add_to(parser, {"grid": ["grid", "parts", "encodings", "techniques", "seeds"]})
+    add_recipe_arguments(parser, None, "--set trainer.max_epochs=2 (every part; default: each part's own recipe)")
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    try:
+        values = OPTIONS.from_namespace(args)
+        if args.recipe is not None:
+            from vispe.recipes import recipe_path
+
+            recipe_path(args.recipe)  # a training recipe; a grid name here is refused naming the shipped recipes
+        grid = load_grid(values["grid"], "resolution")
+        parts = _select(grid, values, args.overrides)
+    except ValueError as err:
+        print(f"vispe resolution-benchmark: {err}", file=sys.stderr)
+        return 2
+    from vispe.benchmarks.resolution_sweep import run_sweep
     from vispe.benchmarks.speed import _machine
+    from vispe.runner import parse_overrides
 
     import torch
 
-    parts = RECIPES[args.recipe]
-    if args.parts:
-        wanted = [s.strip() for s in args.parts.split(",") if s.strip()]
-        bad = [w for w in wanted if w not in {pt.name for pt in parts}]
-        if bad:
-            print(f"vispe resolution-benchmark: unknown part(s) {bad}; recipe {args.recipe!r} has {[pt.name for pt in parts]}", file=sys.stderr)
-            return 2
-        parts = [pt for pt in parts if pt.name in wanted]
-    if args.encodings:
-        keep = [e.strip() for e in args.encodings.split(",") if e.strip()]
-        from vispe.encodings import get_encoding_class
-
-        for e in keep:
-            get_encoding_class(e)  # unknown names fail here, naming the valid ones
-        parts = [Part(**{**pt.__dict__, "encodings": tuple(e for e in pt.encodings if e in keep)}) for pt in parts]
-    if args.techniques:
-        techniques = list(TECHNIQUES) if args.techniques.strip() == "all" else [t.strip() for t in args.techniques.split(",") if t.strip()]
-        bad = [t for t in techniques if t not in TECHNIQUES]
-        if bad:
-            print(f"vispe resolution-benchmark: unknown technique(s) {bad}; choose from {list(TECHNIQUES)} or 'all'", file=sys.stderr)
-            return 2
-        parts = [Part(**{**pt.__dict__, "techniques": tuple(techniques)}) for pt in parts]
-    if args.seeds:
-        try:
-            seeds = {int(v) for v in args.seeds.split(",") if v.strip()}
-        except ValueError:
-            seeds = set()
-        if not seeds:
-            print(f"vispe resolution-benchmark: --seeds takes integers separated by commas, got {args.seeds!r}", file=sys.stderr)
-            return 2
-        # a filter on the part's runs, not new seeds: `--seeds 1` trains seed 1 of the encodings that have it and
-        # leaves the one-seed encodings (their run is seed 0) alone
-        parts = [Part(**{**pt.__dict__, "only_seeds": tuple(sorted(seeds))}) for pt in parts]
-        if not any(pt.runs() for pt in parts):
-            have = sorted({v for pt in parts for v in pt.seeds})
-            print(f"vispe resolution-benchmark: --seeds {args.seeds}: no run has these seeds (the parts' seeds: {have})", file=sys.stderr)
-            return 2
-    aspect_ratios = None
-    if args.aspect_ratios:
-        try:
-            aspect_ratios = parse_aspect_ratios(args.aspect_ratios)
-        except ValueError as err:
-            print(f"vispe resolution-benchmark: {err}", file=sys.stderr)
-            return 2
-    if args.train_only and args.sweep_only:
-        print("vispe resolution-benchmark: --train-only and --sweep-only exclude each other", file=sys.stderr)
-        return 2
-    if args.aspect_only and not aspect_ratios:
-        print("vispe resolution-benchmark: --aspect-only needs --aspect-ratios", file=sys.stderr)
-        return 2
-    data_dir = args.data_dir or os.environ.get("VISPE_DATA_ROOT")
+    overrides = parse_overrides(args.overrides)
+    data_dir = values["data_dir"] or os.environ.get("VISPE_DATA_ROOT")
     for pt in parts:
         if pt.needs_data and not (data_dir and (Path(data_dir) / pt.needs_data).exists()):
             print(f"vispe resolution-benchmark: part {pt.name!r} needs {pt.needs_data!r} under --data-dir or $VISPE_DATA_ROOT "
                   f"(got {data_dir!r})", file=sys.stderr)
             return 2
-    torch.set_num_threads(args.threads)
-    out = Path(args.out)
+    threads, jobs, policies, aspect_ratios = values["threads"], values["jobs"], values["policies"], values["aspect_ratios"]
+    torch.set_num_threads(threads)
+    out = Path(values["out"])
     t_start = time.perf_counter()
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     machine = _machine(torch.device("cpu"))
+    techniques = tuple(grid.techniques)
     rows, aspect_rows, timings = [], [], {}
     for pt in parts:
         part_out = out / pt.name
         part_out.mkdir(parents=True, exist_ok=True)
         t_part = time.perf_counter()
-        if args.sweep_only:
+        if values["sweep_only"]:
             runs = [(e, s) for e, s in pt.runs() if find_last_checkpoint(part_out / f"{e}-s{s}") is not None]
             missing = [f"{e}-s{s}" for e, s in pt.runs() if (e, s) not in runs]
             if missing:
@@ -723,54 +621,55 @@ def main(argv: Sequence[str] | None = None) -> int:
             tpath = part_out / "timings.json"
             timings[pt.name] = read_json(tpath, "benchmark cache") if tpath.is_file() else {}
         else:
-            timings[pt.name] = train_part(pt, part_out, args.jobs, args.threads, data_dir, log)
+            timings[pt.name] = train_part(grid, pt, part_out, jobs, threads, data_dir, log, args.recipe, overrides)
             runs = pt.runs()
-            if args.train_only:
+            if values["train_only"]:
                 log(f"{pt.name}: --train-only: {len(runs)} run(s) trained under {part_out}; sweep them with --sweep-only")
                 continue
         ckpts = [str(_trained_checkpoint(part_out / f"{e}-s{s}")) for e, s in runs]
         labels = [f"{e}-s{s}" for e, s in runs]
         part_data = str(Path(data_dir) / pt.needs_data) if pt.needs_data else None
-        if args.aspect_only:  # keep the size rows an earlier call wrote for this part
+        eval_subset = pt.evaluate.get("eval_subset")
+        if values["aspect_only"]:  # keep the size rows an earlier call wrote for this part
             earlier_part = part_out / "summary.json"
             part_rows = [_int_sizes(r) for r in read_json(earlier_part, "benchmark cache")["rows"]] if earlier_part.is_file() else []
         else:
-            sweep = run_sweep(ckpts, pt.sizes(), args.policies, part_out / "resolution", labels=labels,
-                              eval_subset=pt.eval_subset, data_dir=part_data)
-            part_rows = summarise(sweep, pt)
+            sweep = run_sweep(ckpts, sizes(pt), policies, part_out / "resolution", labels=labels,
+                              eval_subset=eval_subset, data_dir=part_data)
+            part_rows = summarise(sweep, pt, techniques)
         rows += part_rows
         part_aspect: list[dict[str, Any]] = []
         if aspect_ratios:  # a sweep of its own (its cache apart from the size sweep's), at the training grid's token budget
-            aspect = run_sweep(ckpts, [], args.policies, part_out / "aspect", labels=labels, eval_subset=pt.eval_subset,
+            aspect = run_sweep(ckpts, [], policies, part_out / "aspect", labels=labels, eval_subset=eval_subset,
                                data_dir=part_data, aspect_ratios=aspect_ratios)
-            part_aspect = summarise_aspect(aspect, pt)
+            part_aspect = summarise_aspect(aspect, pt, techniques)
             aspect_rows += part_aspect
-        part_meta = {"recipe": args.recipe, "part": pt.name, "argv": list(argv) if argv is not None else sys.argv[1:],
-                     "policies": args.policies, "wall_s": time.perf_counter() - t_part, "machine": machine,
-                     "threads": args.threads, "jobs": args.jobs, "torch": torch.__version__,
-                     "train_seconds": timings[pt.name], "config": {k: v for k, v in pt.__dict__.items()}}
+        part_meta = {"grid": grid.name, "part": pt.name, "argv": list(argv) if argv is not None else sys.argv[1:],
+                     "policies": policies, "wall_s": time.perf_counter() - t_part, "machine": machine,
+                     "threads": threads, "jobs": jobs, "torch": torch.__version__,
+                     "train_seconds": timings[pt.name], "config": dict(pt.__dict__)}
         write_json_atomic(part_out / "summary.json", {"meta": part_meta, "rows": part_rows, "aspect_rows": part_aspect})
         plot(part_rows, part_out / "summary.png")
         if part_aspect:
             plot_aspect(part_aspect, part_out / "aspect.png")
-    if args.train_only:
+    if values["train_only"]:
         return 0
-    # parts of the recipe run by an earlier call into the same --out keep their rows (each with its own meta),
+    # parts of the grid run by an earlier call into the same --out keep their rows (each with its own meta),
     # so a long part run on its own joins the table without re-running the others
     run_now = {pt.name for pt in parts}
     earlier = {}
-    for pt in RECIPES[args.recipe]:
+    for pt in grid.parts:
         f = out / pt.name / "summary.json"
         if pt.name not in run_now and f.is_file():
             earlier[pt.name] = read_json(f, "benchmark cache")
             rows += [_int_sizes(r) for r in earlier[pt.name]["rows"]]
             aspect_rows += earlier[pt.name].get("aspect_rows", [])
-    order = [pt.name for pt in RECIPES[args.recipe]]
+    order = [pt.name for pt in grid.parts]
     rows.sort(key=lambda r: order.index(r["part"]) if r["part"] in order else len(order))  # stable: keeps each part's order
     aspect_rows.sort(key=lambda r: order.index(r["part"]) if r["part"] in order else len(order))
-    meta = {"recipe": args.recipe, "wall_s": time.perf_counter() - t_start, "machine": machine,
-            "threads": args.threads, "jobs": args.jobs, "torch": torch.__version__, "train_seconds": timings,
-            "parts": [{k: v for k, v in pt.__dict__.items()} for pt in parts],
+    meta = {"grid": grid.name, "wall_s": time.perf_counter() - t_start, "machine": machine,
+            "threads": threads, "jobs": jobs, "torch": torch.__version__, "train_seconds": timings,
+            "parts": [dict(pt.__dict__) for pt in parts],
             "earlier_parts": {name: e["meta"] for name, e in earlier.items()}}
     write_json_atomic(out / "summary.json", {"meta": meta, "rows": rows, "claims": claims(rows), "techniques": technique_effects(rows),
                                              "aspect_rows": aspect_rows})

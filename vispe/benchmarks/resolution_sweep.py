@@ -34,7 +34,6 @@ Outputs in ``--out``: ``resolution.json``, ``resolution.md`` (accuracy and peak-
 """
 from __future__ import annotations
 
-import argparse
 import inspect
 import json
 import math
@@ -1006,7 +1005,9 @@ def _read_classes(text: str | None) -> list[str] | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="vispe resolution", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from vispe.benchmarks.grid import benchmark_parser
+
+    p = benchmark_parser("vispe resolution", __doc__, "raw")
     OPTIONS.add_to(p, {
         "timm / vispe model from a local weights file": ["model", "weights", "pos_encoding", "model_kwargs", "allow_partial"],
         "image set": ["data", "data_root", "data_dir", "split", "classes", "allow_class_subset", "eval_subset", "seed", "mean", "std"],

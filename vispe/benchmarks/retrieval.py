@@ -18,7 +18,7 @@ from typing import Any, Sequence
 from vispe.benchmarks import grid
 from vispe.files import read_json
 
-__all__ = ["main", "build_parser", "run_one", "run_benchmark", "format_table", "plot_results", "DEFAULT_ENCODINGS", "QUICK", "RECIPE"]
+__all__ = ["main", "build_parser", "run_one", "run_benchmark", "format_table", "plot_results", "DEFAULT_ENCODINGS", "QUICK", "RECIPE", "run_task", "score_run"]
 
 DEFAULT_ENCODINGS: tuple[str, ...] = ("rope_axial_3d", "rope_mixed_3d", "sincos3d", "learned_3d", "none")
 
@@ -32,12 +32,10 @@ BENCHMARK_TRAINER: dict[str, Any] = {**grid.BENCHMARK_TRAINER, "trainer.enable_p
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="vispe retrieval",
-        description="Text-video retrieval benchmark: one small video-text CLIP per 3D positional encoding, generated data. "
-                    "The recipe (clips, towers, schedule, evaluation views) is vispe/recipes/retrieval.yaml; change it with --set.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    p = grid.benchmark_parser(
+        "vispe retrieval",
+        "Text-video retrieval benchmark: one small video-text CLIP per 3D positional encoding, generated data. "
+        "The recipe (clips, towers, schedule, evaluation views) is vispe/recipes/retrieval.yaml; change it with --set.")
     p.add_argument("--encodings", default=",".join(DEFAULT_ENCODINGS), help="comma-separated 3D encodings (vispe.list_encodings(grid_ndim=3))")
     p.add_argument("--out", default="outputs/retrieval", help="output folder for results.json/.md/.png")
     p.add_argument("--data-root", default=None, help="where generated clips are written (default $VISPE_DATA_ROOT/generated or the temp dir)")
@@ -46,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
                                   "--set data.init_args.eval_settings=[[16,64]] --set model.init_args.lr=3e-4")
     g.add_argument("--seed", type=int, default=0, help="data and initialisation seed (seed_everything and data.init_args.seed)")
     g.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: leave torch's default)")
+    g.add_argument("--jobs", type=int, default=1, help="encodings trained at a time (runner workers in a process pool; "
+                   "each run's output in --out/logs/)")
     return p
 
 
@@ -62,19 +62,22 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def run_one(name: str, args: argparse.Namespace) -> dict[str, Any]:
-    """Train one encoding and evaluate it on every view; returns its row (recalls in %)."""
-    from vispe.runner import run
+def run_task(name: str, args: argparse.Namespace) -> grid.RunTask:
+    """One run of the grid: the recipe with the encoding ``name``, scored by :func:`score_run` where it trains."""
+    return grid.RunTask(name=name, recipe=args.recipe, overrides={**_overrides(args), "model.init_args.pos_encoding": name},
+                        seed=args.seed, log=Path(args.out) / "logs" / f"{name}.log", score=f"{__name__}:score_run")
+
+
+def score_run(run: grid.RunTask, result: Any, started: tuple[float, float]) -> dict[str, Any]:
+    """Every view's loader with the run's own Trainer; the encoding's row (recalls in %)."""
     from vispe.tasks.retrieval import view_name
 
-    start = time.perf_counter()
-    result = run(args.recipe, {**_overrides(args), "model.init_args.pos_encoding": name}, seed=args.seed)
-    train_s = time.perf_counter() - start
-    result.evaluate("validate")  # every view's loader, the run's own Trainer
-    wall_s = time.perf_counter() - start
+    train_s = time.perf_counter() - started[0]
+    result.evaluate("validate")
+    wall_s = time.perf_counter() - started[0]
     task, views = result.model, result.datamodule.views
     row: dict[str, Any] = {
-        "encoding": name,
+        "encoding": run.name,
         "kind": task.visual.pos_encoding.kind,
         "pe_params": sum(p.numel() for p in task.visual.pos_encoding.parameters()),
         "video_params": sum(p.numel() for p in task.visual.parameters()),
@@ -88,6 +91,11 @@ def run_one(name: str, args: argparse.Namespace) -> dict[str, Any]:
         met = task.last_metrics.get(key, {})
         row["views"][view_name(t, s)] = {k: round(v, 2) for k, v in met.items()}
     return row
+
+
+def run_one(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Train one encoding and evaluate it on every view, in this process; returns its row (recalls in %)."""
+    return grid.train_one(run_task(name, args))
 
 
 def format_table(rows: Sequence[dict[str, Any]], chance: float, ceiling: float | None = None) -> str:
@@ -163,13 +171,16 @@ def run_benchmark(args: argparse.Namespace) -> tuple[list[dict[str, Any]], float
     gen_s = time.perf_counter() - t0
     ceiling = position_free_r1(read_json(Path(dm._manifests()[1]), "manifest"))
     print(f"data: {dm.train_spec.num_videos} train / {dm.val_spec.num_videos} val clips under {dm.root} ({gen_s:.0f} s incl. generation)", flush=True)
-    rows = []
-    for name in names:
-        row = run_one(name, args)
-        rows.append(row)
+    rows: dict[str, dict[str, Any]] = {}
+
+    def done(task: grid.RunTask, seconds: float, row: dict[str, Any]) -> None:
+        rows[task.name] = row
         m = row["views"][next(iter(row["views"]))]
-        print(f"{name:>15}: t2v R@1 {m.get('t2v_R@1', float('nan')):5.1f}  v2t R@1 {m.get('v2t_R@1', float('nan')):5.1f}  ({row['wall_s']:.0f} s)", flush=True)
-    return rows, dm.chance_r1, gen_s, ceiling
+        print(f"{task.name:>15}: t2v R@1 {m.get('t2v_R@1', float('nan')):5.1f}  v2t R@1 {m.get('v2t_R@1', float('nan')):5.1f}  "
+              f"({row['wall_s']:.0f} s)", flush=True)
+
+    grid.train_runs([run_task(name, args) for name in names], jobs=args.jobs, threads=args.threads or 1, done=done)
+    return [rows[name] for name in names], dm.chance_r1, gen_s, ceiling
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -15,7 +15,6 @@ Usage::
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -203,7 +202,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     from vispe._checks import did_you_mean
 
-    p = argparse.ArgumentParser(prog="vispe bench scaling", description=__doc__.split("\n\n")[0])
+    from vispe.benchmarks.grid import benchmark_parser
+
+    p = benchmark_parser("vispe bench scaling", __doc__.split("\n\n")[0], "plain")
     p.add_argument("--encodings", default=None,
                    help=f"comma-separated registry names (default: the registry group {DEFAULT_GROUP!r}, "
                    f"vispe.list_encodings(groups={DEFAULT_GROUP!r}))")

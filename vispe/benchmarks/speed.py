@@ -438,11 +438,10 @@ def summarise(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="vispe bench speed",
-        description="Train-step time, inference throughput and peak memory of every encoding vs timm's own ViTs "
-        "(one process, models interleaved round-robin).",
-    )
+    from vispe.benchmarks.grid import benchmark_parser
+
+    p = benchmark_parser("vispe bench speed", "Train-step time, inference throughput and peak memory of every encoding vs timm's "
+                         "own ViTs (one process, models interleaved round-robin).", "plain")
     p.add_argument("--models", default=",".join(DEFAULT_MODELS),
                    help=f"model sizes, comma-separated from {sorted(BENCH_CONFIGS)} (video_s16: the video ViT with 3D encodings)")
     p.add_argument("--encodings", default=None,
@@ -645,7 +644,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return scaling_main(argv[1:])
     elif argv and not argv[0].startswith("-"):
-        print(f"vispe bench: unknown benchmark {argv[0]!r}; choose 'speed' or 'scaling'", file=sys.stderr)
+        from .grid import bench_grid, is_grid, list_grids
+
+        if is_grid(argv[0]):  # 'vispe bench resolution_tiny ...': a training benchmark's grid
+            return bench_grid(argv)
+        print(f"vispe bench: unknown benchmark {argv[0]!r}; choose 'speed', 'scaling', a grid {list_grids()} or a grid YAML file",
+              file=sys.stderr)
         return 2
     args = build_parser().parse_args(argv)
     t_start = time.perf_counter()

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 from vispe.benchmarks import grid
 from vispe.files import read_json
 
-__all__ = ["main", "build_parser", "run_leaderboard", "format_table", "plot_results", "QUICK_ENCODINGS", "QUICK", "RECIPE"]
+__all__ = ["main", "build_parser", "run_leaderboard", "run_one", "run_task", "score_run", "format_table", "plot_results", "QUICK_ENCODINGS", "QUICK", "RECIPE"]
 
 #: ``--quick``: no PE and the two RoPE-ViT baselines; they learn the task within the quick budget
 #: (the additive encodings, sin-cos and the learned table, leave the no-PE plateau later than RoPE)
@@ -36,14 +36,13 @@ BENCHMARK_TRAINER: dict[str, Any] = dict(grid.BENCHMARK_TRAINER)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="vispe three-cell",
-        description="Three Cell Experiment leaderboard: one tiny ViT per positional encoding, same recipe, generated data. "
-                    "The recipe (data, model, schedule) is vispe/recipes/three_cell.yaml; change it with --set.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    p = grid.benchmark_parser(
+        "vispe three-cell",
+        "Three Cell Experiment leaderboard: one tiny ViT per positional encoding, same recipe, generated data. "
+        "The recipe (data, model, schedule) is vispe/recipes/three_cell.yaml; change it with --set.")
     p.add_argument("--quick", action="store_true", help=f"a few-minute CPU run of {', '.join(QUICK_ENCODINGS)} (writes nothing unless --out)")
-    p.add_argument("--encodings", default=None, help="comma-separated encoding names, or 'all' (every 2D encoding registered)")
+    p.add_argument("--encodings", default=None, help="comma-separated encoding names, or 'all' (every 2D encoding a benchmark trains: "
+                                                 "vispe.benchmarks.grid.select_encodings)")
     p.add_argument("--pe-options", default="{}", help='JSON {encoding: {option: value}} passed to the encodings, e.g. \'{"irpe": {"mode": "bias"}}\'')
     p.add_argument("--out", default=None, help="output folder for results.json/.md/.png (default: outputs/three-cell; none with --quick)")
     p.add_argument("--append", action="store_true", help="keep results already in --out/results.json for encodings not rerun")
@@ -54,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads; part of the recipe: the reduction order of CPU kernels depends on it, so runs "
                         "are bit-identical only at the same thread count (and PyTorch build / CPU)")
+    g.add_argument("--jobs", type=int, default=1, help="encodings trained at a time (runner workers in a process pool; "
+                   "each run's output in --out/logs/)")
     g.add_argument("--no-val", action="store_true", help="skip the per-epoch validation pass")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--no-pesi", action="store_true", help="skip the PESI metrics / similarity maps of the trained encodings")
@@ -66,8 +67,8 @@ def _resolve_encodings(spec: str | None, quick: bool) -> list[str]:
     available = [n for n in vispe.list_encodings(grid_ndim=2)]
     if spec is None:
         spec = ",".join(QUICK_ENCODINGS) if quick else "all"
-    if spec.strip() == "all":
-        return available
+    if spec.strip() == "all":  # what every benchmark trains: the registry's 2D encodings (grid.select_encodings)
+        return list(grid.select_encodings({"registry": {"grid_ndim": 2}}))
     from vispe.encodings.spec import parse_encoding_list
 
     specs = parse_encoding_list(spec)  # names, or specs with options: 'learned[init=sincos2d]'
@@ -108,38 +109,53 @@ def _EpochPrinter(name: str):  # noqa: N802  (built lazily: Lightning is importe
     return _epoch_printer_cls()(name)
 
 
-def run_one(name: str, args: argparse.Namespace, pe_options: dict[str, Any]) -> dict[str, Any]:
-    """Train and test one encoding (one run of the recipe); returns its row of the table (accuracies in percent)."""
-    from vispe.encodings.spec import parse_pos_encoding
-    from vispe.runner import run
-    from vispe.tasks.three_cell import GROUPS
+def _epoch_printer(task: grid.RunTask):
+    """The run's callback (:attr:`grid.RunTask.callbacks`): one line per validation epoch."""
+    return _EpochPrinter(task.name)
 
-    base, options = parse_pos_encoding(name)  # ``name`` is a spec: 'learned' or 'learned[init=sincos2d]'
+
+def run_task(name: str, args: argparse.Namespace, pe_options: dict[str, Any]) -> grid.RunTask:
+    """One run of the leaderboard: the recipe with the encoding ``name`` (a spec: ``'learned'`` or
+    ``'learned[init=sincos2d]'``, plus its ``--pe-options``), scored by :func:`score_run` where it trains."""
+    from vispe.encodings.spec import parse_pos_encoding
+
+    base, options = parse_pos_encoding(name)
     options = {**pe_options.get(base, {}), **options}
     pos_encoding: Any = {"name": base, **options} if options else base
-    start, cpu_start = time.perf_counter(), time.process_time()
-    result = run(args.recipe, {**_overrides(args), "model.init_args.pos_encoding": pos_encoding}, seed=args.seed,
-                 callbacks=[_EpochPrinter(name)])
-    train_s = time.perf_counter() - start
+    log = Path(args.out) / "logs" / f"{name}.log" if args.out else None
+    return grid.RunTask(name=name, recipe=args.recipe, overrides={**_overrides(args), "model.init_args.pos_encoding": pos_encoding},
+                        seed=args.seed, log=log, score=f"{__name__}:score_run", callbacks=(f"{__name__}:_epoch_printer",),
+                        context={"options": options, "pesi": not args.no_pesi, "out": args.out})
+
+
+def score_run(task: grid.RunTask, result: Any, started: tuple[float, float]) -> dict[str, Any]:
+    """Test the trained run with its own Trainer; its row of the table (accuracies in percent)."""
+    from vispe.tasks.three_cell import GROUPS
+
+    train_s = time.perf_counter() - started[0]
     metrics = result.evaluate("test")  # the run's own Trainer, the recipe's test split
-    wall_s = time.perf_counter() - start
-    cpu_s = time.process_time() - cpu_start
-    task, trainer = result.model, result.trainer
-    row: dict[str, Any] = {"encoding": name, "kind": task.model.pos_encoding.kind if hasattr(task.model, "pos_encoding") else "?"}
-    row["options"] = options
-    row["params"] = _count_params(task.model)
-    row["pe_params"] = _count_params(task.model.pos_encoding) if hasattr(task.model, "pos_encoding") else 0
+    wall_s = time.perf_counter() - started[0]
+    cpu_s = time.process_time() - started[1]
+    task_module, trainer = result.model, result.trainer
+    model = task_module.model
+    row: dict[str, Any] = {"encoding": task.name, "kind": model.pos_encoding.kind if hasattr(model, "pos_encoding") else "?"}
+    row["options"] = task.context["options"]
+    row["params"] = _count_params(model)
+    row["pe_params"] = _count_params(model.pos_encoding) if hasattr(model, "pos_encoding") else 0
     for g in (*GROUPS, "avg"):
         row[g] = round(100.0 * float(metrics[f"test/{g}"]), 2)
-    row["pesi"] = None
-    if not args.no_pesi:
-        row["pesi"] = _pesi_of(task.model, name, args.out)
+    row["pesi"] = _pesi_of(model, task.name, task.context["out"]) if task.context["pesi"] else None
     row["steps"] = int(trainer.global_step)
     row["train_s"] = round(train_s, 1)
     row["wall_s"] = round(wall_s, 3)
     # CPU seconds of this process (all threads): on a shared machine wall time depends on the load, this does not
     row["cpu_s"] = round(cpu_s, 3)
     return row
+
+
+def run_one(name: str, args: argparse.Namespace, pe_options: dict[str, Any]) -> dict[str, Any]:
+    """Train and test one encoding (one run of the recipe, in this process); returns its row of the table."""
+    return grid.train_one(run_task(name, args, pe_options))
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -240,15 +256,21 @@ def run_leaderboard(args: argparse.Namespace) -> list[dict[str, Any]]:
         previous = {r["encoding"]: r for r in read_json(out / "results.json", "earlier results")["results"]}
     print(f"recipe {args.recipe} (seed {args.seed}); training {len(encodings)} encodings: {', '.join(encodings)}", flush=True)
     rows = dict(previous)
-    for i, name in enumerate(encodings, 1):
-        print(f"\n[{i}/{len(encodings)}] {name}", flush=True)
-        row = run_one(name, args, pe_options)
-        rows[name] = row
-        print(f"[{i}/{len(encodings)}] {name}: avg {row['avg']:.1f}  (distance {row['distance']:.1f}, orientation "
+    tasks = [run_task(name, args, pe_options) for name in encodings]
+    count = {"done": 0}
+
+    def done(task: grid.RunTask, seconds: float, row: dict[str, Any]) -> None:
+        rows[task.name] = row
+        count["done"] += 1
+        print(f"[{count['done']}/{len(encodings)}] {task.name}: avg {row['avg']:.1f}  (distance {row['distance']:.1f}, orientation "
               f"{row['orientation']:.1f}, area {row['area']:.1f}, vector sum {row['vector_sum']:.1f}; {row['wall_s']:.0f} s)", flush=True)
         if out is not None:
             _write(out, list(rows.values()), args, plot=False)
-    result = list(rows.values())
+
+    grid.train_runs(tasks, jobs=args.jobs, threads=args.threads, done=done, log=lambda msg: print(f"\n{msg}", flush=True))
+    ordered = dict(previous)  # the table's order whatever order parallel runs finished in
+    ordered.update({name: rows[name] for name in encodings})
+    result = list(ordered.values())
     if out is not None:
         _write(out, result, args, plot=True)
     return result
@@ -297,6 +319,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.out = os.path.join("outputs", "three-cell")
     if args.threads < 1:
         parser.error(f"--threads must be >= 1, got {args.threads}")
+    if args.jobs < 1:
+        parser.error(f"--jobs must be >= 1, got {args.jobs}")
     import torch
 
     # fixed thread count + deterministic kernels: same command, same numbers (see docs/three-cell.md, "Determinism")

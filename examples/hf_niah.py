@@ -1,7 +1,11 @@
 """V-NIAH on a tiny random Hugging Face Qwen2-VL or Qwen3-VL with any vispe position scheme (needs ``pip install "vispe[hf]"``).
 
-    vispe hf-niah --scheme vrope --steps 300 --eval-frames 8,32
-    vispe hf-niah --model qwen3_vl --scheme qwen3vl     # Qwen3-VL's own layout: timestamped (1, H, W) patches
+An example of :func:`vispe.integrations.hf.apply_position_scheme` in a plain PyTorch fine-tuning loop (the library's
+own training goes through ``vispe.runner`` and LightningCLI; this script shows the patched Hugging Face model in the
+loop a Hugging Face user writes). Run it from a checkout:
+
+    python examples/hf_niah.py --scheme vrope --steps 300 --eval-frames 8,32
+    python examples/hf_niah.py --model qwen3_vl --scheme qwen3vl     # Qwen3-VL's own layout: timestamped (1, H, W) patches
 
 The haystacks are ``vispe niah``'s (``vispe.data.niah``: procedural frames, one coloured needle frame
 at a random depth, question "what color is the needle ?", one-token answer). Frames go through the HF
@@ -26,23 +30,24 @@ from vispe.data.niah import NIAHDataset, NIAHVocab
 from vispe.integrations.hf import apply_position_scheme
 from vispe.positions import qwen3vl_timestamps, timestamp_text
 
-PATCH, TPATCH, MERGE = 4, 2, 2
+TPATCH, MERGE = 2, 2
 NEEDLE = 4  # the needle's square (pixels), independent of the ViT patch
 
 
-def video_pixels(frames: np.ndarray) -> tuple[torch.Tensor, list[int]]:
-    """uint8 ``(T, S, S, 3)`` -> Qwen2-VL ``pixel_values_videos`` rows and ``(t, h, w)`` grid (frames padded to even T)."""
+def video_pixels(frames: np.ndarray, patch: int) -> tuple[torch.Tensor, list[int]]:
+    """uint8 ``(T, S, S, 3)`` -> Qwen2-VL ``pixel_values_videos`` rows and ``(t, h, w)`` grid (frames padded to even T)
+    for a ViT patch of ``patch`` pixels."""
     x = torch.as_tensor(frames).float().div(127.5).sub(1.0).permute(0, 3, 1, 2)  # (T, C, S, S)
     if x.shape[0] % TPATCH:  # the processor repeats the last frame
         x = torch.cat([x, x[-1:].expand(TPATCH - x.shape[0] % TPATCH, -1, -1, -1)])
     T, C, H, W = x.shape
-    gt, gh, gw = T // TPATCH, H // PATCH, W // PATCH  # PATCH: set by --patch
-    x = x.reshape(gt, TPATCH, C, gh // MERGE, MERGE, PATCH, gw // MERGE, MERGE, PATCH)
+    gt, gh, gw = T // TPATCH, H // patch, W // patch
+    x = x.reshape(gt, TPATCH, C, gh // MERGE, MERGE, patch, gw // MERGE, MERGE, patch)
     x = x.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)  # merge windows contiguous, as the merger expects
-    return x.reshape(gt * gh * gw, C * TPATCH * PATCH * PATCH), [gt, gh, gw]
+    return x.reshape(gt * gh * gw, C * TPATCH * patch * patch), [gt, gh, gw]
 
 
-def build_model(vocab_size: int, ids: dict[str, int], seed: int, family: str = "qwen2_vl"):
+def build_model(vocab_size: int, ids: dict[str, int], seed: int, family: str = "qwen2_vl", patch: int = 4):
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
     torch.manual_seed(seed)
@@ -57,7 +62,7 @@ def build_model(vocab_size: int, ids: dict[str, int], seed: int, family: str = "
         cfg = Qwen3VLConfig(
             text_config={"vocab_size": vocab_size, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
                          "num_key_value_heads": 4, "head_dim": 16, "pad_token_id": 0, **rope_kw},
-            vision_config={"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64, "patch_size": PATCH,
+            vision_config={"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64, "patch_size": patch,
                            "spatial_merge_size": MERGE, "temporal_patch_size": TPATCH, "num_position_embeddings": 16, "deepstack_visual_indexes": [0]},
             **{k: v for k, v in ids.items() if not k.startswith("ts_")},
         )
@@ -66,18 +71,18 @@ def build_model(vocab_size: int, ids: dict[str, int], seed: int, family: str = "
         text_config={"vocab_size": vocab_size, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
                          "num_key_value_heads": 4, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}, "rope_theta": 10000.0,
                          "pad_token_id": 0},
-        vision_config={"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "patch_size": PATCH, "spatial_merge_size": MERGE, "temporal_patch_size": TPATCH},
+        vision_config={"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "patch_size": patch, "spatial_merge_size": MERGE, "temporal_patch_size": TPATCH},
         **ids,
     )
     return Qwen2VLForConditionalGeneration(cfg)
 
 
-def batch(ds: NIAHDataset, idx: list[int], vocab: NIAHVocab, ids: dict[str, int], with_answer: bool):
+def batch(ds: NIAHDataset, idx: list[int], vocab: NIAHVocab, ids: dict[str, int], with_answer: bool, patch: int):
     question = vocab.question_ids().tolist()
     rows, pix, grids, answers = [], [], [], []
     for i in idx:
         frames, meta = ds.frames(i)
-        p, g = video_pixels(frames)
+        p, g = video_pixels(frames, patch)
         n = g[0] * g[1] * g[2] // MERGE**2
         ans = int(vocab.answer_ids[meta["answer"]])
         if "ts_<" in ids:  # Qwen3-VL: timestamp text and markers around every temporal patch
@@ -112,14 +117,14 @@ def forward_kwargs(model, kw):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``vispe hf-niah``: trains, evaluates and prints the result as one JSON line."""
+    """Trains, evaluates and prints the result as one JSON line."""
     run(argv)
     return 0
 
 
 def run(argv: list[str] | None = None) -> dict:
     """Fine-tune and score one scheme; returns the result that :func:`main` prints."""
-    ap = argparse.ArgumentParser(prog="vispe hf-niah", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="examples/hf_niah.py", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen2_vl", choices=["qwen2_vl", "qwen3_vl"])
     ap.add_argument("--scheme", default="mrope")
     ap.add_argument("--steps", type=int, default=1200)
@@ -132,10 +137,8 @@ def run(argv: list[str] | None = None) -> dict:
     ap.add_argument("--patch", type=int, default=4, help="ViT patch size (frames must be a multiple of 2 x patch)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    global PATCH
     # the ViT patch: with 8x8 frames, 4 gives one LLM token per temporal patch (a 1x1 block, where every
     # scheme's coordinates coincide); 2 gives 2x2 tokens, where the layouts differ
-    PATCH = args.patch
     torch.set_num_threads(1)
     vocab = NIAHVocab()
     base = len(vocab)
@@ -145,7 +148,7 @@ def run(argv: list[str] | None = None) -> dict:
         for c in ["<", ".", " seconds>"] + [str(d) for d in range(10)]:
             ids["ts_" + c] = size
             size += 1
-    model = build_model(size, ids, args.seed, args.model)
+    model = build_model(size, ids, args.seed, args.model, args.patch)
     options = {"hope": {"gamma": 0.75}, "v2pe": {"delta": 0.25}}.get(args.scheme, {})
     apply_position_scheme(model, args.scheme, **options)
     train = NIAHDataset(args.steps * args.batch_size, args.train_frames, frame_size=args.frame_size, patch=NEEDLE, seed=args.seed)
@@ -154,7 +157,7 @@ def run(argv: list[str] | None = None) -> dict:
     model.train()
     t0, log = time.time(), []
     for step in range(args.steps):
-        kw, answers = batch(train, list(range(step * args.batch_size, (step + 1) * args.batch_size)), vocab, ids, with_answer=True)
+        kw, answers = batch(train, list(range(step * args.batch_size, (step + 1) * args.batch_size)), vocab, ids, with_answer=True, patch=args.patch)
         logits = model(**forward_kwargs(model, kw)).logits[:, -2]  # the token before the answer predicts it
         loss = F.cross_entropy(logits, answers)
         opt.zero_grad()
@@ -173,7 +176,7 @@ def run(argv: list[str] | None = None) -> dict:
             ok = 0
             for s in range(0, args.eval_episodes, args.batch_size):
                 idx = list(range(s, min(s + args.batch_size, args.eval_episodes)))
-                kw, answers = batch(ds, idx, vocab, ids, with_answer=False)
+                kw, answers = batch(ds, idx, vocab, ids, with_answer=False, patch=args.patch)
                 out = model.generate(**forward_kwargs(model, kw), max_new_tokens=1, do_sample=False)
                 ok += int((out[:, -1] == answers).sum())
             result["eval"][n] = round(ok / args.eval_episodes, 3)
