@@ -15,8 +15,11 @@ transformers = pytest.importorskip("transformers")
 from vispe.integrations import hf as vhf
 from vispe.positions import Text, Visual, absolute_time_ids, build_positions
 
+from packaging.version import Version
+
 from test_hf_integration import IMG, MERGE, VE, VID, VS, _left_padded, _qwen2_5_vl, _qwen2_vl  # noqa: E402
 
+V5 = Version(transformers.__version__).major >= 5
 # frame rates as a video processor samples them (second_per_grid_ts = temporal_patch_size / fps, a float32 tensor)
 FPS = (1, 2, 3, 4, 5, 6, 7.5, 8, 10, 12, 12.5, 15, 23.976, 24, 25, 29.97, 30, 48, 50, 59.94, 60)
 FRAMES = (8, 16, 48, 100, 250, 384)  # sampled frames: T = frames / 2 temporal patches
@@ -101,11 +104,18 @@ def test_time_rule_option_is_checked():
     assert pos.dtype == torch.int64
 
 
+def _rope_dict(text_config):
+    """The text config's rotary dict in the installed version's spelling (5.x rope_parameters, 4.x rope_scaling)."""
+    params = getattr(text_config, "rope_parameters", None)
+    return params if params is not None else text_config.rope_scaling
+
+
 def _model_with_rope(build, rope_parameters):
-    cfg = build().config
-    cfg.text_config.rope_parameters = {**cfg.text_config.rope_parameters, **rope_parameters}
+    model = build()
+    cfg = copy.deepcopy(model.config)  # the tests' config dicts are shared: change a copy
+    _rope_dict(cfg.text_config).update(rope_parameters, **({} if V5 else {"type": rope_parameters["rope_type"]}))
     torch.manual_seed(0)
-    return type(build())(cfg).eval()
+    return type(model)(cfg).eval()
 
 
 def _text_logits(model):
@@ -127,11 +137,12 @@ def test_scaled_ropes_keep_their_scaling_or_are_refused_by_name(rope):
             vhf.apply_position_scheme(copy.deepcopy(model), "hope")
         return
     # a static scaling travels into a switched scheme: text-only input is 1D RoPE on the model's scaled ladder
-    switched = vhf.apply_position_scheme(copy.deepcopy(model), "mrope_interleave")
-    rotary = vhf._inner_model(switched).language_model.rotary_emb
     own_rotary = vhf._inner_model(model).language_model.rotary_emb
-    assert torch.equal(rotary.inv_freq, own_rotary.inv_freq) and rotary.attention_scaling == own_rotary.attention_scaling
-    assert (_text_logits(switched) - ref).abs().max() <= 1e-5
+    for scheme in ("mrope_interleave", "mhrope"):  # a shared table and MHRoPE's per-head hooks
+        switched = vhf.apply_position_scheme(copy.deepcopy(model), scheme)
+        rotary = vhf._inner_model(switched).language_model.rotary_emb
+        assert torch.equal(rotary.inv_freq, own_rotary.inv_freq) and rotary.attention_scaling == own_rotary.attention_scaling
+        assert (_text_logits(switched) - ref).abs().max() <= 1e-5, scheme
 
 
 def test_sections_that_do_not_fill_the_head_are_accepted_for_the_own_scheme():
@@ -139,14 +150,16 @@ def test_sections_that_do_not_fill_the_head_are_accepted_for_the_own_scheme():
     from test_hf_families import _model as family_model  # noqa: E402
 
     model = family_model("qwen3_vl")
-    model.config.text_config.rope_parameters["mrope_section"] = [16, 8, 8]
+    cfg = copy.deepcopy(model.config)  # the tests' config dicts are shared: change a copy
+    _rope_dict(cfg.text_config)["mrope_section"] = [16, 8, 8]
     torch.manual_seed(0)
-    model = type(model)(model.config).eval()
+    model = type(model)(cfg).eval()
     ref = _text_logits(model)
     vhf.apply_position_scheme(model, "qwen3vl")
     assert vhf.scheme_of(model) == "qwen3vl" and torch.equal(_text_logits(model), ref)
 
 
+@pytest.mark.skipif(not V5, reason="transformers 4.x's init_weights does not rebuild buffers")
 @pytest.mark.parametrize("scheme", ["mrope", "hope", "mhrope"])
 def test_init_weights_rebuilds_vispes_rotary_buffers(scheme):
     """As transformers' test_init_weights_can_init_buffers: a model built on the meta device, moved with to_empty

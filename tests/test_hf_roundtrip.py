@@ -53,7 +53,7 @@ def _logits(model, inputs):
     return out.logits
 
 
-# one loader for this process and the child processes (it is the child's script too)
+# the child processes' script: load each folder by each path and say which model came back
 LOADER = textwrap.dedent('''
     import json, sys, torch, transformers
 
@@ -86,23 +86,23 @@ LOADER = textwrap.dedent('''
         return "other", type(model).__name__
 ''')
 CHILD = LOADER + textwrap.dedent('''
+    if sys.argv[1] == "imported":
+        import vispe.integrations.hf  # noqa: F401
     if sys.argv[1] == "not-installed":  # vispe cannot be imported at all
         class _NoVispe:
             def find_spec(self, name, path=None, target=None):
                 if name == "vispe" or name.startswith("vispe."):
                     raise ModuleNotFoundError(f"No module named {name!r}", name=name)
         sys.meta_path.insert(0, _NoVispe())
-    assert "vispe" not in sys.modules
+    assert sys.argv[1] == "imported" or "vispe" not in sys.modules
     table = {}
     for path in sys.argv[4:]:
         for how in sys.argv[3].split(","):
             table[f"{path}|{how}"] = outcome(path, how)
-    if not any("trust_remote_code" in how for how in sys.argv[3].split(",")):
+    if sys.argv[1] != "imported" and not any("trust_remote_code" in how for how in sys.argv[3].split(",")):
         assert "vispe" not in sys.modules  # no path without trust_remote_code imported it
     json.dump(table, open(sys.argv[2], "w"))
 ''')
-_ns: dict = {}
-exec(LOADER, _ns)  # noqa: S102  (the same loader, in this process)
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +110,8 @@ def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("saves")
     out = {}
     for name, scheme, options in SAVES:
+        if not hasattr(transformers, {f.name: f for f in vhf.MODEL_FAMILIES}[name].classes[0]):
+            continue  # a family newer than the installed transformers (Qwen3.5 before 5.2)
         model, inputs = _model_and_inputs(name)
         plain = _logits(model, inputs)
         vhf.apply_position_scheme(model, scheme, **options)
@@ -126,7 +128,7 @@ def saved(tmp_path_factory):
 def _child(mode, hows, paths, tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / f"modules-{mode}"),
                PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    out = tmp_path / f"table-{mode}-{len(hows)}.json"
+    out = tmp_path / f"table-{mode}-{len(hows)}.json"  # one file per child
     proc = subprocess.run([sys.executable, "-c", CHILD, mode, str(out), ",".join(hows), *paths], capture_output=True, text=True, env=env,
                           stdin=subprocess.DEVNULL, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0 and out.exists(), proc.stderr[-3000:]
@@ -147,15 +149,16 @@ def test_switched_save_is_transformers_custom_code(saved):
         assert isinstance(config["text_config"], str) and isinstance(config[TEXT_CONFIG_KEY], dict)
 
 
-@pytest.mark.slow  # fresh interpreters (4 subprocesses)
+@pytest.mark.slow  # fresh interpreters (5 subprocesses)
 def test_roundtrip_table_has_no_unswitched_cell(saved, tmp_path):
     paths = list(saved)
     table = {}
-    for path in paths:  # this process: vispe imported
-        for how in PATHS:
-            table[(path, how, "vispe imported")] = _ns["outcome"](path, how)
+    # fresh processes (their own HF_MODULES_CACHE); trust_remote_code imports vispe, so where vispe is not imported
+    # those paths run in a process of their own
+    for (path, how), cell in _child("imported", PATHS, paths, tmp_path).items():
+        table[(path, how, "vispe imported")] = cell
     for mode, label in (("installed", "vispe not imported"), ("not-installed", "vispe not installed")):
-        for trusted in (False, True):  # trust_remote_code imports vispe: those paths in a process of their own
+        for trusted in (False, True):
             hows = [h for h in PATHS if ("trust_remote_code" in h) == trusted]
             for (path, how), cell in _child(mode, hows, paths, tmp_path).items():
                 table[(path, how, label)] = cell
@@ -193,3 +196,27 @@ def test_unrestorable_record_is_refused_by_name(saved, tmp_path):
     (edited / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"vispe_position_scheme=.*'hope'.*gamma"):
         transformers.Qwen2VLForConditionalGeneration.from_pretrained(edited)
+
+
+@pytest.mark.skipif(not hasattr(__import__("transformers.utils.hub").utils.hub, "hf_api"), reason="transformers 5.x's push_to_hub internals")
+def test_push_to_hub_uploads_the_switched_layout(tmp_path, monkeypatch):
+    """push_to_hub saves through save_pretrained: the uploaded folder is the switched layout (the upload is
+    replaced by a copy; nothing leaves the machine); save_pretrained(push_to_hub=True) is refused."""
+    import shutil
+    import types
+
+    import transformers.utils.hub as hub
+
+    model = q2._model("qwen2_vl")
+    vhf.apply_position_scheme(model, "videorope")
+    uploaded = tmp_path / "hub"
+    monkeypatch.setattr(hub, "hf_api", lambda: types.SimpleNamespace(create_repo=lambda repo_id, **kw: types.SimpleNamespace(repo_id=repo_id)))
+    monkeypatch.setattr(hub, "create_and_tag_model_card", lambda *a, **kw: types.SimpleNamespace(save=lambda path: None))
+    monkeypatch.setattr(type(model), "_upload_modified_files", lambda self, d, *a, **kw: shutil.copytree(d, uploaded), raising=False)
+    model.push_to_hub("someone/switched-qwen2-vl")
+    config = json.loads((uploaded / "config.json").read_text())
+    assert (uploaded / MODELING_FILE).exists() and config["model_type"] == "vispe_qwen2_vl"
+    loaded = transformers.AutoModelForImageTextToText.from_pretrained(uploaded)
+    assert vhf.scheme_of(loaded) == "videorope"
+    with pytest.raises(ValueError, match="push_to_hub"):
+        model.save_pretrained(tmp_path / "direct", push_to_hub=True)

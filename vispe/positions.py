@@ -279,8 +279,9 @@ def _exact(value: float | int | Fraction) -> Fraction:
 #: How absolute-time M-RoPE turns ``t * seconds_per_grid * tokens_per_second`` into ids: ``'exact'`` (rational
 #: arithmetic, then the floor: ``3 * (2/3) * 25`` is 50) or the float product of transformers' Qwen2.5-VL code in that
 #: precision (the dtype of its ``second_per_grid_ts``), truncated: ``trunc(t * (tokens_per_second * seconds_per_grid))``,
-#: where ``3 * float32(0.08) * 25`` rounds to ``5.9999995`` and gives 5 instead of 6.
-MROPE_TIME_RULES = ("exact", "float16", "bfloat16", "float32", "float64")
+#: where ``3 * float32(0.08) * 25`` rounds to ``5.9999995`` and gives 5 instead of 6; ``'integer_seconds'``:
+#: transformers 4.57's code, which casts ``seconds_per_grid`` to an integer before multiplying (0.5 s -> 0).
+MROPE_TIME_RULES = ("exact", "float16", "bfloat16", "float32", "float64", "integer_seconds")
 
 
 def absolute_time_ids(num_grids: int, seconds_per_grid: float | Fraction, tokens_per_second: float | Fraction,
@@ -290,6 +291,8 @@ def absolute_time_ids(num_grids: int, seconds_per_grid: float | Fraction, tokens
     floors ``3 * (2/3) * 25 = 49.999...`` to 49); ``'float32'`` / ``'float64'``: transformers' float product
     in that precision, truncated (:data:`MROPE_TIME_RULES`)."""
     check_choice("time_rule", rule, MROPE_TIME_RULES)
+    if rule == "integer_seconds":
+        return (torch.arange(num_grids) * torch.as_tensor(float(seconds_per_grid), dtype=torch.int64) * tokens_per_second).long().to(_F)
     if rule != "exact":
         dtype = getattr(torch, rule)
         interval = float(tokens_per_second) * torch.tensor(float(seconds_per_grid), dtype=dtype)

@@ -6,8 +6,9 @@
 Supported (:data:`MODEL_FAMILIES`; the ``…ForConditionalGeneration`` and the bare ``…Model`` class of each):
 Qwen2-VL, Qwen2.5-VL, Qwen3-VL (dense, MoE), Qwen3.5 (dense, MoE) and GLM-4V (dense, MoE).
 
-The patch is per model instance (nothing in ``transformers`` is modified) and leaves the
-``state_dict`` unchanged. It replaces two things:
+The patch is per model instance and leaves the ``state_dict`` unchanged. The model's own scheme without
+rotary options keeps the model's own rotary (any section, ``rope_type`` and buffer, as transformers runs them)
+and takes its ids from vispe's builder by the installed transformers' rule. Otherwise it replaces two things:
 
 * ``get_rope_index`` of the inner model -> :func:`vispe.positions.build_positions` on the segments
   read from ``input_ids`` (or ``mm_token_type_ids``) and ``image_grid_thw`` / ``video_grid_thw``
@@ -32,10 +33,11 @@ its ``rope_deltas`` decode and its text-only default positions therefore work un
 token has equal rows, so text-only input gets 1D RoPE for every scheme (HoPE: 1D RoPE on its
 non-temporal pairs, identity on the zero-frequency ones).
 
-The scheme and its options are recorded in ``model.config`` (``vispe_position_scheme``), so
-``save_pretrained`` keeps them; :func:`from_pretrained` (or :func:`restore_position_scheme`) re-applies
-them. A model loaded with plain ``transformers`` runs the model's own scheme:
-``scheme_of(model) != recorded_scheme(model)`` detects it.
+The scheme and its options are recorded in ``model.config`` (``vispe_position_scheme``). ``save_pretrained`` of
+a switched model writes transformers' custom-code layout (:mod:`vispe.integrations.hf_hub`), so it loads switched
+(``trust_remote_code=True``, or with this module imported: it registers the classes with the Auto classes and makes
+``from_pretrained`` of the supported classes restore a recorded scheme or refuse naming it) and otherwise fails
+with transformers' own errors instead of loading the unswitched model.
 """
 from __future__ import annotations
 
@@ -264,7 +266,8 @@ class VispeRotaryEmbedding(nn.Module):
             table = self.encoding.table_from_positions(coords)  # (B, H_kv, L, P) complex64
             self.last_table = table
             B, L, d = table.shape[0], table.shape[2], 2 * table.shape[-1]
-            cos = torch.ones(B, L, d, device=x.device)
+            # HF's rotation becomes the identity times the model's attention scaling (YaRN's factor; 1 otherwise)
+            cos = torch.full((B, L, d), self.attention_scaling, device=x.device)
             sin = torch.zeros(B, L, d, device=x.device)
         else:
             # cos / sin of the float32 angles, as HF computes them (bit-identical for the model's own scheme)
@@ -318,7 +321,7 @@ class _Patch:
     pad_value: int
     padded_deltas: bool  # rope_deltas relative to the padded length (older versions) or to the real tokens
     clamped_deltas: bool = False  # the native scheme's rope_deltas floored at 0, as transformers 5.2's Qwen2-VL does
-    installed_time_rule: bool = False  # absolute time by transformers' float product (MROPE_TIME_RULES) in spg's precision
+    installed_time_rule: str | None = None  # the own mrope's absolute-time rule: 'float' (in spg's precision) or a MROPE_TIME_RULES name
     identical: bool = False  # the model's own scheme with default options: the model runs exactly as unpatched
     hooks: list = field(default_factory=list)
 
@@ -406,8 +409,8 @@ def _vispe_get_rope_index(model: nn.Module, patch: _Patch, *args: Any, **kwargs:
     timed = patch.scheme == "mrope" and patch.tokens_per_second is not None
     times = iter(spg.tolist()) if spg is not None else itertools.repeat(1.0)  # HF's default: 1 s per temporal patch
     options = patch.builder_options(model.training)
-    if timed and patch.installed_time_rule:
-        options["time_rule"] = _installed_time_rule(spg)
+    if timed and patch.installed_time_rule is not None:
+        options["time_rule"] = _installed_time_rule(spg) if patch.installed_time_rule == "float" else patch.installed_time_rule
     built = []
     for b in range(B):
         segs = _row_segments(types[b][mask[b]].tolist(), grids, times, timed, patch.spatial_merge_size)
@@ -486,6 +489,25 @@ def _probe_conventions(original: Any, signature: inspect.Signature, config: Any,
     return int(pos[0, 0, 0]), padded, clamped, after_visual
 
 
+def _probe_time_rule(original: Any, signature: inspect.Signature, config: Any, m: int, patch_like: _Patch) -> str:
+    """Which absolute-time rule the installed Qwen2.5-VL code follows: its float product (5.x: ``'float'``, in the
+    precision of ``second_per_grid_ts``) or 4.57's integer cast of the seconds (``'integer_seconds'``), read from a
+    4-patch video at 0.5 s per patch."""
+    from ..positions import absolute_time_ids
+
+    vs, vid = _vision_start(config), patch_like.video_token_id
+    ve = int(getattr(config, "vision_end_token_id", None) or vs)
+    ids = torch.tensor([[vs] + [vid] * 4 + [ve]])
+    pos, _ = _call_original(original, signature, patch_like, ids, video_grid_thw=torch.tensor([[4, m, m]]),
+                            second_per_grid_ts=torch.tensor([0.5]))
+    t = pos[0, 0, 1:5].to(torch.float64) - float(pos[1, 0, 1])  # the video's t row minus its start
+    for rule, name in (("float32", "float"), ("integer_seconds", "integer_seconds")):
+        if torch.equal(t, absolute_time_ids(4, 0.5, patch_like.tokens_per_second, rule=rule)):
+            return name
+    raise RuntimeError(f"unrecognised absolute-time rule in this transformers version (probe gave {t.tolist()}); "
+                       f"supported: {TRANSFORMERS_REQUIREMENT}")
+
+
 def _mrope_section(config: Any) -> list[int] | None:
     for name in ("rope_parameters", "rope_scaling"):
         params = getattr(config, name, None)
@@ -530,7 +552,9 @@ def apply_position_scheme(model: nn.Module, scheme: str, **options: Any) -> nn.M
 
     The scheme and its options are recorded in ``model.config`` (saved by ``save_pretrained``; see
     :func:`from_pretrained`). Calling it again switches scheme; :func:`remove_position_scheme` restores the
-    model's own code.
+    model's own code. Qwen2.5-VL's own ``mrope`` computes absolute time by the installed transformers' float
+    product; ``time_rule='exact'`` selects vispe's exact rule (:data:`vispe.positions.MROPE_TIME_RULES`). A
+    ``rope_type`` in :data:`DYNAMIC_ROPE_TYPES` is kept by the own scheme and refused (``ValueError``) by others.
     """
     family = model_family(model)
     check_transformers_version(family)
@@ -605,7 +629,8 @@ def apply_position_scheme(model: nn.Module, scheme: str, **options: Any) -> nn.M
         options.setdefault("after_visual", after_visual)  # default: what the installed model does
         # absolute time: the model's own scheme follows transformers' float product (per call, in the precision of
         # second_per_grid_ts); an explicit time_rule (e.g. 'exact') is kept
-        patch.installed_time_rule = native and patch.tokens_per_second is not None and "time_rule" not in options
+        if native and patch.tokens_per_second is not None and "time_rule" not in options:
+            patch.installed_time_rule = _probe_time_rule(original_index, signature, config, m, patch)
     # bad position options fail here, not at the first forward
     build_positions(scheme, [Text(1), Visual(2, m, m, 1.0 if patch.tokens_per_second else None), Text(1)],
                     spatial_merge_size=m, **patch.builder_options(False))
@@ -682,8 +707,8 @@ def scheme_of(model: nn.Module) -> str | None:
 def recorded_scheme(model: nn.Module) -> str | None:
     """The scheme recorded in ``model.config`` (by :func:`apply_position_scheme`, kept by ``save_pretrained``).
 
-    A model loaded with plain ``from_pretrained`` has a recorded scheme but none active:
-    ``recorded_scheme(model) != scheme_of(model)`` -- call :func:`restore_position_scheme`.
+    With this module imported, ``from_pretrained`` restores it; a model whose record was not restored (built from
+    a config, say) has ``recorded_scheme(model) != scheme_of(model)`` -- call :func:`restore_position_scheme`.
     """
     rec = getattr(model.config, CONFIG_KEY, None)
     return rec.get("scheme") if isinstance(rec, dict) else None
@@ -715,10 +740,9 @@ def restore_position_scheme(model: nn.Module, **options: Any) -> nn.Module:
 
 def from_pretrained(cls: type, pretrained_model_name_or_path: Any, *model_args: Any, scheme_options: dict[str, Any] | None = None,
                     **kwargs: Any) -> nn.Module:
-    """``cls.from_pretrained(...)`` followed by :func:`restore_position_scheme` (the scheme saved with the model).
-
-    ``scheme_options`` go to :func:`restore_position_scheme` (options ``config.json`` could not hold).
-    """
+    """``cls.from_pretrained(...)`` with the scheme saved with the model restored (what the guarded
+    ``from_pretrained`` of the supported and Auto classes does), plus ``scheme_options``: options ``config.json``
+    could not hold (passed to :func:`restore_position_scheme`)."""
     # the supported classes' from_pretrained (guarded on import, see vispe.integrations.hf_hub) restores the scheme
     # and takes the options config.json could not hold under this kwarg; Auto classes hand it on to them
     return cls.from_pretrained(pretrained_model_name_or_path, *model_args, **{SCHEME_OPTIONS_KWARG: scheme_options or {}}, **kwargs)

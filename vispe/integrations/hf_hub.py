@@ -191,9 +191,14 @@ def _switched_save_class(cls: type, args: tuple, kwargs: dict[str, Any]) -> type
 
 
 def _guarded_save_pretrained(self: nn.Module, original: Any, save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> Any:
+    if _runs_own_code(self):
+        return original(self, save_directory, *args, **kwargs)
+    if kwargs.get("push_to_hub"):  # transformers would upload before the custom-code layout is written
+        raise ValueError("save_pretrained(..., push_to_hub=True) of a model switched by vispe would upload it without the code that "
+                         "loads it switched; call model.push_to_hub(repo_id) (it saves through this layout) or save_pretrained(path) "
+                         "and upload the folder")
     out = original(self, save_directory, *args, **kwargs)
-    if not _runs_own_code(self):
-        write_switched_folder(self, save_directory)
+    write_switched_folder(self, save_directory)
     return out
 
 
@@ -215,10 +220,15 @@ def install() -> None:
     """Guard ``from_pretrained`` / ``save_pretrained`` of every supported class in the installed transformers and
     register the vispe classes with the Auto classes (once per process; run when :mod:`vispe.integrations.hf`
     is imported)."""
-    import transformers
-
+    try:
+        import transformers
+    except ImportError:  # without the extra there is nothing to guard (apply_position_scheme names the install)
+        return
     from .hf import MODEL_FAMILIES
 
+    autos = [getattr(transformers, n, None) for n in ("AutoConfig", "AutoModel", "AutoModelForImageTextToText")]
+    if any(a is None for a in autos):
+        return  # a transformers release before the supported range: check_transformers_version names it
     for fam in MODEL_FAMILIES:
         classes = _family_classes(fam)
         if classes is None:
