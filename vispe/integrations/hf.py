@@ -246,7 +246,8 @@ class VispeRotaryEmbedding(nn.Module):
         # the model's ladder as buffers under the names (and with the rope_type / config / init function) transformers'
         # init_weights rebuilds for every "...RotaryEmbedding" module; the encoding reads inv_freq at each call
         self.register_buffer("inv_freq", original.inv_freq.detach().clone(), persistent=False)
-        self.register_buffer("original_inv_freq", original.inv_freq.detach().clone(), persistent=False)
+        if "original_inv_freq" in dict(original.named_buffers(recurse=False)):  # a buffer on 5.x, an attribute on 4.57
+            self.register_buffer("original_inv_freq", original.inv_freq.detach().clone(), persistent=False)
         self.rope_type = getattr(original, "rope_type", "default")
         self.config = getattr(original, "config", None)
         if hasattr(original, "compute_default_rope_parameters"):
