@@ -271,7 +271,8 @@ def test_text_only_is_1d_rope(name, scheme):
 
 @pytest.mark.parametrize("scheme", POSITION_SCHEMES)
 def test_save_and_load_restore_the_scheme(scheme, tmp_path):
-    """save_pretrained records the scheme; vispe's loader restores it (same logits); plain from_pretrained is detectable."""
+    """save_pretrained records the scheme; vispe's loader and the class's own from_pretrained (guarded once
+    vispe.integrations.hf is imported) restore it (same logits); removing it gives the model's own scheme back."""
     name = "qwen3_5"  # partial rotary, hybrid layers, 2 KV heads: the hardest family to restore
     model = _model(name)
     kw, types, _ = _batch(name)
@@ -283,11 +284,11 @@ def test_save_and_load_restore_the_scheme(scheme, tmp_path):
     assert vhf.scheme_of(loaded) == vhf.recorded_scheme(loaded) == scheme
     assert loaded.config.vispe_position_scheme == model.config.vispe_position_scheme
     assert torch.equal(_logits(loaded.eval(), kw, types), patched)
-    bare = type(model).from_pretrained(tmp_path).eval()  # plain transformers: the model's own scheme runs
-    assert vhf.scheme_of(bare) is None and vhf.recorded_scheme(bare) == scheme
-    assert torch.equal(_logits(bare, kw, types), plain)
-    vhf.restore_position_scheme(bare)
+    bare = type(model).from_pretrained(tmp_path).eval()  # the family's own class
+    assert isinstance(bare, type(model)) and vhf.scheme_of(bare) == vhf.recorded_scheme(bare) == scheme
     assert torch.equal(_logits(bare, kw, types), patched)
+    vhf.remove_position_scheme(bare)
+    assert vhf.scheme_of(bare) is None and torch.equal(_logits(bare, kw, types), plain)
 
 
 def test_unserialisable_options_must_be_passed_again(tmp_path):

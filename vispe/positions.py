@@ -82,6 +82,7 @@ from ._checks import Bool, Choice, Int, Positive, Seq, check_choice, check_optio
 __all__ = [
     "HOPE_TRAIN_GAMMAS",
     "MROPE_AFTER_VISUAL",
+    "MROPE_TIME_RULES",
     "NUM_COORDS",
     "VIDEOROPE_CONVENTIONS",
     "POSITION_SCHEMES",
@@ -275,11 +276,27 @@ def _exact(value: float | int | Fraction) -> Fraction:
     return nearest if nearest else exact  # below 1e-9 the nearest such fraction is 0: keep the float's own value
 
 
+#: How absolute-time M-RoPE turns ``t * seconds_per_grid * tokens_per_second`` into ids: ``'exact'`` (rational
+#: arithmetic, then the floor: ``3 * (2/3) * 25`` is 50) or the float product of transformers' Qwen2.5-VL code in that
+#: precision (the dtype of its ``second_per_grid_ts``), truncated: ``trunc(t * (tokens_per_second * seconds_per_grid))``,
+#: where ``3 * float32(0.08) * 25`` rounds to ``5.9999995`` and gives 5 instead of 6; ``'integer_seconds'``:
+#: transformers 4.57's code, which casts ``seconds_per_grid`` to an integer before multiplying (0.5 s -> 0).
+MROPE_TIME_RULES = ("exact", "float16", "bfloat16", "float32", "float64", "integer_seconds")
+
+
 def absolute_time_ids(num_grids: int, seconds_per_grid: float | Fraction, tokens_per_second: float | Fraction,
-                      floor: bool = True) -> torch.Tensor:
+                      floor: bool = True, rule: str = "exact") -> torch.Tensor:
     """Absolute-time M-RoPE temporal ids ``t * seconds_per_grid * tokens_per_second`` for ``t < num_grids``
-    (float64 ``(num_grids,)``), in exact rational arithmetic and then floored (Qwen2.5-VL) -- a float
-    product floors ``3 * (2/3) * 25 = 49.999...`` to 49."""
+    (float64 ``(num_grids,)``). ``rule='exact'``: exact rational arithmetic, then floored (a float product
+    floors ``3 * (2/3) * 25 = 49.999...`` to 49); ``'float32'`` / ``'float64'``: transformers' float product
+    in that precision, truncated (:data:`MROPE_TIME_RULES`)."""
+    check_choice("time_rule", rule, MROPE_TIME_RULES)
+    if rule == "integer_seconds":
+        return (torch.arange(num_grids) * torch.as_tensor(float(seconds_per_grid), dtype=torch.int64) * tokens_per_second).long().to(_F)
+    if rule != "exact":
+        dtype = getattr(torch, rule)
+        interval = float(tokens_per_second) * torch.tensor(float(seconds_per_grid), dtype=dtype)
+        return (torch.arange(num_grids) * interval).long().to(_F)
     step = _exact(seconds_per_grid) * _exact(tokens_per_second)
     num, den = step.numerator, step.denominator
     if floor:
@@ -295,8 +312,13 @@ def _mrope(
     temporal_patch_size: int = 2,
     time_floor: bool = True,
     after_visual: str = "max",
+    time_rule: str = "exact",
 ) -> tuple[list[torch.Tensor], float]:
     check_choice("after_visual", after_visual, MROPE_AFTER_VISUAL)
+    check_choice("time_rule", time_rule, MROPE_TIME_RULES)
+    if time_rule != "exact" and not time_floor:
+        raise ValueError(f"time_floor=False keeps fractional temporal ids, which only time_rule='exact' has; time_rule={time_rule!r} "
+                         "truncates as transformers does")
     default_spg = None
     if fps is not None and seconds_per_grid is not None:
         raise ValueError("give either fps or seconds_per_grid for absolute-time M-RoPE, not both")
@@ -317,7 +339,7 @@ def _mrope(
         t = None
         if spg is not None:
             # exact rational product, floored at the end (an integer cast of spg zeroes t above 2 fps)
-            t = absolute_time_ids(seg.T, spg, tokens_per_second, floor=time_floor)
+            t = absolute_time_ids(seg.T, spg, tokens_per_second, floor=time_floor, rule=time_rule)
         tt, hh, ww = _mesh(seg.T, seg.H, seg.W, t)
         blk = torch.stack([tt, hh, ww]) + nxt
         cols.append(blk)
@@ -574,7 +596,7 @@ def _never_integer(kw: dict[str, Any]) -> bool:
 
 def _mrope_integer(kw: dict[str, Any]) -> bool:
     timed = kw.get("fps") is not None or kw.get("seconds_per_grid") is not None or kw.get("_any_block_time", False)
-    return not timed or kw.get("time_floor", True)
+    return not timed or kw.get("time_floor", True) or kw.get("time_rule", "exact") != "exact"
 
 
 def _stride_integer(kw: dict[str, Any]) -> bool:
@@ -671,6 +693,7 @@ SCHEME_OPTION_CHECKS = {
     "delta": Positive(),
     "convention": Choice(VIDEOROPE_CONVENTIONS),
     "after_visual": Choice(MROPE_AFTER_VISUAL),
+    "time_rule": Choice(MROPE_TIME_RULES),
     "gamma": Positive(),
     "training": Bool(),
     "gamma_choices": Seq(Positive(), min_length=1),
@@ -711,7 +734,8 @@ def build_positions(
         **scheme_kwargs: the scheme's options (papers' names):
             ``mrope``: ``fps`` or ``seconds_per_grid``, ``tokens_per_second=2``, ``temporal_patch_size=2``,
             ``time_floor=True``, ``after_visual='max'`` (or ``'spatial'``: transformers 5.x's rule, see
-            :data:`MROPE_AFTER_VISUAL`); ``mrope_interleave``/``mhrope``: ``temporal_stride=1``, ``spatial_reset=True``;
+            :data:`MROPE_AFTER_VISUAL`), ``time_rule='exact'`` (or ``'float32'``, ``'float64'``, ...: transformers'
+            truncated float product, see :data:`MROPE_TIME_RULES`); ``mrope_interleave``/``mhrope``: ``temporal_stride=1``, ``spatial_reset=True``;
             ``videorope``: ``delta=2.0``, ``convention='code'`` (or ``'paper'``);
             ``hope``: ``gamma=1.0`` (inference), ``training=False``, ``gamma_choices``, ``rng``;
             ``v2pe``: ``delta=1.0`` (inference), ``training=False``, ``delta_choices``, ``rng``;

@@ -6,8 +6,9 @@
 Supported (:data:`MODEL_FAMILIES`; the ``…ForConditionalGeneration`` and the bare ``…Model`` class of each):
 Qwen2-VL, Qwen2.5-VL, Qwen3-VL (dense, MoE), Qwen3.5 (dense, MoE) and GLM-4V (dense, MoE).
 
-The patch is per model instance (nothing in ``transformers`` is modified) and leaves the
-``state_dict`` unchanged. It replaces two things:
+The patch is per model instance and leaves the ``state_dict`` unchanged. The model's own scheme without
+rotary options keeps the model's own rotary (any section, ``rope_type`` and buffer, as transformers runs them)
+and takes its ids from vispe's builder by the installed transformers' rule. Otherwise it replaces two things:
 
 * ``get_rope_index`` of the inner model -> :func:`vispe.positions.build_positions` on the segments
   read from ``input_ids`` (or ``mm_token_type_ids``) and ``image_grid_thw`` / ``video_grid_thw``
@@ -32,10 +33,11 @@ its ``rope_deltas`` decode and its text-only default positions therefore work un
 token has equal rows, so text-only input gets 1D RoPE for every scheme (HoPE: 1D RoPE on its
 non-temporal pairs, identity on the zero-frequency ones).
 
-The scheme and its options are recorded in ``model.config`` (``vispe_position_scheme``), so
-``save_pretrained`` keeps them; :func:`from_pretrained` (or :func:`restore_position_scheme`) re-applies
-them. A model loaded with plain ``transformers`` runs the model's own scheme:
-``scheme_of(model) != recorded_scheme(model)`` detects it.
+The scheme and its options are recorded in ``model.config`` (``vispe_position_scheme``). ``save_pretrained`` of
+a switched model writes transformers' custom-code layout (:mod:`vispe.integrations.hf_hub`), so it loads switched
+(``trust_remote_code=True``, or with this module imported: it registers the classes with the Auto classes and makes
+``from_pretrained`` of the supported classes restore a recorded scheme or refuse naming it) and otherwise fails
+with transformers' own errors instead of loading the unswitched model.
 """
 from __future__ import annotations
 
@@ -57,6 +59,7 @@ from ..positions import NUM_COORDS, POSITION_SCHEMES, Segment, Text, Visual, bui
 
 __all__ = [
     "CONFIG_KEY",
+    "DYNAMIC_ROPE_TYPES",
     "MODEL_FAMILIES",
     "SUPPORTED_MODELS",
     "TRANSFORMERS_REQUIREMENT",
@@ -207,8 +210,15 @@ def position_coordinates(position_ids: torch.Tensor, scheme: str) -> torch.Tenso
 # ---------------------------------------------------------------------------------------------
 
 
-def _model_ladder(ladder: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
-    return ladder.to(device)
+def _rotary_ladder(rotary: nn.Module, device: torch.device | str | None = None) -> torch.Tensor:
+    """The model's own inverse-frequency ladder (its theta, partial rotary and static scaling), read from the rotary's
+    ``inv_freq`` buffer at every call so that ``init_weights`` refilling the buffer takes effect."""
+    return rotary.inv_freq.to(device=device, dtype=torch.float32)
+
+
+#: rope_type values whose rotary recomputes its frequencies from the sequence length in ``forward``
+#: (transformers' ``dynamic_rope_update``): only the model's own rotary can follow them.
+DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
 
 
 class VispeRotaryEmbedding(nn.Module):
@@ -233,9 +243,16 @@ class VispeRotaryEmbedding(nn.Module):
         self.output_layout = output_layout
         self.per_head = encoding.axis_map().ndim == 2
         self.attention_scaling = float(getattr(original, "attention_scaling", 1.0) or 1.0)
+        # the model's ladder as buffers under the names (and with the rope_type / config / init function) transformers'
+        # init_weights rebuilds for every "...RotaryEmbedding" module; the encoding reads inv_freq at each call
         self.register_buffer("inv_freq", original.inv_freq.detach().clone(), persistent=False)
-        self.rope_type = "default"
+        if "original_inv_freq" in dict(original.named_buffers(recurse=False)):  # a buffer on 5.x, an attribute on 4.57
+            self.register_buffer("original_inv_freq", original.inv_freq.detach().clone(), persistent=False)
+        self.rope_type = getattr(original, "rope_type", "default")
         self.config = getattr(original, "config", None)
+        if hasattr(original, "compute_default_rope_parameters"):
+            self.compute_default_rope_parameters = original.compute_default_rope_parameters
+        encoding.inv_freq = functools.partial(_rotary_ladder, self)  # type: ignore[method-assign]
         self.last_table: torch.Tensor | None = None
 
     def _expand(self, part: torch.Tensor) -> torch.Tensor:
@@ -250,7 +267,8 @@ class VispeRotaryEmbedding(nn.Module):
             table = self.encoding.table_from_positions(coords)  # (B, H_kv, L, P) complex64
             self.last_table = table
             B, L, d = table.shape[0], table.shape[2], 2 * table.shape[-1]
-            cos = torch.ones(B, L, d, device=x.device)
+            # HF's rotation becomes the identity times the model's attention scaling (YaRN's factor; 1 otherwise)
+            cos = torch.full((B, L, d), self.attention_scaling, device=x.device)
             sin = torch.zeros(B, L, d, device=x.device)
         else:
             # cos / sin of the float32 angles, as HF computes them (bit-identical for the model's own scheme)
@@ -304,6 +322,8 @@ class _Patch:
     pad_value: int
     padded_deltas: bool  # rope_deltas relative to the padded length (older versions) or to the real tokens
     clamped_deltas: bool = False  # the native scheme's rope_deltas floored at 0, as transformers 5.2's Qwen2-VL does
+    installed_time_rule: str | None = None  # the own mrope's absolute-time rule: 'float' (in spg's precision) or a MROPE_TIME_RULES name
+    identical: bool = False  # the model's own scheme with default options: the model runs exactly as unpatched
     hooks: list = field(default_factory=list)
 
     def builder_options(self, training: bool) -> dict[str, Any]:
@@ -358,6 +378,16 @@ def _split_frames(grid: torch.Tensor | None) -> torch.Tensor | None:
     return out
 
 
+def _installed_time_rule(second_per_grid_ts: Any) -> str:
+    """The precision of transformers' ``tokens_per_second * second_per_grid_ts`` product: the tensor's float dtype
+    (a list or no value: torch's default float32; integer seconds: an exact integer product)."""
+    if isinstance(second_per_grid_ts, torch.Tensor):
+        if not second_per_grid_ts.dtype.is_floating_point:
+            return "exact"
+        return str(second_per_grid_ts.dtype).removeprefix("torch.")
+    return "float32"
+
+
 def _vispe_get_rope_index(model: nn.Module, patch: _Patch, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
     a = patch.signature.bind_partial(*args, **kwargs).arguments
     extra = a.pop("kwargs", {}) if "kwargs" in a else {}
@@ -380,6 +410,8 @@ def _vispe_get_rope_index(model: nn.Module, patch: _Patch, *args: Any, **kwargs:
     timed = patch.scheme == "mrope" and patch.tokens_per_second is not None
     times = iter(spg.tolist()) if spg is not None else itertools.repeat(1.0)  # HF's default: 1 s per temporal patch
     options = patch.builder_options(model.training)
+    if timed and patch.installed_time_rule is not None:
+        options["time_rule"] = _installed_time_rule(spg) if patch.installed_time_rule == "float" else patch.installed_time_rule
     built = []
     for b in range(B):
         segs = _row_segments(types[b][mask[b]].tolist(), grids, times, timed, patch.spatial_merge_size)
@@ -458,6 +490,25 @@ def _probe_conventions(original: Any, signature: inspect.Signature, config: Any,
     return int(pos[0, 0, 0]), padded, clamped, after_visual
 
 
+def _probe_time_rule(original: Any, signature: inspect.Signature, config: Any, m: int, patch_like: _Patch) -> str:
+    """Which absolute-time rule the installed Qwen2.5-VL code follows: its float product (5.x: ``'float'``, in the
+    precision of ``second_per_grid_ts``) or 4.57's integer cast of the seconds (``'integer_seconds'``), read from a
+    4-patch video at 0.5 s per patch."""
+    from ..positions import absolute_time_ids
+
+    vs, vid = _vision_start(config), patch_like.video_token_id
+    ve = int(getattr(config, "vision_end_token_id", None) or vs)
+    ids = torch.tensor([[vs] + [vid] * 4 + [ve]])
+    pos, _ = _call_original(original, signature, patch_like, ids, video_grid_thw=torch.tensor([[4, m, m]]),
+                            second_per_grid_ts=torch.tensor([0.5]))
+    t = pos[0, 0, 1:5].to(torch.float64) - float(pos[1, 0, 1])  # the video's t row minus its start
+    for rule, name in (("float32", "float"), ("integer_seconds", "integer_seconds")):
+        if torch.equal(t, absolute_time_ids(4, 0.5, patch_like.tokens_per_second, rule=rule)):
+            return name
+    raise RuntimeError(f"unrecognised absolute-time rule in this transformers version (probe gave {t.tolist()}); "
+                       f"supported: {TRANSFORMERS_REQUIREMENT}")
+
+
 def _mrope_section(config: Any) -> list[int] | None:
     for name in ("rope_parameters", "rope_scaling"):
         params = getattr(config, name, None)
@@ -502,7 +553,9 @@ def apply_position_scheme(model: nn.Module, scheme: str, **options: Any) -> nn.M
 
     The scheme and its options are recorded in ``model.config`` (saved by ``save_pretrained``; see
     :func:`from_pretrained`). Calling it again switches scheme; :func:`remove_position_scheme` restores the
-    model's own code.
+    model's own code. Qwen2.5-VL's own ``mrope`` computes absolute time by the installed transformers' float
+    product; ``time_rule='exact'`` selects vispe's exact rule (:data:`vispe.positions.MROPE_TIME_RULES`). A
+    ``rope_type`` in :data:`DYNAMIC_ROPE_TYPES` is kept by the own scheme and refused (``ValueError``) by others.
     """
     family = model_family(model)
     check_transformers_version(family)
@@ -522,29 +575,30 @@ def apply_position_scheme(model: nn.Module, scheme: str, **options: Any) -> nn.M
     config = model.config
     tcfg = getattr(config, "text_config", config)
     vcfg = config.vision_config
+    user_options = dict(options)
+    options = dict(options)
+    rotary_kw = {k: options.pop(k) for k in rotary_options(scheme) if k in options}
+    # the model's own scheme without rotary options keeps the model's own rotary (its sections, rope_type and
+    # buffers, exactly as transformers runs them); only the position ids come from vispe's builder
+    own = scheme == family.native_scheme and not rotary_kw
     rope_type = getattr(original_rotary, "rope_type", "default")
-    if rope_type not in ("default", "mrope"):
-        raise NotImplementedError(f"rope_type={rope_type!r} is not supported by apply_position_scheme; supported: 'default' (plain theta ladder)")
+    if not own and rope_type in DYNAMIC_ROPE_TYPES:
+        raise ValueError(
+            f"rope_type={rope_type!r} recomputes the rotary frequencies from the sequence length, which the switched scheme {scheme!r} "
+            f"cannot follow; switched schemes keep static scalings (default, linear, yarn, llama3, ...), and the model's own scheme "
+            f"{family.native_scheme!r} (without rotary options) keeps {rope_type!r}"
+        )
     num_heads = int(tcfg.num_attention_heads)
     num_kv = int(getattr(tcfg, "num_key_value_heads", None) or num_heads)
     head_dim = int(getattr(tcfg, "head_dim", None) or tcfg.hidden_size // num_heads)
     m = int(vcfg.spatial_merge_size)
-    ladder = original_rotary.inv_freq.detach().float().clone()
-    rot_dim = 2 * ladder.shape[0]  # partial_rotary_factor < 1: only the first rot_dim channels of a head turn
+    ladder = original_rotary.inv_freq
+    rot_dim = 2 * ladder.shape[-1]  # partial_rotary_factor < 1: only the first rot_dim channels of a head turn
     if ladder.ndim != 1 or rot_dim > head_dim:
         raise ValueError(f"the model's rotary inv_freq has shape {tuple(ladder.shape)}, expected (<= {head_dim // 2},) for head_dim={head_dim}")
 
-    user_options = dict(options)
-    options = dict(options)
     for k, v in rec.eval_options.items():  # one default per scheme name: the registry's
         options.setdefault(k, v)
-    rotary_kw = {k: options.pop(k) for k in rotary_options(scheme) if k in options}
-    if scheme == family.native_scheme and "mrope_section" not in rotary_kw and _mrope_section(tcfg) is not None:
-        rotary_kw["mrope_section"] = _mrope_section(tcfg)
-    context = EncodingContext(dim=rot_dim * num_kv, num_heads=num_kv, depth=int(tcfg.num_hidden_layers), grid_size=(1, 1, 1), num_prefix_tokens=0)
-    encoding = create_encoding(scheme, context, **rotary_kw)
-    # the model's own ladder (its theta and partial rotary, bit-identical to HF's) instead of vispe's recomputation
-    encoding.inv_freq = functools.partial(_model_ladder, ladder)  # type: ignore[method-assign]
 
     tokens_per_second = getattr(vcfg, "tokens_per_second", None)
     original_index = type(inner).get_rope_index.__get__(inner)
@@ -552,19 +606,13 @@ def apply_position_scheme(model: nn.Module, scheme: str, **options: Any) -> nn.M
     markers = None
     if family.video_between_markers:
         markers = (int(config.video_start_token_id), int(config.video_end_token_id))
-    with torch.no_grad():  # position 1: pair 0 (frequency 1) and pair 1 differ, so the cos order shows
-        probe_cos, _ = original_rotary(torch.zeros(1, 1), torch.ones(3, 1, 1, dtype=torch.long))
-    stacked = probe_cos.ndim == 4
-    c = probe_cos.reshape(-1, probe_cos.shape[-1])[0]
-    output_layout = "interleaved" if c.shape[0] >= 4 and torch.equal(c[0], c[1]) and not torch.equal(c[0], c[c.shape[0] // 2]) else "half"
-    rotary = VispeRotaryEmbedding(encoding, scheme, original_rotary, stacked=stacked, pair_layout=family.pair_layout, output_layout=output_layout)
-    rotary = rotary.to(ladder.device)
+    rotary = None if own else _vispe_rotary(scheme, rotary_kw, original_rotary, family, tcfg, rot_dim, num_kv)
     patch = _Patch(
         scheme=scheme,
         family=family,
         position_options=options,
         recorded={},
-        rotary=rotary,
+        rotary=rotary if rotary is not None else original_rotary,
         original_rotary=original_rotary,
         signature=signature,
         spatial_merge_size=m,
@@ -580,12 +628,17 @@ def apply_position_scheme(model: nn.Module, scheme: str, **options: Any) -> nn.M
     patch.clamped_deltas = clamped and native
     if scheme == "mrope":
         options.setdefault("after_visual", after_visual)  # default: what the installed model does
+        # absolute time: the model's own scheme follows transformers' float product (per call, in the precision of
+        # second_per_grid_ts); an explicit time_rule (e.g. 'exact') is kept
+        if native and patch.tokens_per_second is not None and "time_rule" not in options:
+            patch.installed_time_rule = _probe_time_rule(original_index, signature, config, m, patch)
     # bad position options fail here, not at the first forward
     build_positions(scheme, [Text(1), Visual(2, m, m, 1.0 if patch.tokens_per_second else None), Text(1)],
                     spatial_merge_size=m, **patch.builder_options(False))
     remove_position_scheme(model)
-    text_model.rotary_emb = rotary
-    if rotary.per_head:
+    if rotary is not None:
+        text_model.rotary_emb = rotary
+    if rotary is not None and rotary.per_head:
         for layer in text_model.layers:
             attn = getattr(layer, "self_attn", None)
             if attn is None:  # Qwen3.5's linear-attention layers have no rotary
@@ -598,11 +651,29 @@ def apply_position_scheme(model: nn.Module, scheme: str, **options: Any) -> nn.M
     recorded = {k: v for k, v in user_options.items()}
     for k, v in rec.eval_options.items():
         recorded.setdefault(k, v)
+    patch.identical = own and not user_options
     kept, dropped = _json_options(recorded)
     patch.recorded = {"scheme": scheme, "options": kept, **({"unrecorded_options": dropped} if dropped else {})}
     setattr(config, CONFIG_KEY, dict(patch.recorded))
     model._vispe_position_patch = patch
     return model
+
+
+def _vispe_rotary(scheme: str, rotary_kw: dict[str, Any], original_rotary: nn.Module, family: ModelFamily, tcfg: Any, rot_dim: int,
+                  num_kv: int) -> VispeRotaryEmbedding:
+    """The scheme's rotary in the model's pair layout, on the model's own ladder (bit-identical to HF's cos / sin)."""
+    rotary_kw = dict(rotary_kw)
+    if scheme == family.native_scheme and "mrope_section" not in rotary_kw and _mrope_section(tcfg) is not None:
+        rotary_kw["mrope_section"] = _mrope_section(tcfg)
+    context = EncodingContext(dim=rot_dim * num_kv, num_heads=num_kv, depth=int(tcfg.num_hidden_layers), grid_size=(1, 1, 1), num_prefix_tokens=0)
+    encoding = create_encoding(scheme, context, **rotary_kw)
+    with torch.no_grad():  # position 1: pair 0 (frequency 1) and pair 1 differ, so the cos order shows
+        probe_cos, _ = original_rotary(torch.zeros(1, 1), torch.ones(3, 1, 1, dtype=torch.long))
+    stacked = probe_cos.ndim == 4
+    c = probe_cos.reshape(-1, probe_cos.shape[-1])[0]
+    output_layout = "interleaved" if c.shape[0] >= 4 and torch.equal(c[0], c[1]) and not torch.equal(c[0], c[c.shape[0] // 2]) else "half"
+    rotary = VispeRotaryEmbedding(encoding, scheme, original_rotary, stacked=stacked, pair_layout=family.pair_layout, output_layout=output_layout)
+    return rotary.to(original_rotary.inv_freq.device)
 
 
 def remove_position_scheme(model: nn.Module) -> nn.Module:
@@ -637,8 +708,8 @@ def scheme_of(model: nn.Module) -> str | None:
 def recorded_scheme(model: nn.Module) -> str | None:
     """The scheme recorded in ``model.config`` (by :func:`apply_position_scheme`, kept by ``save_pretrained``).
 
-    A model loaded with plain ``from_pretrained`` has a recorded scheme but none active:
-    ``recorded_scheme(model) != scheme_of(model)`` -- call :func:`restore_position_scheme`.
+    With this module imported, ``from_pretrained`` restores it; a model whose record was not restored (built from
+    a config, say) has ``recorded_scheme(model) != scheme_of(model)`` -- call :func:`restore_position_scheme`.
     """
     rec = getattr(model.config, CONFIG_KEY, None)
     return rec.get("scheme") if isinstance(rec, dict) else None
@@ -670,9 +741,14 @@ def restore_position_scheme(model: nn.Module, **options: Any) -> nn.Module:
 
 def from_pretrained(cls: type, pretrained_model_name_or_path: Any, *model_args: Any, scheme_options: dict[str, Any] | None = None,
                     **kwargs: Any) -> nn.Module:
-    """``cls.from_pretrained(...)`` followed by :func:`restore_position_scheme` (the scheme saved with the model).
+    """``cls.from_pretrained(...)`` with the scheme saved with the model restored (what the guarded
+    ``from_pretrained`` of the supported and Auto classes does), plus ``scheme_options``: options ``config.json``
+    could not hold (passed to :func:`restore_position_scheme`)."""
+    # the supported classes' from_pretrained (guarded on import, see vispe.integrations.hf_hub) restores the scheme
+    # and takes the options config.json could not hold under this kwarg; Auto classes hand it on to them
+    return cls.from_pretrained(pretrained_model_name_or_path, *model_args, **{SCHEME_OPTIONS_KWARG: scheme_options or {}}, **kwargs)
 
-    ``scheme_options`` go to :func:`restore_position_scheme` (options ``config.json`` could not hold).
-    """
-    model = cls.from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
-    return restore_position_scheme(model, **(scheme_options or {}))
+
+from .hf_hub import SCHEME_OPTIONS_KWARG, install as _install_hub  # noqa: E402  (needs the names above)
+
+_install_hub()
