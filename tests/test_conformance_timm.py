@@ -86,6 +86,23 @@ def test_rope_axial_equals_timm_rotary_embedding_cat(shape, grid_type, normalize
         assert (other - out).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("aug", [AUGS[0], AUGS[-1]], ids=["none", "all"])
+@pytest.mark.parametrize("grid_type,normalize", [("index", "separate"), ("centered", "max")])
+def test_rope_axial_row_first_equals_timm_ij_indexing(grid_type, normalize, aug):
+    """timm's ``grid_indexing='ij'`` (rows first, the Qwen vision layout) is vispe's ``chunk_axes=(0, 1)``."""
+    from timm.layers.pos_embed_sincos import RotaryEmbeddingCat
+
+    shape = (3, 5)
+    rope = RotaryEmbeddingCat(HEAD_DIM, temperature=100.0, in_pixels=False, grid_indexing="ij", grid_type=grid_type,
+                              normalize_coords=normalize, **aug)
+    enc = create_encoding("rope_axial", _ctx(shape), theta=100.0, chunk_axes=(0, 1), grid_type=grid_type,
+                          normalize_coords=normalize, **_vispe_aug(aug))
+    for train in (False, True):
+        rope.train(train), enc.train(train)
+        out, ref = _rotate_both(enc, lambda: rope.get_embed(list(shape)), shape)
+        assert (out - ref).abs().max() <= 1e-6
+
+
 def test_rope_axial_bf16_keeps_float32_frequencies_as_timm():
     from timm.layers.pos_embed_sincos import RotaryEmbeddingCat
 
@@ -129,3 +146,36 @@ def test_rope_dinov3_equals_timm_rotary_embedding_dinov3(shape, normalize, aug):
         rope.train(train), enc.train(train)
         out, ref = _rotate_both(enc, lambda: rope.get_embed(list(shape)), shape, half=True)
         assert (out - ref).abs().max() <= 1e-6, (train, (out - ref).abs().max())
+
+
+# -- qwen3vl_vision vs timm's qwen3_vit --------------------------------------------------------------------------
+@pytest.mark.parametrize("grid", [(5, 5), (4, 4), (6, 4), (3, 7)])
+def test_qwen3vl_vision_tower_equals_timm_qwen3_vit(grid):
+    """A vispe ViT with ``qwen3vl_vision`` and timm's ``Qwen3VitEncoder`` (learned 5 x 5 table resampled bilinearly
+    with ``align_corners=True`` + axial RoPE, 'half' layout) on the same weights: the same patch features."""
+    from timm.models.qwen3_vit import Qwen3VitEncoder
+
+    from vispe.models import VispeVisionTransformer
+
+    torch.manual_seed(0)
+    p, side, dim, heads = 4, 5, 32, 2
+    ref = Qwen3VitEncoder(img_size=side * p, patch_size=p, embed_dim=dim, depth=2, num_heads=heads, mlp_ratio=2.0,
+                          pos_embed_grid_size=side, global_pool="").eval()
+    with torch.no_grad():  # weights large enough that attention is far from uniform: position errors show in the output
+        for name, param in ref.named_parameters():
+            param.normal_(0, 0.5 if "qkv" in name else 0.2)
+    ours = VispeVisionTransformer(pos_encoding=f"qwen3vl_vision[table_size={side}]", img_size=(grid[0] * p, grid[1] * p),
+                                  patch_size=p, embed_dim=dim, depth=2, num_heads=heads, mlp_ratio=2.0, class_token=False,
+                                  global_pool="avg", act_layer="gelu_tanh", num_classes=0).eval()
+    sd = {("pos_encoding.parts.0.pos_embed" if k == "pos_embed" else k): v for k, v in ref.state_dict().items()
+          if not k.startswith("rope.")}
+    missing, unexpected = ours.load_state_dict(sd, strict=False)
+    assert not unexpected and all(k.startswith(("norm.", "head", "fc_norm")) for k in missing), missing
+    image = torch.randn(2, 3, grid[0] * p, grid[1] * p)
+    with torch.no_grad():
+        want = ref.forward_features(image).flatten(1, 2)  # (B, H*W, C), no final norm
+        x, g, state = ours.embed_with_state(image)
+        for _, x in ours.iter_blocks(x, g, state=state):
+            pass
+    assert (x - want).abs().max() <= 1e-5, (x - want).abs().max()
+    assert want.std() > 0.1  # not a degenerate comparison

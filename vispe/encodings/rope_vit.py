@@ -224,7 +224,9 @@ class RopeAxial(_LatticeRotary):
     Default ``sections`` on ``A`` axes: ``P // A`` pairs per axis, the remainder to the first axis
     (``t`` in video). ``extrapolation='extend'`` (paper) uses the new grid's integer indices;
     ``'interpolate'`` rescales them into the training grid's range; ``'ntk'`` / ``'yarn'`` rescale the
-    frequencies of a grown axis (see :class:`_LatticeRotary`).
+    frequencies of a grown axis (see :class:`_LatticeRotary`). ``grid_type`` / ``normalize_coords`` pick timm's
+    coordinates (:data:`GRID_TYPES`; ``pixel`` and ``centered`` take ``extrapolation='extend'``), ``coord_aug_style``
+    how the coordinate options move them (:data:`COORD_AUG_STYLES`). The same three options apply to ``rope_mixed``.
     """
 
     grid_ndims = (2,)
