@@ -297,13 +297,8 @@ def adapt_released_loope_state_dict(
     out: dict[str, torch.Tensor] = {}
 
     def put(src: str, dst: str, value: torch.Tensor, bucket: list[str], how: str = "") -> None:
-        if dst not in target:
-            report.dropped.append(f"{src} (the encoding has no {dst}: offset={encoding.context is not None}, head options)")
-        elif tuple(target[dst].shape) != tuple(value.shape):
-            report.dropped.append(f"{src} (checkpoint {tuple(value.shape)} vs encoding {dst} {tuple(target[dst].shape)})")
-        else:
-            out[dst] = value
-            bucket.append(f"{src} -> {dst}" + (f" ({how})" if how else ""))
+        _put_released(report, target, out, src, dst, value, bucket, how,
+                      absent=f"offset={encoding.context is not None}, head options")
 
     for key, value in sd.items():
         if key in _ARTPE_RECOMPUTED:
@@ -387,29 +382,40 @@ def load_released_loope(target: nn.Module, checkpoint: str | os.PathLike | Mappi
     ``order_scale='index'``, sizes) against this encoding's; ``allow_partial=True`` loads the part that fits.
     """
     encoding = getattr(target, "pos_encoding", target)
-    source = f"{os.fspath(checkpoint)!r}" if not isinstance(checkpoint, Mapping) else "the state dict"
-    state = _as_state_dict(checkpoint)
-    out, report = adapt_released_loope_state_dict(state, encoding)
-    _refuse_unless_complete(
-        source, "loope", encoding, report, report.kept + report.permuted, allow_partial,
+    return _load_released(
+        encoding, checkpoint, allow_partial, "loope", adapt_released_loope_state_dict, ("kept", "permuted"),
         "it is not a released LOOPE ArtPE / ViT_Art state dict",
-        lambda: (released_loope_options(state), _encoding_values(encoding)),
+        lambda state: (released_loope_options(state), _encoding_values(encoding)),
         "pos_encoding='loope[head=linear,order_scale=index]'",
     )
-    encoding.load_state_dict(out, strict=False)
-    encoding.clear_cache()
-    _log(report)
-    return report
 
 
-def _refuse_unless_complete(source: str, name: str, encoding: nn.Module, report: LoadReport, loaded: list[str],
-                            allow_partial: bool, not_this: str, options: Any, example: str) -> None:
-    """The strictness of the released-weight loaders (as :func:`load_timm_checkpoint`): refuse a state dict that
-    keeps nothing of the encoding, and one that fits only in part (encoding tensors left newly initialised, or
-    checkpoint tensors of other shapes) unless ``allow_partial``, naming the tensors and the options the weights
-    need against the encoding's (``options()`` -> ``(needed, have)``)."""
+def _put_released(report: LoadReport, target: Mapping[str, torch.Tensor], out: dict[str, torch.Tensor], src: str,
+                  dst: str, value: Any, bucket: list[str], how: str = "", absent: str = "") -> None:
+    """One released tensor into ``out[dst]`` (recorded in ``bucket``), or into ``report.dropped`` saying why."""
+    if not isinstance(value, torch.Tensor):
+        report.dropped.append(f"{src} (not a tensor)")
+    elif dst not in target:
+        report.dropped.append(f"{src} (the encoding has no {dst}" + (f": {absent})" if absent else ")"))
+    elif tuple(target[dst].shape) != tuple(value.shape):
+        report.dropped.append(f"{src} (checkpoint {tuple(value.shape)} vs encoding {dst} {tuple(target[dst].shape)})")
+    else:
+        out[dst] = value
+        bucket.append(f"{src} -> {dst}" + (f" ({how})" if how else ""))
+
+
+def _load_released(encoding: nn.Module, checkpoint: str | os.PathLike | Mapping[str, Any], allow_partial: bool, name: str,
+                   adapt: Any, loaded: tuple[str, ...], not_this: str, options: Any, example: str) -> LoadReport:
+    """The released-weight loaders' common path, as strict as :func:`load_timm_checkpoint`: read, ``adapt`` (-> state
+    dict, report), refuse a state dict that keeps nothing of the encoding (no key in the report's ``loaded`` buckets),
+    and one that fits only in part (encoding tensors left newly initialised, or checkpoint tensors of other shapes)
+    unless ``allow_partial``, naming the tensors and the options the weights need against the encoding's
+    (``options(state)`` -> ``(needed, have)``); then load, drop the cached tables, log the report."""
+    source = f"{os.fspath(checkpoint)!r}" if not isinstance(checkpoint, Mapping) else "the state dict"
+    state = _as_state_dict(checkpoint)
+    out, report = adapt(state, encoding)
     target_keys = list(encoding.state_dict())
-    if not loaded:
+    if not any(getattr(report, bucket) for bucket in loaded):
         raise ValueError(
             f"{source} keeps nothing of the {name} encoding: 0 of {len(target_keys)} encoding tensors found a match "
             f"({len(report.dropped)} checkpoint tensors dropped{', e.g. ' + ', '.join(report.dropped[:3]) if report.dropped else ''}); "
@@ -417,7 +423,7 @@ def _refuse_unless_complete(source: str, name: str, encoding: nn.Module, report:
         )
     misfit = [d for d in report.dropped if "(checkpoint " in d or "(the encoding has no" in d]
     if (report.new or misfit) and not allow_partial:
-        needed, have = options()
+        needed, have = options(state)
         differ = {k: v for k, v in needed.items() if have.get(k, v) != v}
         fix = (f"the released weights need {', '.join(f'{k}={v!r}' for k, v in differ.items())} "
                f"(this encoding has {', '.join(f'{k}={have.get(k)!r}' for k in differ)})" if differ else
@@ -427,6 +433,10 @@ def _refuse_unless_complete(source: str, name: str, encoding: nn.Module, report:
             f"({', '.join(report.new[:3]) or 'none'}) and {len(misfit)} checkpoint tensors do not fit ({', '.join(misfit[:2]) or 'none'}); "
             f"{fix}. Build the encoding with them (e.g. {example}), or pass allow_partial=True to load the part that fits"
         )
+    encoding.load_state_dict(out, strict=False)
+    encoding.clear_cache()
+    _log(report)
+    return report
 
 
 # ---------------------------------------------------------------------------------------------
@@ -484,15 +494,7 @@ def adapt_released_seqpe_state_dict(
     out: dict[str, torch.Tensor] = {}
 
     def put(src: str, dst: str, value: Any, bucket: list[str]) -> None:
-        if not isinstance(value, torch.Tensor):
-            report.dropped.append(f"{src} (not a tensor)")
-        elif dst not in target:
-            report.dropped.append(f"{src} (the encoding has no {dst})")
-        elif tuple(target[dst].shape) != tuple(value.shape):
-            report.dropped.append(f"{src} (checkpoint {tuple(value.shape)} vs encoding {dst} {tuple(target[dst].shape)})")
-        else:
-            out[dst] = value
-            bucket.append(f"{src} -> {dst}")
+        _put_released(report, target, out, src, dst, value, bucket)
 
     for key, value in pe.items():
         m = _SEQPE_BLOCK.match(key)
@@ -566,16 +568,9 @@ def load_released_seqpe(target: nn.Module, checkpoint: str | os.PathLike | Mappi
     encoding = getattr(target, "pos_encoding", target)
     if not isinstance(encoding, SeqPE):
         raise TypeError(f"load_released_seqpe needs a 'seqpe' / 'seqpe_3d' encoding or a model with one, got {type(encoding).__name__}")
-    source = f"{os.fspath(checkpoint)!r}" if not isinstance(checkpoint, Mapping) else "the state dict"
-    state = _as_state_dict(checkpoint)
-    out, report = adapt_released_seqpe_state_dict(state, encoding)
-    _refuse_unless_complete(
-        source, "seqpe", encoding, report, report.kept + report.transposed, allow_partial,
+    return _load_released(
+        encoding, checkpoint, allow_partial, "seqpe", adapt_released_seqpe_state_dict, ("kept", "transposed"),
         "it is not a released SeqPE SequentialPE state dict (or a released checkpoint with 'pe_model')",
-        lambda: (released_seqpe_options(state), _seqpe_values(encoding)),
+        lambda state: (released_seqpe_options(state), _seqpe_values(encoding)),
         "pos_encoding='seqpe[encoder_dim=384,final_layer_norm=True]'",
     )
-    encoding.load_state_dict(out, strict=False)
-    encoding.clear_cache()
-    _log(report)
-    return report
