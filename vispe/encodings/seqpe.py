@@ -170,8 +170,8 @@ class SeqPE(TokenEncoding):
         final_layer_norm: a LayerNorm on the summary token before the output map (released image recipe: on).
         interpolation: the resampling kernel of ``'interpolate'``: ``'bicubic'`` (default, the released
             evaluation), ``'bilinear'`` or ``'nearest'`` in 2D; ``'trilinear'`` (default) or ``'nearest'`` in 3D.
-        antialias: antialias the 2D resampling when shrinking (False, as released; True is timm's
-            ``resample_abs_pos_embed`` default, which ``learned`` uses).
+        antialias: torch's antialiased 2D resampling (False, as released; True is timm's ``resample_abs_pos_embed``
+            default, which ``learned`` uses: its kernel differs from plain bicubic also when enlarging).
     """
 
     grid_ndims = (2,)
