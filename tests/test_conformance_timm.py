@@ -103,6 +103,21 @@ def test_rope_axial_row_first_equals_timm_ij_indexing(grid_type, normalize, aug)
         assert (out - ref).abs().max() <= 1e-6
 
 
+@pytest.mark.parametrize("shape", [(6, 6), (3, 5), (8, 4)])
+def test_rope_axial_interpolate_equals_timm_ref_feat_shape(shape):
+    """vispe's ``extrapolation='interpolate'`` (indices times ``train / size``) is timm's Eva rescale to the
+    pre-training grid (``ref_feat_shape``), up to the order of one float32 multiply and divide."""
+    from timm.layers.pos_embed_sincos import RotaryEmbeddingCat
+
+    train = (4, 4)
+    rope = RotaryEmbeddingCat(HEAD_DIM, temperature=100.0, in_pixels=False, grid_indexing="xy", ref_feat_shape=list(train))
+    enc = create_encoding("rope_axial", _ctx(train), theta=100.0, extrapolation="interpolate")
+    out, ref = _rotate_both(enc, lambda: rope.get_embed(list(shape)), shape)
+    assert (out - ref).abs().max() <= 1e-5
+    extend = create_encoding("rope_axial", _ctx(train), theta=100.0)  # the policies differ: the comparison can fail
+    assert (extend.rotate(_qk(shape[0] * shape[1]), extend.prepare(PositionGrid(shape, 0))) - ref).abs().max() > 1e-2
+
+
 def test_rope_axial_bf16_keeps_float32_frequencies_as_timm():
     from timm.layers.pos_embed_sincos import RotaryEmbeddingCat
 
