@@ -157,6 +157,8 @@ RESAMPLE_KERNELS: dict[str, tuple[str, bool]] = {
     "bicubic_antialias": ("bicubic", True),  # timm's resample_abs_pos_embed default (learned APE, sincos2d, seqpe)
     "bicubic": ("bicubic", False),
     "bilinear": ("bilinear", False),
+    "bilinear_antialias": ("bilinear", True),
+    "nearest": ("nearest", False),  # 2D or 3D tables
     "trilinear": ("trilinear", False),  # (t, h, w) tables
 }
 
@@ -181,7 +183,8 @@ def resample_table(table: torch.Tensor, old: Sequence[int], new: Sequence[int], 
         return table
     dim = table.shape[-1]
     vol = table.float().T.reshape(1, dim, *old)
-    return F.interpolate(vol, size=new, mode=mode, align_corners=False).reshape(dim, -1).T.to(table.dtype)
+    corners = {} if mode == "nearest" else {"align_corners": False}  # nearest takes no align_corners
+    return F.interpolate(vol, size=new, mode=mode, **corners).reshape(dim, -1).T.to(table.dtype)
 
 
 def resamples_table(policy: str | None, shape: Sequence[int], train: Sequence[int]) -> bool:

@@ -54,12 +54,10 @@ from .base import register_encoding, register_preset
 from .coordinates import COORDINATE_OPTION_DEFAULTS as DEFAULT_OFF, DINOV3_COORDINATE_ALIASES
 from .grid import PositionGrid
 from .resolution import ResolutionContract
-from .rope_vit import RopeAxial
+from .rope_vit import NORMALIZE_COORDS_MODES, RopeAxial, lattice_coordinates
 
 __all__ = ["RopeDinoV3", "RopeDinoV3_3d", "NORMALIZE_COORDS_MODES", "dinov3_periods"]
 
-#: How DINOv3 divides patch centres before mapping them to [-1, 1].
-NORMALIZE_COORDS_MODES = ("separate", "min", "max")
 DEFAULT_BASE = 100.0
 
 
@@ -163,15 +161,8 @@ class RopeDinoV3(RopeAxial):
     def normalized_coordinates(self, grid: PositionGrid, device: torch.device | str | None = None) -> torch.Tensor:
         """Patch centres in the ``[-1, 1]`` box, float32 ``(N, ndim)`` in row-major token order (no augmentation)."""
         self.check_grid(grid)
-        shape = grid.shape
-        denominators = [float(s) for s in shape]
-        if self.normalize_coords != "separate":
-            # the image plane (last two axes) shares one denominator; time (video) keeps its own length
-            plane = shape[-2:]
-            d = float(min(plane) if self.normalize_coords == "min" else max(plane))
-            denominators[-len(plane):] = [d] * len(plane)
-        centres = (grid.indices(device) + 0.5) / torch.tensor(denominators, dtype=torch.float32, device=device)
-        return 2.0 * centres - 1.0
+        # the image plane (last two axes) shares the 'min' / 'max' denominator; time (video) keeps its own length
+        return lattice_coordinates(grid, "centered", self.normalize_coords, device)
 
     def augment_coordinates(self, coords: torch.Tensor) -> torch.Tensor:
         """DINOv3's training-time augmentation (one draw per forward): shift, then per-axis jitter, then a

@@ -24,7 +24,42 @@ from .grid import PositionGrid
 from .resolution import ResolutionContract
 from .rotary import RotaryEncoding
 
-__all__ = ["RopeAxial", "RopeMixed", "RopeAxial3d", "RopeMixed3d", "grid_thw", "default_chunk_axes"]
+__all__ = ["RopeAxial", "RopeMixed", "RopeAxial3d", "RopeMixed3d", "grid_thw", "default_chunk_axes", "lattice_coordinates",
+           "GRID_TYPES", "NORMALIZE_COORDS_MODES", "COORD_AUG_STYLES"]
+
+#: Coordinates the rotations are built from (timm's ``grid_type``): ``index`` (integer lattice indices),
+#: ``pixel`` (each axis evenly spaced in ``[-1, 1]``, ends included), ``centered`` (patch centres divided by the
+#: ``normalize_coords`` denominator, mapped to ``[-1, 1]``: DINOv3's).
+GRID_TYPES = ("index", "pixel", "centered")
+#: The denominator of ``centered`` coordinates: each axis its own size, or the image plane's smaller / larger side.
+NORMALIZE_COORDS_MODES = ("separate", "min", "max")
+#: How training-time coordinate augmentation moves the coordinates: ``centre`` (scale about the training grid's
+#: centre, then shift; vispe's draws) or ``timm`` (timm 1.0.31's / DINOv3's: shift, per-axis jitter, shared rescale
+#: about the coordinate origin, drawn in that order in the chunk order of the axes, so a seed gives timm's draws).
+COORD_AUG_STYLES = ("centre", "timm")
+
+
+def lattice_coordinates(grid: PositionGrid, grid_type: str = "index", normalize_coords: str = "separate",
+                        device=None) -> torch.Tensor:
+    """``(N, ndim)`` float32 coordinates of ``grid``'s lattice in row-major token order (see :data:`GRID_TYPES`).
+
+    The same float32 operations as timm's ``_build_grid``; ``normalize_coords='min'`` / ``'max'`` share the image
+    plane's (last two axes') denominator, and a time axis keeps its own length (equal to timm's rule in 2D)."""
+    if grid_type == "index":
+        return grid.indices(device)
+    shape = grid.shape
+    if grid_type == "pixel":
+        axes = [torch.linspace(-1.0, 1.0, steps=n, device=device, dtype=torch.float32) for n in shape]
+    else:
+        denom = [float(n) for n in shape]
+        if normalize_coords != "separate":
+            plane = shape[-2:]
+            d = float(min(plane) if normalize_coords == "min" else max(plane))
+            denom[-len(plane):] = [d] * len(plane)
+        axes = [torch.arange(0.5, n, device=device, dtype=torch.float32) / d for n, d in zip(shape, denom)]
+    mesh = torch.meshgrid(*axes, indexing="ij")
+    coords = torch.stack([m.reshape(-1) for m in mesh], dim=-1)
+    return 2.0 * coords - 1.0 if grid_type == "centered" else coords
 
 
 def grid_thw(grid: PositionGrid, device, train_grid: Sequence[int] | None = None) -> torch.Tensor:
@@ -77,6 +112,9 @@ class _LatticeRotary(CoordinateAugmentation, RotaryEncoding):
         "theta": Real(1),  # the base of the ladder theta^(-2i/d); below 1 the ladder grows (and overflows near 0)
         "sections": Ints(0, optional=True),
         "chunk_axes": Ints(0, optional=True),  # a permutation of the grid axes: checked with the grid below
+        "grid_type": Choice(GRID_TYPES),
+        "normalize_coords": Choice(NORMALIZE_COORDS_MODES),
+        "coord_aug_style": Choice(COORD_AUG_STYLES),
     }
 
     def __init__(
@@ -90,15 +128,28 @@ class _LatticeRotary(CoordinateAugmentation, RotaryEncoding):
         coord_jitter: float = 1.0,
         coord_rescale: float = 1.0,
         random_positions: float = 1.0,
+        grid_type: str = "index",
+        normalize_coords: str = "separate",
+        coord_aug_style: str = "centre",
     ) -> None:
         super().__init__()
         self.extrapolation = extrapolation
         self.set_coordinate_augmentation(coord_shift, coord_jitter, coord_rescale, random_positions)
         if head_dim % 2:
             raise ValueError(f"{name} rotates channel pairs and needs an even head_dim, got head_dim={head_dim}")
+        check_choice(f"{name}: grid_type", grid_type, GRID_TYPES)
+        check_choice(f"{name}: normalize_coords", normalize_coords, NORMALIZE_COORDS_MODES)
+        check_choice(f"{name}: coord_aug_style", coord_aug_style, COORD_AUG_STYLES)
+        if grid_type != "index" and extrapolation not in (None, "extend"):
+            raise ValueError(f"{name}: grid_type={grid_type!r} maps every grid into the same [-1, 1] box, so extrapolation="
+                             f"{extrapolation!r} has nothing to rescale; use extrapolation='extend' or grid_type='index'")
+        if grid_type != "index" and random_positions != 1.0:
+            raise ValueError(f"{name}: random_positions={random_positions!r} draws integer lattice indices and needs "
+                             f"grid_type='index', got grid_type={grid_type!r}")
         self.head_dim = head_dim
         self.grid_size = _training_grid(grid_size)
         self.chunk_axes = _check_chunk_axes(name, chunk_axes, len(self.grid_size))
+        self.grid_type, self.normalize_coords, self.coord_aug_style = grid_type, normalize_coords, coord_aug_style
 
     def cacheable(self) -> bool:
         # augmented coordinates are drawn anew every forward
@@ -109,8 +160,15 @@ class _LatticeRotary(CoordinateAugmentation, RotaryEncoding):
         centre, scale every axis by one factor log-uniform in ``[1/coord_rescale, coord_rescale]`` and each
         axis by its own in ``[1/coord_jitter, coord_jitter]``, then shift each axis by a uniform
         ``[-coord_shift, coord_shift]`` patches. Angles stay linear in the coordinates, so attention still
-        depends only on offsets (rescaled ones)."""
-        return self.augment_about(idx, idx.new_tensor([(g - 1) / 2 for g in self.grid_size]))
+        depends only on offsets (rescaled ones). ``coord_aug_style='timm'``: timm's moves and draws instead
+        (:data:`COORD_AUG_STYLES`), the axes taken in chunk order (2D: x, y, as timm's ``'xy'`` grids)."""
+        if self.coord_aug_style == "timm":
+            order = list(self.chunk_axes)
+            out = torch.empty_like(idx)
+            out[:, order] = self.augment_dinov3(idx[:, order])
+            return out
+        centre = [(g - 1) / 2 for g in self.grid_size] if self.grid_type == "index" else [0.0] * len(self.grid_size)
+        return self.augment_about(idx, idx.new_tensor(centre))
 
     def check_grid(self, grid: PositionGrid) -> None:
         # any number of axes: the training grid fixes it (``grid_ndims`` only says which hosts a name is listed for)
@@ -128,6 +186,8 @@ class _LatticeRotary(CoordinateAugmentation, RotaryEncoding):
         if self.training and self.random_positions > 1:
             # RPE-2D: ordered random indices from a grid random_positions x the training one (train only)
             idx = random_lattice_indices(grid.shape, self.random_position_pools(grid.shape, self.grid_size), device)
+        elif self.grid_type != "index":
+            idx = lattice_coordinates(grid, self.grid_type, self.normalize_coords, device)
         else:
             idx = policy_indices(grid, self.resolution_policy, self.grid_size, device)
         return self.augment_coordinates(idx) if self.augments_coordinates else idx
@@ -149,7 +209,10 @@ class RopeAxial(_LatticeRotary):
     Default ``sections`` on ``A`` axes: ``P // A`` pairs per axis, the remainder to the first axis
     (``t`` in video). ``extrapolation='extend'`` (paper, default) uses the new grid's integer indices;
     ``'rescale'`` (alias ``'interpolate'``) rescales them into the training grid's range; ``'ntk'`` / ``'yarn'``
-    rescale the frequencies of a grown axis (see :class:`_LatticeRotary`).
+    rescale the frequencies of a grown axis (see :class:`_LatticeRotary`). ``grid_type`` / ``normalize_coords`` pick
+    timm's coordinates (:data:`GRID_TYPES`; ``pixel`` and ``centered`` take ``extrapolation='extend'``),
+    ``coord_aug_style`` how the coordinate options move them (:data:`COORD_AUG_STYLES`). The same three options apply
+    to ``rope_mixed``.
     """
 
     grid_ndims = (2,)
@@ -166,10 +229,13 @@ class RopeAxial(_LatticeRotary):
         coord_jitter: float = 1.0,
         coord_rescale: float = 1.0,
         random_positions: float = 1.0,
+        grid_type: str = "index",
+        normalize_coords: str = "separate",
+        coord_aug_style: str = "centre",
     ) -> None:
         name = self.registry_name
         super().__init__(name, head_dim, grid_size, extrapolation, chunk_axes, coord_shift, coord_jitter, coord_rescale,
-                         random_positions)
+                         random_positions, grid_type, normalize_coords, coord_aug_style)
         ndim, P = len(self.grid_size), head_dim // 2
         if sections is None:
             if ndim == 2 and head_dim % 4:
@@ -234,10 +300,13 @@ class RopeMixed(_LatticeRotary):
         coord_jitter: float = 1.0,
         coord_rescale: float = 1.0,
         random_positions: float = 1.0,
+        grid_type: str = "index",
+        normalize_coords: str = "separate",
+        coord_aug_style: str = "centre",
     ) -> None:
         name = self.registry_name
         super().__init__(name, head_dim, grid_size, extrapolation, chunk_axes, coord_shift, coord_jitter, coord_rescale,
-                         random_positions)
+                         random_positions, grid_type, normalize_coords, coord_aug_style)
         if head_dim % 4:
             raise ValueError(
                 f"{name} needs head_dim divisible by 4 (RoPE-Mixed init); got head_dim={head_dim} (embed_dim / num_heads). "

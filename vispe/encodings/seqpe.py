@@ -23,15 +23,18 @@ Defaults follow the released image code (ghrua/seqpe, MIT; ``image_seqpe/models/
 ``pe_sampler.py``, ``pe_criterion.py``, ``main.py``, ``runs/ours_vit.sh``): base 10; positions per axis
 ``max_position = 100`` (``--pe_max_position 10000`` flattened, square-rooted for 2D data) hence 2 digits per
 axis; a 2-layer causal encoder of width 384 with ``width // 64`` heads, GELU (tanh), residual dropout 0.1,
-attention dropout 0; padding digits not masked; the summary token last; no final LayerNorm; a learned
+attention dropout 0; LayerNorm eps 1e-5; padding digits not masked; the summary token last; a final LayerNorm
+on the summary token (``--seqpe_last_layernorm`` in the image recipe); a learned
 (trunc-normal 0.02) vector for the cls token; both losses weighted 0.1 with 32 pivots x 64 negatives and 32
 windows x 64 positions; 10 % of training forwards shift the lattice to a random window (``random_shift``).
 Where vispe differs, and why, is listed in ``docs/encodings-2d.md`` (SeqPE).
 """
 from __future__ import annotations
 
+import logging
 import math
-from typing import Sequence
+from functools import partial
+from typing import Any, Sequence
 
 import torch
 import torch.nn as nn
@@ -39,12 +42,14 @@ import torch.nn.functional as F
 from timm.layers import trunc_normal_
 from timm.models.vision_transformer import Block
 
-from .._checks import Int, Real
+from .._checks import Bool, Choice, Int, Real
 from .base import TokenEncoding, register_encoding
 from .grid import PositionGrid
 from .resolution import ResolutionContract, resamples_table, table_under_policy
 
 __all__ = ["SeqPE", "SeqPE3d", "SeqPEEncoder", "position_digits"]
+
+_logger = logging.getLogger("vispe")
 
 
 def position_digits(positions: torch.Tensor, base: int, num_digits: int) -> torch.Tensor:
@@ -63,10 +68,19 @@ def position_digits(positions: torch.Tensor, base: int, num_digits: int) -> torc
 
 
 class SeqPEEncoder(nn.Module):
-    """The sequential encoder: digit sequences ``(P, A*K)`` -> embeddings ``(P, out_dim)``."""
+    """The sequential encoder: digit sequences ``(P, A*K)`` -> embeddings ``(P, out_dim)``.
+
+    ``final_norm`` is a LayerNorm on the summary token before ``out_proj`` (``final_layer_norm=True``) or an
+    ``nn.Identity``. A state dict without ``final_norm.*`` (saved before the option existed, or with it off)
+    switches it off while loading, so such a checkpoint computes what it computed when it was saved.
+    """
+
+    # 2: layer_norm_eps / final_layer_norm exist; a version-1 state dict was saved with eps 1e-6 and no final norm
+    _version = 2
 
     def __init__(self, num_axes: int, num_digits: int, base: int, width: int, depth: int, num_heads: int,
-                 out_dim: int, resid_drop: float, attn_drop: float) -> None:
+                 out_dim: int, resid_drop: float, attn_drop: float, layer_norm_eps: float = 1e-5,
+                 final_layer_norm: bool = True) -> None:
         super().__init__()
         self.num_axes, self.num_digits = num_axes, num_digits
         self.digit_embed = nn.Embedding(base, width)
@@ -74,12 +88,37 @@ class SeqPEEncoder(nn.Module):
         self.axis_embed = nn.Parameter(torch.zeros(num_axes, 1, width)) if num_axes > 1 else None
         self.summary_token = nn.Parameter(torch.zeros(1, 1, width))
         gelu_tanh = lambda: nn.GELU(approximate="tanh")  # noqa: E731  (released: 'gelu_new')
+        norm = partial(nn.LayerNorm, eps=layer_norm_eps)
         self.blocks = nn.ModuleList(
-            Block(width, num_heads, mlp_ratio=4.0, qkv_bias=True, proj_drop=resid_drop, attn_drop=attn_drop, act_layer=gelu_tanh)
+            Block(width, num_heads, mlp_ratio=4.0, qkv_bias=True, proj_drop=resid_drop, attn_drop=attn_drop,
+                  act_layer=gelu_tanh, norm_layer=norm)
             for _ in range(depth)
         )
+        self.final_norm = norm(width) if final_layer_norm else nn.Identity()
         self.out_proj = nn.Linear(width, out_dim)
         self.reset_parameters()
+
+    @property
+    def final_layer_norm(self) -> bool:
+        return isinstance(self.final_norm, nn.LayerNorm)
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any],
+                              *args: Any, **kwargs: Any) -> None:
+        # an encoder state dict without the final norm: switch it off (a LayerNorm with weight 1 and bias 0 is
+        # no identity, so filling it in would change what the checkpoint computes); children load after this
+        if self.final_layer_norm and f"{prefix}out_proj.weight" in state_dict and f"{prefix}final_norm.weight" not in state_dict:
+            self.final_norm = nn.Identity()
+            _logger.warning("SeqPE: the checkpoint has no final LayerNorm (%sfinal_norm.*): loaded with final_layer_norm=False",
+                            prefix)
+        if local_metadata.get("version", self._version) < 2:
+            # saved by vispe before the option existed: its blocks ran with timm's LayerNorm eps, 1e-6
+            norms = [m for m in self.modules() if isinstance(m, nn.LayerNorm) and m.eps != 1e-6]
+            for m in norms:
+                m.eps = 1e-6
+            if norms:
+                _logger.warning("SeqPE: %s was saved by vispe before layer_norm_eps existed: loaded with eps 1e-6, as saved",
+                                prefix.rstrip(".") or "the encoder")
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args, **kwargs)
 
     def reset_parameters(self) -> None:
         """The released init: truncated normal (0.02) for every weight and the learned tokens, zero biases."""
@@ -106,7 +145,7 @@ class SeqPEEncoder(nn.Module):
         x = torch.cat([x, self.summary_token.expand(x.shape[0], -1, -1)], dim=1)
         for blk in self.blocks:
             x = blk(x, is_causal=True)  # causal: the summary token, last, reads the whole sequence
-        return self.out_proj(x[:, -1])
+        return self.out_proj(self.final_norm(x[:, -1]))  # the norm is per token: only the summary token's is used
 
 
 @register_encoding("seqpe", benchmark=False, groups=("scaling",))
@@ -126,17 +165,22 @@ class SeqPE(TokenEncoding):
         random_shift: probability that a training forward moves the lattice to a random window of the position
             range (0.1).
         extrapolation: ``'extend'`` (default: the encoder at the new grid's positions) or ``'resample'`` (alias
-            ``'interpolate'``: the training grid's table resampled with :attr:`resample_kernel`, bicubic antialiased
-            in 2D, trilinear in 3D).
+            ``'interpolate'``: the training grid's table resampled with ``interpolation``).
+        layer_norm_eps: the encoder's LayerNorm epsilon (released 1e-5).
+        final_layer_norm: a LayerNorm on the summary token before the output map (released image recipe: on).
+        interpolation: the resampling kernel of ``'resample'``: ``'bicubic'`` (default, the released
+            evaluation), ``'bilinear'`` or ``'nearest'`` in 2D; ``'trilinear'`` (default) or ``'nearest'`` in 3D.
+        antialias: torch's antialiased 2D resampling (False, as released; True is timm's ``resample_abs_pos_embed``
+            default, which ``learned`` uses: its kernel differs from plain bicubic also when enlarging).
     """
 
     grid_ndims = (2,)
     num_axes = 2
+    #: the kernels ``interpolation`` takes (the first is the default)
+    interpolation_modes = ("bicubic", "bilinear", "nearest")
     prefix_policy = "prefix tokens get their own learned vectors (trunc-normal 0.02), as released"
 
     resolution = ResolutionContract(("extend", "resample"), default="extend")
-    #: the kernel of the ``resample`` policy (:data:`~vispe.encodings.resolution.RESAMPLE_KERNELS`)
-    resample_kernel: str = "bicubic_antialias"
 
     #: option rules, checked before __init__ (vispe._checks; see PositionalEncoding.option_checks)
     option_checks = {
@@ -155,6 +199,10 @@ class SeqPE(TokenEncoding):
         "num_distill": Int(1),
         "distill_heads": Int(1, optional=True),
         "random_shift": Real(0, 1e3),
+        "layer_norm_eps": Real(0, 1, low_open=True),
+        "final_layer_norm": Bool(),
+        "interpolation": Choice(interpolation_modes, optional=True),
+        "antialias": Bool(),
     }
 
     def __init__(
@@ -178,8 +226,15 @@ class SeqPE(TokenEncoding):
         distill_heads: int | None = None,
         random_shift: float = 0.1,
         extrapolation: str | None = None,
+        layer_norm_eps: float = 1e-5,
+        final_layer_norm: bool = True,
+        interpolation: str | None = None,
+        antialias: bool = False,
     ) -> None:
         super().__init__()
+        if antialias and self.num_axes != 2:
+            raise ValueError(f"{self.registry_name}: antialias=True is 2D only (torch antialiases bilinear / bicubic "
+                             f"resampling of images), got it with {self.num_axes} axes")
         if not (isinstance(base, int) and base >= 2):
             raise ValueError(f"seqpe: base must be an integer >= 2, got {base!r}")
         self.grid_size = tuple(int(g) for g in grid_size)
@@ -207,11 +262,16 @@ class SeqPE(TokenEncoding):
         self.max_position = max_position
         self.num_digits = len(_to_base(max_position - 1, base))
         self.extrapolation = extrapolation
+        self.interpolation = interpolation if interpolation is not None else self.interpolation_modes[0]
+        self.antialias = bool(antialias)
+        # the resample policy's kernel (vispe.encodings.resolution.RESAMPLE_KERNELS)
+        self.resample_kernel = f"{self.interpolation}_antialias" if self.antialias else self.interpolation
         self.contrastive_weight, self.distill_weight = float(contrastive_weight), float(distill_weight)
         self.num_pivots, self.num_negatives = num_pivots, num_negatives
         self.num_windows, self.num_distill = num_windows, num_distill
         self.random_shift = float(random_shift)
-        self.encoder = SeqPEEncoder(self.num_axes, self.num_digits, base, width, encoder_depth, heads, dim, resid_drop, attn_drop)
+        self.encoder = SeqPEEncoder(self.num_axes, self.num_digits, base, width, encoder_depth, heads, dim, resid_drop,
+                                    attn_drop, layer_norm_eps=float(layer_norm_eps), final_layer_norm=final_layer_norm)
         self.prefix_embed = nn.Parameter(torch.zeros(1, num_prefix_tokens, dim)) if num_prefix_tokens else None
         if self.prefix_embed is not None:
             trunc_normal_(self.prefix_embed, std=0.02)
@@ -329,7 +389,8 @@ class SeqPE(TokenEncoding):
 
     def extra_repr(self) -> str:
         return (f"max_position={self.max_position}, base={self.base}, num_digits={self.num_digits}, "
-                f"extrapolation={self.extrapolation!r}, random_shift={self.random_shift}")
+                f"extrapolation={self.extrapolation!r}, interpolation={self.interpolation!r}, antialias={self.antialias}, "
+                f"final_layer_norm={self.encoder.final_layer_norm}, random_shift={self.random_shift}")
 
 
 def _to_base(value: int, base: int) -> list[int]:
@@ -348,4 +409,5 @@ class SeqPE3d(SeqPE):
 
     grid_ndims = (3,)
     num_axes = 3
-    resample_kernel = "trilinear"
+    interpolation_modes = ("trilinear", "nearest")
+    option_checks = {"interpolation": Choice(interpolation_modes, optional=True)}

@@ -1,5 +1,7 @@
 """timm-compatible models that take vispe positional encodings (registered in timm on import)."""
-from .checkpoint import LoadReport, adapt_timm_state_dict, load_released_loope, load_timm_checkpoint, timm_checkpoint_filter
+from .checkpoint import (
+    LoadReport, adapt_timm_state_dict, load_released_loope, load_released_seqpe, load_timm_checkpoint, timm_checkpoint_filter,
+)
 from .layers import LayerPE, PEAttention, PEBlock, auxiliary_loss, embed_grid, run_blocks
 from .materialize import init_empty_weights
 from .naflex import patchify_images
@@ -11,6 +13,7 @@ __all__ = [
     "adapt_timm_state_dict",
     "load_timm_checkpoint",
     "load_released_loope",
+    "load_released_seqpe",
     "timm_checkpoint_filter",
     "init_empty_weights",
     "LayerPE",

@@ -28,6 +28,7 @@ import torch.nn as nn
 __all__ = [
     "LoadReport", "adapt_timm_state_dict", "load_timm_checkpoint", "timm_checkpoint_filter",
     "adapt_released_loope_state_dict", "load_released_loope", "released_loope_options",
+    "adapt_released_seqpe_state_dict", "load_released_seqpe", "released_seqpe_options",
 ]
 
 _logger = logging.getLogger("vispe")
@@ -45,6 +46,8 @@ class LoadReport:
     renamed: list[str] = field(default_factory=list)
     #: loaded after reordering an axis (e.g. input channels in another order), ``"source -> target (how)"``
     permuted: list[str] = field(default_factory=list)
+    #: loaded transposed (a GPT-2 ``Conv1D`` weight ``(in, out)`` into an ``nn.Linear`` ``(out, in)``), ``"source -> target"``
+    transposed: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         def fmt(keys: list[str]) -> str:
@@ -54,6 +57,9 @@ class LoadReport:
         if self.permuted:
             lines[0] += f", {len(self.permuted)} permuted"
             lines.append(f"  permuted: {fmt(self.permuted)}")
+        if self.transposed:
+            lines[0] += f", {len(self.transposed)} transposed"
+            lines.append(f"  transposed: {fmt(self.transposed)}")
         if self.adapted:
             lines.append(f"  model adapted: {fmt(self.adapted)}")
         if self.renamed:
@@ -291,13 +297,8 @@ def adapt_released_loope_state_dict(
     out: dict[str, torch.Tensor] = {}
 
     def put(src: str, dst: str, value: torch.Tensor, bucket: list[str], how: str = "") -> None:
-        if dst not in target:
-            report.dropped.append(f"{src} (the encoding has no {dst}: offset={encoding.context is not None}, head options)")
-        elif tuple(target[dst].shape) != tuple(value.shape):
-            report.dropped.append(f"{src} (checkpoint {tuple(value.shape)} vs encoding {dst} {tuple(target[dst].shape)})")
-        else:
-            out[dst] = value
-            bucket.append(f"{src} -> {dst}" + (f" ({how})" if how else ""))
+        _put_released(report, target, out, src, dst, value, bucket, how,
+                      absent=f"offset={encoding.context is not None}, head options")
 
     for key, value in sd.items():
         if key in _ARTPE_RECOMPUTED:
@@ -381,30 +382,195 @@ def load_released_loope(target: nn.Module, checkpoint: str | os.PathLike | Mappi
     ``order_scale='index'``, sizes) against this encoding's; ``allow_partial=True`` loads the part that fits.
     """
     encoding = getattr(target, "pos_encoding", target)
+    return _load_released(
+        encoding, checkpoint, allow_partial, "loope", adapt_released_loope_state_dict, ("kept", "permuted"),
+        "it is not a released LOOPE ArtPE / ViT_Art state dict",
+        lambda state: (released_loope_options(state), _encoding_values(encoding)),
+        "pos_encoding='loope[head=linear,order_scale=index]'",
+    )
+
+
+def _put_released(report: LoadReport, target: Mapping[str, torch.Tensor], out: dict[str, torch.Tensor], src: str,
+                  dst: str, value: Any, bucket: list[str], how: str = "", absent: str = "") -> None:
+    """One released tensor into ``out[dst]`` (recorded in ``bucket``), or into ``report.dropped`` saying why."""
+    if not isinstance(value, torch.Tensor):
+        report.dropped.append(f"{src} (not a tensor)")
+    elif dst not in target:
+        report.dropped.append(f"{src} (the encoding has no {dst}" + (f": {absent})" if absent else ")"))
+    elif tuple(target[dst].shape) != tuple(value.shape):
+        report.dropped.append(f"{src} (checkpoint {tuple(value.shape)} vs encoding {dst} {tuple(target[dst].shape)})")
+    else:
+        out[dst] = value
+        bucket.append(f"{src} -> {dst}" + (f" ({how})" if how else ""))
+
+
+def _load_released(encoding: nn.Module, checkpoint: str | os.PathLike | Mapping[str, Any], allow_partial: bool, name: str,
+                   adapt: Any, loaded: tuple[str, ...], not_this: str, options: Any, example: str) -> LoadReport:
+    """The released-weight loaders' common path, as strict as :func:`load_timm_checkpoint`: read, ``adapt`` (-> state
+    dict, report), refuse a state dict that keeps nothing of the encoding (no key in the report's ``loaded`` buckets),
+    and one that fits only in part (encoding tensors left newly initialised, or checkpoint tensors of other shapes)
+    unless ``allow_partial``, naming the tensors and the options the weights need against the encoding's
+    (``options(state)`` -> ``(needed, have)``); then load, drop the cached tables, log the report."""
     source = f"{os.fspath(checkpoint)!r}" if not isinstance(checkpoint, Mapping) else "the state dict"
     state = _as_state_dict(checkpoint)
-    out, report = adapt_released_loope_state_dict(state, encoding)
+    out, report = adapt(state, encoding)
     target_keys = list(encoding.state_dict())
-    if not report.kept and not report.permuted:
+    if not any(getattr(report, bucket) for bucket in loaded):
         raise ValueError(
-            f"{source} keeps nothing of the loope encoding: 0 of {len(target_keys)} encoding tensors found a match "
+            f"{source} keeps nothing of the {name} encoding: 0 of {len(target_keys)} encoding tensors found a match "
             f"({len(report.dropped)} checkpoint tensors dropped{', e.g. ' + ', '.join(report.dropped[:3]) if report.dropped else ''}); "
-            "it is not a released LOOPE ArtPE / ViT_Art state dict"
+            f"{not_this}"
         )
     misfit = [d for d in report.dropped if "(checkpoint " in d or "(the encoding has no" in d]
     if (report.new or misfit) and not allow_partial:
-        needed, have = released_loope_options(state), _encoding_values(encoding)
+        needed, have = options(state)
         differ = {k: v for k, v in needed.items() if have.get(k, v) != v}
         fix = (f"the released weights need {', '.join(f'{k}={v!r}' for k, v in differ.items())} "
                f"(this encoding has {', '.join(f'{k}={have.get(k)!r}' for k in differ)})" if differ else
                f"the released weights need {', '.join(f'{k}={v!r}' for k, v in needed.items())}")
         raise ValueError(
-            f"{source} fits the loope encoding only in part: {len(report.new)} encoding tensors would stay newly initialised "
+            f"{source} fits the {name} encoding only in part: {len(report.new)} encoding tensors would stay newly initialised "
             f"({', '.join(report.new[:3]) or 'none'}) and {len(misfit)} checkpoint tensors do not fit ({', '.join(misfit[:2]) or 'none'}); "
-            f"{fix}. Build the encoding with them (e.g. pos_encoding='loope[head=linear,order_scale=index]'), "
-            "or pass allow_partial=True to load the part that fits"
+            f"{fix}. Build the encoding with them (e.g. {example}), or pass allow_partial=True to load the part that fits"
         )
     encoding.load_state_dict(out, strict=False)
     encoding.clear_cache()
     _log(report)
     return report
+
+
+# ---------------------------------------------------------------------------------------------
+# SeqPE's released code (ghrua/seqpe, image_seqpe/models/sequential_pe.py: SequentialPE)
+# ---------------------------------------------------------------------------------------------
+
+#: SequentialPE top-level tensors -> vispe ``seqpe`` encoding keys
+_SEQPE_TOP = {
+    "token_of_seqpe_embed.weight": "encoder.digit_embed.weight",
+    "pos_of_seqpe_embed.weight": "encoder.slot_embed.weight",
+    "dim_token_embed": "encoder.axis_embed",
+    "cls_token_embed": "encoder.summary_token",
+    "layernorm.weight": "encoder.final_norm.weight",
+    "layernorm.bias": "encoder.final_norm.bias",
+    "out_proj.weight": "encoder.out_proj.weight",
+    "out_proj.bias": "encoder.out_proj.bias",
+}
+#: SequentialPeBlock parts -> timm Block parts; the GPT-2 Conv1D ones store their weight as (in, out)
+_SEQPE_BLOCK = re.compile(r"^transformers\.(\d+)\.(layernorm_1|layernorm_2|attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.(weight|bias)$")
+_SEQPE_BLOCK_PARTS = {"layernorm_1": "norm1", "layernorm_2": "norm2", "attn.c_attn": "attn.qkv", "attn.c_proj": "attn.proj",
+                      "mlp.c_fc": "mlp.fc1", "mlp.c_proj": "mlp.fc2"}
+_CONV1D_PARTS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+
+
+def _released_seqpe_parts(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(SequentialPE state dict, ViT state dict or {})``: a released training checkpoint holds the position
+    network under ``pe_model`` and the ViT (with the cls token's own vector ``cls_token_pos_embed``) under ``model``."""
+    def strip(sd: Mapping[str, Any]) -> dict[str, Any]:
+        return {k[len("module."):] if k.startswith("module.") else k: v for k, v in sd.items()}
+
+    if isinstance(state_dict.get("pe_model"), Mapping):
+        vit = state_dict.get("model")
+        return strip(state_dict["pe_model"]), strip(vit) if isinstance(vit, Mapping) else {}
+    return strip(state_dict), {}
+
+
+def adapt_released_seqpe_state_dict(
+    state_dict: Mapping[str, Any], encoding: nn.Module
+) -> tuple[dict[str, torch.Tensor], LoadReport]:
+    """Map a released SeqPE ``SequentialPE`` state dict onto a vispe ``seqpe`` / ``seqpe_3d`` encoding (keys
+    relative to it).
+
+    Accepts the ``SequentialPE`` module's own keys, or a released training checkpoint (``{'model': ViT,
+    'pe_model': SequentialPE, ...}``), whose ViT gives the cls token's vector (``cls_token_pos_embed`` ->
+    ``prefix_embed``; its other tensors are not part of the encoding and are reported as one dropped entry).
+    The four GPT-2 ``Conv1D`` weights of each block are transposed into timm's ``nn.Linear`` layout.
+    """
+    from ..encodings.seqpe import SeqPE
+
+    if not isinstance(encoding, SeqPE):
+        raise TypeError(f"adapt_released_seqpe_state_dict needs a vispe 'seqpe' or 'seqpe_3d' encoding, got {type(encoding).__name__}")
+    report = LoadReport()
+    pe, vit = _released_seqpe_parts(state_dict)
+    target = encoding.state_dict()
+    out: dict[str, torch.Tensor] = {}
+
+    def put(src: str, dst: str, value: Any, bucket: list[str]) -> None:
+        _put_released(report, target, out, src, dst, value, bucket)
+
+    for key, value in pe.items():
+        m = _SEQPE_BLOCK.match(key)
+        if key in _SEQPE_TOP:
+            put(key, _SEQPE_TOP[key], value, report.kept)
+        elif m is not None:
+            i, part, kind = m.groups()
+            dst = f"encoder.blocks.{i}.{_SEQPE_BLOCK_PARTS[part]}.{kind}"
+            if part in _CONV1D_PARTS and kind == "weight" and isinstance(value, torch.Tensor) and value.ndim == 2:
+                put(key, dst, value.t().contiguous(), report.transposed)
+            else:
+                put(key, dst, value, report.kept)
+        else:
+            report.dropped.append(key)
+    if "cls_token_pos_embed" in vit:
+        put("model.cls_token_pos_embed", "prefix_embed", vit["cls_token_pos_embed"], report.kept)
+    rest = [k for k in vit if k != "cls_token_pos_embed"]
+    if rest:
+        report.dropped.append(f"{len(rest)} ViT tensors of 'model' ({rest[0]}, ...; not part of the positional encoding)")
+    report.new = [k for k in target if k not in out]
+    return out, report
+
+
+def released_seqpe_options(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``seqpe`` options and sizes a released ``SequentialPE`` state dict needs, read from its shapes:
+    ``final_layer_norm`` (``layernorm.*`` present), ``encoder_dim``, ``encoder_depth``, ``base`` (digit
+    vocabulary), ``num_digits`` (digits per axis: ``max_position`` must need exactly as many), ``num_axes`` and the
+    embedding ``dim``. The released heads (``width // 64``), LayerNorm eps (1e-5) and temperature (1) are not in
+    the weights."""
+    pe, _ = _released_seqpe_parts(state_dict)
+    out: dict[str, Any] = {"final_layer_norm": "layernorm.weight" in pe}
+    digits, slots = pe.get("token_of_seqpe_embed.weight"), pe.get("pos_of_seqpe_embed.weight")
+    if isinstance(digits, torch.Tensor) and digits.ndim == 2:
+        out.update(base=int(digits.shape[0]), encoder_dim=int(digits.shape[1]))
+    axes = pe.get("dim_token_embed")
+    num_axes = int(axes.shape[0]) if isinstance(axes, torch.Tensor) and axes.ndim == 3 else 1
+    out["num_axes"] = num_axes
+    if isinstance(slots, torch.Tensor) and slots.ndim == 2:
+        out["num_digits"] = int(slots.shape[0]) // num_axes
+    blocks = {int(m.group(1)) for k in pe if (m := _SEQPE_BLOCK.match(k))}
+    if blocks:
+        out["encoder_depth"] = max(blocks) + 1
+    proj = pe.get("out_proj.weight")
+    if isinstance(proj, torch.Tensor) and proj.ndim == 2:
+        out["dim"] = int(proj.shape[0])
+    return out
+
+
+def _seqpe_values(encoding: nn.Module) -> dict[str, Any]:
+    enc = encoding.encoder
+    return {"final_layer_norm": enc.final_layer_norm, "base": int(encoding.base), "encoder_dim": int(enc.digit_embed.weight.shape[1]),
+            "num_axes": int(encoding.num_axes), "num_digits": int(encoding.num_digits), "encoder_depth": len(enc.blocks),
+            "dim": int(encoding.dim)}
+
+
+def load_released_seqpe(target: nn.Module, checkpoint: str | os.PathLike | Mapping[str, Any], allow_partial: bool = False) -> LoadReport:
+    """Load released SeqPE weights (ghrua/seqpe ``SequentialPE``; its module state dict, or a whole released
+    checkpoint with ``pe_model`` and ``model``) into a ``seqpe`` / ``seqpe_3d`` encoding.
+
+    ``target`` is the encoding or a vispe model whose ``pos_encoding`` is one; ``checkpoint`` a state dict or a
+    ``.pth`` / ``.safetensors`` file. Returns the :class:`LoadReport` (kept / transposed / new / dropped), also logged.
+
+    As strict as :func:`load_timm_checkpoint`: a state dict that keeps nothing of the encoding is refused, and so is
+    one that fits only in part -- encoding tensors left newly initialised (the cls vector ``prefix_embed`` is only in
+    a whole checkpoint's ``model``; ``encoder.final_norm.*`` is absent from weights trained without
+    ``--seqpe_last_layernorm``) or checkpoint tensors of other shapes -- naming them and the options the weights need
+    (:func:`released_seqpe_options`) against this encoding's; ``allow_partial=True`` loads the part that fits.
+    """
+    from ..encodings.seqpe import SeqPE
+
+    encoding = getattr(target, "pos_encoding", target)
+    if not isinstance(encoding, SeqPE):
+        raise TypeError(f"load_released_seqpe needs a 'seqpe' / 'seqpe_3d' encoding or a model with one, got {type(encoding).__name__}")
+    return _load_released(
+        encoding, checkpoint, allow_partial, "seqpe", adapt_released_seqpe_state_dict, ("kept", "transposed"),
+        "it is not a released SeqPE SequentialPE state dict (or a released checkpoint with 'pe_model')",
+        lambda state: (released_seqpe_options(state), _seqpe_values(encoding)),
+        "pos_encoding='seqpe[encoder_dim=384,final_layer_norm=True]'",
+    )
