@@ -166,22 +166,39 @@ def test_spec_strings_keep_tuple_values():
 
 
 def _copy_into(dst: torch.nn.Module, src: torch.nn.Module) -> None:
-    missing, unexpected = dst.load_state_dict(src.state_dict(), strict=False)
-    assert not [m for m in missing if "pos_encoding" not in m] and not [u for u in unexpected if "pos_encoding" not in u]
+    """The model weights of ``src`` (the encodings' own parameters stay: their shapes follow the rotated width)."""
+    weights = {k: v for k, v in src.state_dict().items() if not k.startswith("pos_encoding.")}
+    missing, unexpected = dst.load_state_dict(weights, strict=False)
+    assert not [m for m in missing if not m.startswith("pos_encoding.")] and not unexpected
 
 
-def test_image_vit_nope_in_every_layer_is_the_no_position_model():
+@pytest.mark.parametrize("name", list_encodings(kind="rotary", grid_ndim=2))
+def test_image_vit_nope_in_every_layer_is_the_no_position_model(name):
     kw = dict(img_size=32, patch_size=8, embed_dim=64, depth=DEPTH, num_heads=HEADS, num_classes=5)
-    nope = VispeVisionTransformer(pos_encoding=f"rope_axial[nope_layers={tuple(range(DEPTH))!r}]", **kw).eval()
+    nope = VispeVisionTransformer(pos_encoding=f"{name}[nope_layers={tuple(range(DEPTH))!r}]", **kw).eval()
     none = VispeVisionTransformer(pos_encoding="none", **kw).eval()
     _copy_into(none, nope)
     x = torch.randn(2, 3, 32, 32)
     assert torch.equal(nope(x), none(x))
-    partial = VispeVisionTransformer(pos_encoding="rope_axial[nope_layers=(2,),rotary_fraction=0.5,layer_theta=(10.0,100.0,100.0)]", **kw).eval()
+    partial = VispeVisionTransformer(pos_encoding=f"{name}[nope_layers=(2,),rotary_fraction=0.5]", **kw).eval()
     _copy_into(partial, nope)
-    assert not torch.allclose(partial(x), none(x))
+    if any(p.abs().sum() > 0 for p in partial.pos_encoding.parameters()) or not any(True for _ in partial.pos_encoding.parameters()):
+        assert not torch.allclose(partial(x), none(x))  # layers 0 and 1 rotate
     with pytest.raises(ValueError, match="depth=3"):
-        VispeVisionTransformer(pos_encoding="rope_axial[nope_layers=(3,)]", **kw)
+        VispeVisionTransformer(pos_encoding=f"{name}[nope_layers=(3,)]", **kw)
+
+
+def test_image_vit_layer_theta_per_block():
+    kw = dict(img_size=32, patch_size=8, embed_dim=64, depth=DEPTH, num_heads=HEADS, num_classes=5)
+    torch.manual_seed(0)
+    model = VispeVisionTransformer(pos_encoding="rope_axial[layer_theta=(10.0,100.0,10.0)]", **kw).eval()
+    x = torch.randn(2, 3, 32, 32)
+    same = VispeVisionTransformer(pos_encoding="rope_axial[layer_theta=(10.0,10.0,10.0)]", **kw).eval()
+    plain = VispeVisionTransformer(pos_encoding="rope_axial[theta=10.0]", **kw).eval()
+    _copy_into(same, model)
+    _copy_into(plain, model)
+    assert torch.equal(same(x), plain(x))  # one base everywhere: the encoding built with that base
+    assert not torch.allclose(model(x), plain(x))  # block 1 rotates with base 100
 
 
 def test_video_vit_nope_in_every_layer_is_the_no_position_model():
