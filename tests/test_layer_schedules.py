@@ -144,7 +144,10 @@ def test_layer_theta_equals_an_encoding_built_with_that_base(name):
 
 @pytest.mark.parametrize("spec, match", [
     ("rope_axial[nope_layers=(3,)]", r"nope_layers=\(3,\).*depth=3: layer indices 0\.\.2"),
-    ("rope_axial[nope_layers=(-1,)]", r"nope_layers=\(-1,\) is not valid"),
+    ("rope_axial[nope_layers=(-4,)]", r"nope_layers=\(-4,\) is not valid.*-3\.\.-1 from the last"),
+    ("rope_axial[nope_layers=(1, 1)]", r"nope_layers=\(1, 1\) is not valid.*distinct"),
+    ("rope_axial[nope_layers=1.5]", r"nope_layers=1\.5 is not valid"),
+    ("rope_axial[layer_theta=(1.0, 2.0, 3.0),coord_shift=0.5]", r"layer_theta=.*coordinate options"),
     ("rope_axial[rotary_fraction=0]", r"rotary_fraction=0 is not valid.*> 0 and <= 1"),
     ("rope_axial[rotary_fraction=1.5]", r"rotary_fraction=1\.5 is not valid"),
     ("rope_axial[rotary_fraction=0.3]", r"rotary_fraction=0\.3.*9 channels.*even"),
@@ -157,6 +160,14 @@ def test_layer_theta_equals_an_encoding_built_with_that_base(name):
 def test_bad_schedules_are_refused_at_construction(spec, match):
     with pytest.raises((ValueError, TypeError), match=match):
         _build(spec)
+
+
+def test_negative_nope_layers_count_from_the_last():
+    assert _build("rope_axial", nope_layers=(-1,)).layer_schedule.nope_layers == {DEPTH - 1}
+    with pytest.raises(ValueError, match="needs the model's depth"):
+        create_encoding("rope_axial", head_dim=HEAD_DIM, nope_layers=(-1,))
+    # without a model the indices are taken as given
+    assert create_encoding("rope_axial", head_dim=HEAD_DIM, nope_layers=(5,)).layer_schedule.nope_layers == {5}
 
 
 def test_spec_strings_keep_tuple_values():
@@ -201,16 +212,18 @@ def test_image_vit_layer_theta_per_block():
     assert not torch.allclose(model(x), plain(x))  # block 1 rotates with base 100
 
 
-def test_video_vit_nope_in_every_layer_is_the_no_position_model():
+@pytest.mark.parametrize("name", list_encodings(kind="rotary", grid_ndim=3))
+def test_video_vit_nope_in_every_layer_is_the_no_position_model(name):
     kw = dict(img_size=16, patch_size=8, num_frames=4, tubelet_size=2, embed_dim=64, depth=DEPTH, num_heads=HEADS, num_classes=3)
-    nope = VispeVideoViT(pos_encoding=f"rope_axial_3d[nope_layers={tuple(range(DEPTH))!r}]", **kw).eval()
+    nope = VispeVideoViT(pos_encoding=f"{name}[nope_layers={tuple(range(DEPTH))!r}]", **kw).eval()
     none = VispeVideoViT(pos_encoding="none", **kw).eval()
     _copy_into(none, nope)
     x = torch.randn(2, 3, 4, 16, 16)
     assert torch.equal(nope(x), none(x))
-    partial = VispeVideoViT(pos_encoding="rope_axial_3d[rotary_fraction=0.75,nope_layers=(0,)]", **kw).eval()
+    partial = VispeVideoViT(pos_encoding=f"{name}[rotary_fraction=0.75,nope_layers=(0,)]", **kw).eval()
     _copy_into(partial, nope)
-    assert not torch.allclose(partial(x), none(x))
+    if any(p.abs().sum() > 0 for p in partial.pos_encoding.parameters()) or not any(True for _ in partial.pos_encoding.parameters()):
+        assert not torch.allclose(partial(x), none(x))  # layers 1 and 2 rotate
 
 
 def test_video_llm_partial_rotary_and_per_layer_schedules():

@@ -157,9 +157,14 @@ def _resolve_schedule(cls: type, owner: str, given: dict[str, Any], options: dic
             raise _schedule_error(owner, opt, value, f"{owner} supports the layer schedules {list(cls.layer_schedules)} only "
                                   f"(see {cls.__name__}.layer_schedules)")
     nope = given.get("nope_layers")
-    nope_set = frozenset(int(i) for i in ([nope] if isinstance(nope, int) else (nope or ())))
-    if depth is not None and any(i >= depth for i in nope_set):
-        raise _schedule_error(owner, "nope_layers", nope, f"the model has depth={depth}: layer indices 0..{depth - 1}")
+    nope_list = [int(i) for i in ([nope] if isinstance(nope, int) else (nope or ()))]
+    if depth is None and any(i < 0 for i in nope_list):
+        raise _schedule_error(owner, "nope_layers", nope, "a negative index counts from the last layer and needs the "
+                              "model's depth (pass depth=, as host models do)")
+    if depth is not None and any(not -depth <= i < depth for i in nope_list):
+        raise _schedule_error(owner, "nope_layers", nope, f"the model has depth={depth}: layer indices 0..{depth - 1} "
+                              f"(or -{depth}..-1 from the last)")
+    nope_set = frozenset(i % depth if depth else i for i in nope_list)
     rotary_dim = None
     frac = given.get("rotary_fraction", 1.0)
     if frac is not None and frac != 1:
@@ -227,6 +232,10 @@ def _scheduled_init(init: Callable[..., None]) -> Callable[..., None]:
             if any(True for _ in self.parameters()):
                 raise _schedule_error(owner, "layer_theta", given["layer_theta"],
                                       f"{owner} learns its rotations (its {cls.layer_theta_option!r} only initialises them)")
+            if getattr(self, "augments_coordinates", False) or getattr(self, "random_positions", 1.0) > 1:
+                # each base's encoding would draw its own coordinates: layers would see different positions
+                raise _schedule_error(owner, "layer_theta", given["layer_theta"], "it cannot be combined with the "
+                                      "coordinate options (coord_shift / coord_jitter / coord_rescale / random_positions)")
             thetas = sorted(set(float(t) for t in given["layer_theta"]))
             base = {k: v for k, v in options.items()}
             frac = given.get("rotary_fraction", 1.0)
@@ -304,7 +313,7 @@ class RotaryEncoding(PositionalEncoding):
     layer_theta_option: ClassVar[str] = "theta"
     layer_schedule: LayerSchedule = LayerSchedule()
     option_checks = {
-        "nope_layers": Seq(Int(0), distinct=True, scalar_ok=True, optional=True),
+        "nope_layers": Seq(Int(), distinct=True, scalar_ok=True, optional=True),
         "rotary_fraction": Real(0, 1, low_open=True),
         "layer_theta": Seq(Real(0, low_open=True), min_length=1, optional=True),
     }
