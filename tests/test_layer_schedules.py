@@ -226,6 +226,25 @@ def test_video_vit_nope_in_every_layer_is_the_no_position_model(name):
         assert not torch.allclose(partial(x), none(x))  # layers 1 and 2 rotate
 
 
+@pytest.mark.parametrize("name", ["mrope", "mrope_interleave", "mhrope", "vrope", "videorope", "hope", "v2pe", "rope_1d", "qwen3vl"])
+def test_multimodal_tables_follow_the_schedule(name):
+    """The video-LLM's path (positions -> table -> rotate_qk): per layer, the encoding built with that layer's base."""
+    from vispe.positions import Text, Visual, build_positions
+
+    pos, _ = build_positions(name, [Text(3), Visual(2, 2, 3), Text(2)])
+    enc = _build(name, layer_theta=(100.0, 10000.0, 100.0), nope_layers=(2,), rotary_fraction=0.5)
+    g = torch.Generator().manual_seed(1)
+    q, k = (torch.randn(2, HEADS, pos.shape[-1], HEAD_DIM, generator=g) for _ in range(2))
+    table = enc.table_from_positions(pos)
+    for layer, theta in enumerate((100.0, 10000.0)):
+        ref = _build(name, theta=theta, rotary_fraction=0.5)
+        want = ref.rotate_qk(q, k, ref.table_from_positions(pos), layer)
+        got = enc.rotate_qk(q, k, table, layer)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    q2, k2 = enc.rotate_qk(q, k, table, 2)  # the NoPE layer
+    assert q2 is q and k2 is k
+
+
 def test_video_llm_partial_rotary_and_per_layer_schedules():
     kw = dict(vocab_size=32, dim=64, depth=2, num_heads=2)
     ids = torch.randint(0, 32, (2, 7))
@@ -239,3 +258,28 @@ def test_video_llm_partial_rotary_and_per_layer_schedules():
     model = VideoLLM(pos_scheme="mrope[nope_layers=(1,)]", **kw).eval()
     with pytest.raises(ValueError, match="without the layer index"):
         model(input_ids=ids)
+
+
+@pytest.mark.parametrize("spec", ["rope_axial[nope_layers=(1,),rotary_fraction=0.5,layer_theta=(10.0,100.0,10.0)]",
+                                  "comrope_ap[nope_layers=(0,),rotary_fraction=0.5]"])
+def test_schedules_compile_whole(spec):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    kw = dict(img_size=32, patch_size=8, embed_dim=64, depth=DEPTH, num_heads=HEADS, num_classes=5)
+    model = VispeVisionTransformer(pos_encoding=spec, **kw).train()
+    x = torch.randn(2, 3, 32, 32)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, fullgraph=True, backend=counter)
+    out = compiled(x)
+    out.square().mean().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    ref = model(x)
+    ref.square().mean().backward()
+    assert counter.frame_count == 1
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-4)
+    for n, p in model.named_parameters():
+        if n in grads:
+            assert torch.allclose(grads[n], p.grad, atol=1e-5, rtol=1e-4), n
+    torch._dynamo.reset()

@@ -237,11 +237,10 @@ def _scheduled_init(init: Callable[..., None]) -> Callable[..., None]:
                 raise _schedule_error(owner, "layer_theta", given["layer_theta"], "it cannot be combined with the "
                                       "coordinate options (coord_shift / coord_jitter / coord_rescale / random_positions)")
             thetas = sorted(set(float(t) for t in given["layer_theta"]))
-            base = {k: v for k, v in options.items()}
             frac = given.get("rotary_fraction", 1.0)
             # one encoding per distinct base: a layer's rotation is exactly that of an encoding built with its base
             self.layer_theta_encodings = nn.ModuleList(
-                [cls(**{**base, cls.layer_theta_option: t}, rotary_fraction=frac) for t in thetas])
+                [cls(**{**options, cls.layer_theta_option: t}, rotary_fraction=frac) for t in thetas])
         self.layer_schedule = schedule
 
     __init__.__signature__ = new_sig  # type: ignore[attr-defined]
