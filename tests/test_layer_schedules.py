@@ -262,6 +262,7 @@ def test_video_llm_partial_rotary_and_per_layer_schedules():
 
 @pytest.mark.parametrize("spec", ["rope_axial[nope_layers=(1,),rotary_fraction=0.5,layer_theta=(10.0,100.0,10.0)]",
                                   "comrope_ap[nope_layers=(0,),rotary_fraction=0.5]"])
+@pytest.mark.slow
 def test_schedules_compile_whole(spec):
     from torch._dynamo.testing import CompileCounterWithBackend
 
