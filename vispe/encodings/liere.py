@@ -249,6 +249,7 @@ class LieREBase(RotaryEncoding):
     than per-pair phases: it keeps the rotary family's attention path and overrides :meth:`rotate_qk`."""
 
     pairwise_phases = False
+    layer_schedules = ("nope_layers", "rotary_fraction")  # learned generators: no rotary base to set per layer
     prefix_policy = (
         "coords='liere': prefix tokens get the identity rotation (released code); coords='centers': they sit at "
         "the grid centre (0.5, ...) and are rotated like patches (ComRoPE's convention)"

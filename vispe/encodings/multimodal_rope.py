@@ -54,7 +54,7 @@ from ..positions import Text, Visual, build_positions, get_scheme
 from .._checks import Choice, Int, Ints, Real
 from .base import register_encoding
 from .grid import PositionGrid
-from .rotary import ROTARY_LAYOUTS, RotaryEncoding, apply_rotary, rotary_table
+from .rotary import ROTARY_LAYOUTS, LayerThetaState, RotaryEncoding, apply_rotary, rotary_table
 
 __all__ = [
     "KeyTable",
@@ -177,8 +177,12 @@ class MultimodalRotary(RotaryEncoding):
                 ang = torch.where(far, torch.remainder(ang, 2 * math.pi), ang).to(torch.float32)
         return ang
 
-    def table_from_positions(self, pos: torch.Tensor) -> torch.Tensor:
-        """Complex64 rotation table ``(B, 1|H, L, P)`` for multimodal positions ``(K, B, L)``."""
+    def table_from_positions(self, pos: torch.Tensor) -> torch.Tensor | LayerThetaState:
+        """Complex64 rotation table ``(B, 1|H, L, P)`` for multimodal positions ``(K, B, L)`` (under ``layer_theta``:
+        one table per base, which :meth:`rotate_qk` picks by layer)."""
+        per_theta = self._modules.get("layer_theta_encodings")
+        if per_theta is not None:
+            return LayerThetaState(tuple(e.table_from_positions(pos) for e in per_theta), self.layer_schedule.theta_index)
         with torch.autocast(device_type=pos.device.type, enabled=False):
             return rotary_table(self.angles_from_positions(pos))
 

@@ -117,6 +117,8 @@ class RopeDinoV3(RopeAxial):
         "sections": Ints(0, optional=True),
     }
 
+    layer_theta_option = "base"  # DINOv3's name for the rotary base
+
     def __init__(
         self,
         head_dim: int,

@@ -281,6 +281,7 @@ class RopeMixed(_LatticeRotary):
 
     grid_ndims = (2,)
     per_layer = True
+    layer_schedules = ("nope_layers", "rotary_fraction")  # learned frequencies: theta only initialises them
 
     #: option rules, checked before __init__ (vispe._checks; see PositionalEncoding.option_checks)
     option_checks = {"temporal_theta": Real(1), "temporal_init": Choice(("ladder", "zero"))}

@@ -15,15 +15,20 @@ concatenation.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, ClassVar
+import functools
+import inspect
+from dataclasses import dataclass, replace
+from typing import Any, Callable, ClassVar
 
 import torch
+from torch import nn
 
+from .._checks import Int, Real, Seq
 from .base import PositionalEncoding, save_as_recomputed, sdpa
 from .grid import PositionGrid
 
-__all__ = ["apply_rotary", "rotary_table", "RotaryEncoding", "RotaryState", "ROTARY_LAYOUTS"]
+__all__ = ["apply_rotary", "rotary_table", "RotaryEncoding", "RotaryState", "ROTARY_LAYOUTS", "LAYER_SCHEDULE_OPTIONS",
+           "LayerSchedule"]
 
 ROTARY_LAYOUTS = ("interleaved", "half")
 
@@ -107,6 +112,184 @@ class RotaryState:
         return RotaryState(t, per_layer=self.per_layer)
 
 
+# ---------------------------------------------------------------------------------------------
+# Layer schedules: options every rotary encoding takes, applied here once (never per encoding)
+# ---------------------------------------------------------------------------------------------
+
+#: ``nope_layers``: layers whose attention gets no position (q and k unrotated); ``rotary_fraction``: the share of
+#: each head's channels that rotate (transformers' ``partial_rotary_factor``: the first ``int(head_dim * f)``
+#: channels, frequencies laid out for that width, the rest pass through); ``layer_theta``: one rotary base per layer.
+LAYER_SCHEDULE_OPTIONS = ("nope_layers", "rotary_fraction", "layer_theta")
+
+
+@dataclass(frozen=True)
+class LayerSchedule:
+    """What the layer-schedule options resolved to (the defaults: ``LayerSchedule()``, which changes nothing)."""
+
+    nope_layers: frozenset[int] = frozenset()
+    #: rotated channels per head (``None``: all of them)
+    rotary_dim: int | None = None
+    #: per layer, the index into the encoding's ``layer_theta_encodings`` (``None``: one base for every layer)
+    theta_index: tuple[int, ...] | None = None
+
+
+@dataclass
+class LayerThetaState:
+    """Per-layer rotary base: the state of each base's encoding and which one each layer uses."""
+
+    states: tuple[Any, ...]
+    index: tuple[int, ...]
+
+    def for_layer(self, layer: int) -> Any:
+        if not 0 <= layer < len(self.index):
+            raise ValueError(f"layer_theta gives {len(self.index)} layers, attention asked for layer {layer}")
+        return self.states[self.index[layer]]
+
+
+def _schedule_error(owner: str, option: str, value: Any, why: str) -> ValueError:
+    return ValueError(f"{owner}: {option}={value!r} is not valid; {why}")
+
+
+def _resolve_schedule(cls: type, owner: str, given: dict[str, Any], options: dict[str, Any], depth: int | None) -> LayerSchedule:
+    """Check the given layer-schedule options against the class's support and the model (depth, head width)."""
+    for opt, value in given.items():
+        if value is not None and opt not in cls.layer_schedules and not (opt == "rotary_fraction" and value == 1):
+            raise _schedule_error(owner, opt, value, f"{owner} supports the layer schedules {list(cls.layer_schedules)} only "
+                                  f"(see {cls.__name__}.layer_schedules)")
+    nope = given.get("nope_layers")
+    nope_list = [int(i) for i in ([nope] if isinstance(nope, int) else (nope or ()))]
+    if depth is None and any(i < 0 for i in nope_list):
+        raise _schedule_error(owner, "nope_layers", nope, "a negative index counts from the last layer and needs the "
+                              "model's depth (pass depth=, as host models do)")
+    if depth is not None and any(not -depth <= i < depth for i in nope_list):
+        raise _schedule_error(owner, "nope_layers", nope, f"the model has depth={depth}: layer indices 0..{depth - 1} "
+                              f"(or -{depth}..-1 from the last)")
+    nope_set = frozenset(i % depth if depth else i for i in nope_list)
+    rotary_dim = None
+    frac = given.get("rotary_fraction", 1.0)
+    if frac is not None and frac != 1:
+        head_dim = options.get("head_dim")
+        if head_dim is None:
+            raise _schedule_error(owner, "rotary_fraction", frac, f"{owner} takes no head_dim to cut")
+        rotary_dim = int(head_dim * frac)  # transformers' rounding (int of the product)
+        if rotary_dim < 2 or rotary_dim % 2:
+            even = [f for f in (0.25, 0.5, 0.75, 1.0) if int(head_dim * f) % 2 == 0 and int(head_dim * f) >= 2]
+            raise _schedule_error(owner, "rotary_fraction", frac, f"it rotates int(head_dim={head_dim} * {frac}) = {rotary_dim} "
+                                  f"channels, which must be an even count >= 2 (e.g. rotary_fraction in {even})")
+    theta_index = None
+    thetas = given.get("layer_theta")
+    if thetas is not None:
+        thetas = tuple(float(t) for t in thetas)
+        if cls.layer_theta_option not in options:
+            raise _schedule_error(owner, "layer_theta", thetas, f"{owner} has no option {cls.layer_theta_option!r} to set per layer")
+        if depth is not None and len(thetas) != depth:
+            raise _schedule_error(owner, "layer_theta", thetas, f"give one base per layer: {depth} values (depth={depth})")
+        distinct = sorted(set(thetas))
+        theta_index = tuple(distinct.index(t) for t in thetas)
+    return LayerSchedule(nope_set, rotary_dim, theta_index)
+
+
+def _scheduled_init(init: Callable[..., None]) -> Callable[..., None]:
+    """A rotary encoding's constructor that also takes the layer-schedule options (and the model's ``depth``, to
+    check layer indices, where it takes none of its own). The encoding is built for the rotated width
+    (``head_dim`` = the rotated channels), so its frequencies are those of a head that wide, as in transformers."""
+    sig = inspect.signature(init)
+    params = list(sig.parameters.values())
+    names = {p.name for p in params}
+    own_depth = "depth" in names
+    kw_only = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=d) for n, d in
+               ((("depth", None),) if not own_depth else ()) + (("nope_layers", None), ("rotary_fraction", 1.0), ("layer_theta", None))]
+    var = [p for p in params if p.kind == p.VAR_KEYWORD]
+    new_sig = sig.replace(parameters=[p for p in params if p.kind != p.VAR_KEYWORD] + kw_only + var)
+
+    @functools.wraps(init)
+    def __init__(self: "RotaryEncoding", *args: Any, **kwargs: Any) -> None:
+        given = {o: kwargs.pop(o) for o in LAYER_SCHEDULE_OPTIONS if o in kwargs}
+        depth = None if own_depth else kwargs.pop("depth", None)
+        if not given:  # the defaults (or a subclass's constructor calling this one): nothing to schedule
+            init(self, *args, **kwargs)
+            return
+        cls = type(self)
+        owner = cls.registry_name or cls.__name__
+        bound = sig.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        options = dict(bound.arguments)
+        options.pop(params[0].name)
+        if own_depth:
+            depth = options.get("depth")
+        schedule = _resolve_schedule(cls, owner, given, options, depth)
+        built = dict(options)
+        if schedule.rotary_dim is not None:
+            built["head_dim"] = schedule.rotary_dim
+        try:
+            init(self, **built)
+        except ValueError as e:
+            if schedule.rotary_dim is None:
+                raise
+            raise ValueError(f"{owner}: with rotary_fraction={given['rotary_fraction']!r} the rotated width is "
+                             f"{schedule.rotary_dim} of head_dim={options['head_dim']}: {e}") from None
+        if schedule.theta_index is not None:
+            if any(True for _ in self.parameters()):
+                raise _schedule_error(owner, "layer_theta", given["layer_theta"],
+                                      f"{owner} learns its rotations (its {cls.layer_theta_option!r} only initialises them)")
+            if getattr(self, "augments_coordinates", False) or getattr(self, "random_positions", 1.0) > 1:
+                # each base's encoding would draw its own coordinates: layers would see different positions
+                raise _schedule_error(owner, "layer_theta", given["layer_theta"], "it cannot be combined with the "
+                                      "coordinate options (coord_shift / coord_jitter / coord_rescale / random_positions)")
+            thetas = sorted(set(float(t) for t in given["layer_theta"]))
+            frac = given.get("rotary_fraction", 1.0)
+            # one encoding per distinct base: a layer's rotation is exactly that of an encoding built with its base
+            self.layer_theta_encodings = nn.ModuleList(
+                [cls(**{**options, cls.layer_theta_option: t}, rotary_fraction=frac) for t in thetas])
+        self.layer_schedule = schedule
+
+    __init__.__signature__ = new_sig  # type: ignore[attr-defined]
+    __init__._layer_schedule = True  # type: ignore[attr-defined]
+    return __init__
+
+
+def _scheduled_rotate_qk(fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """``rotate_qk`` under the encoding's layer schedule: nothing in a NoPE layer, the layer's base under
+    ``layer_theta``, only the first ``rotary_dim`` channels under ``rotary_fraction``."""
+
+    @functools.wraps(fn)
+    def rotate_qk(self: "RotaryEncoding", q: torch.Tensor, k: torch.Tensor, state: Any, layer: int | None = None):
+        sched = self.layer_schedule
+        per_layer = bool(sched.nope_layers) or sched.theta_index is not None
+        if layer is None:
+            if per_layer:
+                raise ValueError(f"{self.registry_name or type(self).__name__} has a per-layer schedule (nope_layers / "
+                                 "layer_theta) but its host called rotate_qk without the layer index")
+            layer = 0
+        if layer in sched.nope_layers:
+            return q, k
+        if isinstance(state, LayerThetaState):
+            state = state.for_layer(layer)
+        r = sched.rotary_dim
+        if r is None or q.shape[-1] == r:
+            return fn(self, q, k, state, layer)
+        qr, kr = fn(self, q[..., :r], k[..., :r], state, layer)
+        return torch.cat([qr, q[..., r:]], dim=-1), torch.cat([kr, k[..., r:]], dim=-1)
+
+    rotate_qk._layer_schedule = True  # type: ignore[attr-defined]
+    return rotate_qk
+
+
+def _scheduled_fold(fn: Callable[..., tuple[Any, Any]]) -> Callable[..., tuple[Any, Any]]:
+    """``fold_qk_basis`` (a basis change folded into the q/k projection): not in a NoPE layer, nor on a partial
+    head (the basis covers the rotated channels only); ``rotate_qk`` then rotates the unfolded q and k."""
+
+    @functools.wraps(fn)
+    def fold_qk_basis(self: "RotaryEncoding", state: Any, layer: int = 0):
+        sched = self.layer_schedule
+        if layer in sched.nope_layers or sched.rotary_dim is not None:
+            return None, state
+        return fn(self, state, layer)
+
+    fold_qk_basis._layer_schedule = True  # type: ignore[attr-defined]
+    return fold_qk_basis
+
+
 class RotaryEncoding(PositionalEncoding):
     """Base for encodings that rotate q and k by per-pair angles.
 
@@ -123,6 +306,28 @@ class RotaryEncoding(PositionalEncoding):
     #: Angle tables carry a leading ``depth`` dimension (one table per layer).
     per_layer: bool = False
     layout: str = "interleaved"
+    #: The layer-schedule options (:data:`LAYER_SCHEDULE_OPTIONS`) this encoding supports; every rotary encoding's
+    #: constructor takes all three and refuses the others by name.
+    layer_schedules: ClassVar[tuple[str, ...]] = LAYER_SCHEDULE_OPTIONS
+    #: The constructor option ``layer_theta`` sets per layer.
+    layer_theta_option: ClassVar[str] = "theta"
+    layer_schedule: LayerSchedule = LayerSchedule()
+    option_checks = {
+        "nope_layers": Seq(Int(), distinct=True, scalar_ok=True, optional=True),
+        "rotary_fraction": Real(0, 1, low_open=True),
+        "layer_theta": Seq(Real(0, low_open=True), min_length=1, optional=True),
+    }
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # before the base class wraps the constructor with its option checks, so they see the schedule options
+        init = cls.__dict__.get("__init__")
+        if init is not None and not getattr(init, "_layer_schedule", False) and not getattr(init, "_validates_options", False):
+            cls.__init__ = _scheduled_init(init)  # type: ignore[method-assign]
+        for name, wrap in (("rotate_qk", _scheduled_rotate_qk), ("fold_qk_basis", _scheduled_fold)):
+            fn = cls.__dict__.get(name)
+            if fn is not None and not getattr(fn, "_layer_schedule", False):
+                setattr(cls, name, wrap(fn))
+        super().__init_subclass__(**kwargs)
 
     # -- to implement --------------------------------------------------------------------
     def angles(self, grid: PositionGrid, device: torch.device | None) -> torch.Tensor:
@@ -149,24 +354,31 @@ class RotaryEncoding(PositionalEncoding):
             table = rotary_table(ang)
         return RotaryState(table, per_layer=self.per_layer)
 
-    def prepare(self, grid: PositionGrid, device: torch.device | None = None) -> RotaryState:
+    def prepare(self, grid: PositionGrid, device: torch.device | None = None) -> RotaryState | LayerThetaState:
         self.check_grid(grid)
+        per_theta = self._modules.get("layer_theta_encodings")
+        if per_theta is not None:
+            return LayerThetaState(tuple(e.prepare(grid, device) for e in per_theta), self.layer_schedule.theta_index)
         key = ("rotary", grid.shape, grid.num_prefix_tokens, str(device))
         return self.cached(key, lambda: self.build_state(grid, device), uses_parameters=True)
 
-    def keep_tokens(self, state: RotaryState, grid: PositionGrid) -> RotaryState:
+    def keep_tokens(self, state: RotaryState | LayerThetaState, grid: PositionGrid) -> RotaryState | LayerThetaState:
+        if isinstance(state, LayerThetaState):
+            return replace(state, states=tuple(e.keep_tokens(s, grid) for e, s in zip(self._modules["layer_theta_encodings"], state.states)))
         return state.select(grid.sequence_index())
 
     def rotate(self, x: torch.Tensor, state: RotaryState, layer: int = 0) -> torch.Tensor:
         return apply_rotary(x, state.for_layer(layer), self.layout)
 
+    @_scheduled_rotate_qk
     def rotate_qk(self, q: torch.Tensor, k: torch.Tensor, state: Any, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate one layer's q and k (one call, so a family that rotates the pair jointly, as ComRoPE's
-        block rotations do, overrides this and nothing else of the attention path)."""
+        block rotations do, overrides this and nothing else of the attention path). Every override runs under
+        the layer schedule (:data:`LAYER_SCHEDULE_OPTIONS`), applied here and not in the override."""
         return self.rotate(q, state, layer), self.rotate(k, state, layer)
 
     def attend(self, q, k, v, *, layer=0, state=None, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
-        if state is None:
+        if state is None or layer in self.layer_schedule.nope_layers:
             return sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale)
         q0, k0 = q, k
         q, k = self.rotate_qk(q0, k0, state, layer)

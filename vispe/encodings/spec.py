@@ -70,7 +70,7 @@ def _parse_string(spec: str) -> tuple[str, dict[str, Any]]:
         raise ValueError(f"encoding spec {spec!r}: options go in one trailing [key=value,...]")
     name, opts = spec[:-1].split("[", 1)
     kwargs: dict[str, Any] = {}
-    for item in filter(None, (o.strip() for o in opts.split(","))):
+    for item in filter(None, (o.strip() for o in _split_top_level(opts, ",", "([{", ")]}"))):
         if "=" not in item:
             raise ValueError(f"encoding spec {spec!r}: option {item!r} is not key=value")
         k, v = (t.strip() for t in item.split("=", 1))
@@ -133,22 +133,23 @@ def split_composed(text: str) -> list[str]:
     return _split_top_level(text, "+")
 
 
-def _split_top_level(text: str, sep: str = ",") -> list[str]:
+def _split_top_level(text: str, sep: str = ",", opening: str = "[", closing: str = "]") -> list[str]:
+    """``text`` split at ``sep`` outside brackets (option values such as ``nope_layers=(3, 7)`` keep their commas)."""
     parts, depth, cur = [], 0, ""
     for ch in text:
-        if ch == "[":
+        if ch in opening:
             depth += 1
-        elif ch == "]":
+        elif ch in closing:
             depth -= 1
             if depth < 0:
-                raise ValueError(f"unbalanced ']' in {text!r}")
+                raise ValueError(f"unbalanced {ch!r} in {text!r}")
         if ch == sep and depth == 0:
             parts.append(cur)
             cur = ""
         else:
             cur += ch
     if depth:
-        raise ValueError(f"unbalanced '[' in {text!r}")
+        raise ValueError(f"unbalanced brackets in {text!r}")
     parts.append(cur)
     return [p.strip() for p in parts if p.strip()]
 

@@ -43,6 +43,7 @@ class ComRopeBase(CoordinateAugmentation, RotaryEncoding):
     """
 
     pairwise_phases = False
+    layer_schedules = ("nope_layers", "rotary_fraction")  # learned generators: no rotary base to set per layer
     prefix_policy = "prefix tokens (cls, registers) sit at the grid centre (0.5, ...) and are rotated like patches"
     grid_ndims = (2,)
 
