@@ -175,7 +175,7 @@ def _fit_command(part: Part, run_encoding: str, seed: int, out: Path, data_dir: 
            "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
     overrides = dict(part.overrides)
     if data_dir is not None and part.needs_data:
-        overrides["data.init_args.data_dir"] = str(Path(data_dir) / part.needs_data)
+        overrides["data.init_args.dataset.init_args.data_dir"] = str(Path(data_dir) / part.needs_data)
     for k, v in overrides.items():
         cmd += [f"--{k}", _cli_value(v)]
     return cmd
