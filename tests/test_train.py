@@ -367,6 +367,25 @@ def _cli(*args: str):
 def test_data_sizes_are_linked_into_the_model_once_the_data_is_built():
     cli = _cli("--data.init_args.dataset.init_args.num_classes", "3", "--data.init_args.dataset.init_args.image_size", "8")
     assert (cli.datamodule.num_classes, cli.datamodule.image_size) == (3, 8)
+    _check_linked(cli)
+
+
+def test_a_config_of_a_former_datamodule_name_still_builds_and_links():
+    cli = _cli("--data", "vispe.data.SyntheticDataModule", "--data.init_args.num_classes", "3", "--data.init_args.image_size", "8")
+    assert type(cli.datamodule).__name__ == "SyntheticDataModule" and cli.datamodule.augment == "flip"  # its former default
+    _check_linked(cli)
+
+
+def test_links_skip_arguments_the_model_does_not_take():
+    """Image data (num_classes, in_chans, image_size) under a task that takes only img_size: the others are neither
+    passed nor recorded, so the checkpoint's hyper-parameters build the task again."""
+    cli = _cli("--model", "vispe.tasks.ThreeCellTask", "--model.init_args.model", "vispe_vit_tiny_patch4_32",
+               "--model.init_args.model_kwargs", "{embed_dim: 32, depth: 1, num_heads: 2}")
+    hp = cli.model.hparams
+    assert hp.img_size == 16 and "num_classes" not in hp and "in_chans" not in hp
+
+
+def _check_linked(cli) -> None:
     hp = cli.model.hparams
     assert (hp.num_classes, hp.in_chans, hp.img_size) == (3, 3, 8)  # recorded as the model's hyper-parameters
     assert cli.model.model.head.out_features == 3 and cli.model.model.patch_embed.img_size == (8, 8)

@@ -1,11 +1,11 @@
 """LightningModule for the Three Cell Experiment: BCE over the 6 bits, accuracy per group.
 
-The model is any timm model name (vispe models included) plus keyword arguments, e.g.
+The model is an ``nn.Module`` with 6 outputs, or any timm model name (vispe models included) plus keyword arguments, e.g.
 ``ThreeCellTask('vispe_vit_tiny_patch16_224', {'patch_size': 2, 'embed_dim': 64, 'depth': 2,
 'num_heads': 4}, pos_encoding='rope_mixed', img_size=16)``: the positional encoding is only
 ever chosen through the model's own ``pos_encoding`` argument. The signature follows
 :class:`vispe.tasks.classification.ImageClassification` (``model``, ``model_kwargs``,
-``pos_encoding``, ``img_size``), so ``vispe fit`` fills ``img_size`` from the DataModule.
+``pos_encoding``, ``img_size``), so ``vispe fit`` links ``img_size`` from the DataModule.
 
 Metrics (val/test), as in the LOOPE paper: accuracy of each group at threshold 0.5 --
 ``distance`` (bits 0-1), ``orientation`` (bit 2), ``area`` (bits 3-4), ``vector_sum`` (bit 5);
