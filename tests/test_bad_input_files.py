@@ -468,7 +468,7 @@ def test_data_cifar10_damaged_cache_is_named(tmp_path):
     cache.mkdir()
     (cache / "cifar10_train_uint8.npz").write_bytes(b"PK\x03\x04 cut")
     dm = CIFAR10JpegDataModule(data_dir=str(_cifar_dir(tmp_path)), cache_dir=str(cache))
-    expect_clear_error(lambda: dm._load("train"), ["cifar10_train_uint8.npz", "delete it"])
+    expect_clear_error(lambda: dm.dataset._load("train"), ["cifar10_train_uint8.npz", "delete it"])
 
 
 def _image_folder(root: Path, classes: tuple[str, ...], broken: bool = False) -> Path:
