@@ -408,18 +408,20 @@ def test_module_backbone_from_python():
 
 
 def test_module_backbone_from_a_config_class_path():
-    spec = {"class_path": "vispe.models.vispe_vit.VispeVisionTransformer",
-            # pos_embed: the class's **kwargs are timm's VisionTransformer arguments, whose default 'learn' vispe refuses
-            "init_args": {"pos_encoding": "rope_axial", "pos_embed": "none", "num_classes": 4, **TINY_VIT}}
+    """Any nn.Module class with its arguments (here timm's plain ViT) is the backbone; the record builds it again."""
     import yaml
 
-    cli = _cli("--model.init_args.model", yaml.safe_dump(spec, default_flow_style=True).strip(),
-               "--model.init_args.model_kwargs", "null", "--model.init_args.pos_encoding", "null")
-    from vispe.models.vispe_vit import VispeVisionTransformer
+    from timm.models.vision_transformer import VisionTransformer
+
     from vispe.train_cli import run_name
 
-    assert type(cli.model.model) is VispeVisionTransformer and cli.model.model.embed_dim == 32
+    spec = {"class_path": "timm.models.vision_transformer.VisionTransformer", "init_args": {"num_classes": 4, **TINY_VIT}}
+    cli = _cli("--model.init_args.model", yaml.safe_dump(spec, default_flow_style=True).strip(),
+               "--model.init_args.model_kwargs", "null", "--model.init_args.pos_encoding", "null")
+    assert type(cli.model.model) is VisionTransformer and cli.model.model.embed_dim == 32
+    assert cli.model(torch.randn(2, 3, 16, 16)).shape == (2, 4)
     assert cli.model.hparams.model["class_path"] == spec["class_path"]  # a checkpoint can build it again
     rebuilt = ImageClassification(**{k: v for k, v in cli.model.hparams.items() if not k.startswith("_")})
-    assert type(rebuilt.model) is VispeVisionTransformer
-    assert run_name(cli.config["model"]) == "rope_axial"  # the run is named after the module's encoding
+    assert type(rebuilt.model) is VisionTransformer and rebuilt(torch.randn(1, 3, 16, 16)).shape == (1, 4)
+    # a module config's own encoding names the run
+    assert run_name({"init_args": {"model": {"init_args": {"pos_encoding": "rope_axial[coord_shift=1.0]"}}}}) == "rope_axial"
