@@ -468,7 +468,7 @@ def test_data_cifar10_damaged_cache_is_named(tmp_path):
     cache.mkdir()
     (cache / "cifar10_train_uint8.npz").write_bytes(b"PK\x03\x04 cut")
     dm = CIFAR10JpegDataModule(data_dir=str(_cifar_dir(tmp_path)), cache_dir=str(cache))
-    expect_clear_error(lambda: dm._load("train"), ["cifar10_train_uint8.npz", "delete it"])
+    expect_clear_error(lambda: dm.dataset._load("train"), ["cifar10_train_uint8.npz", "delete it"])
 
 
 def _image_folder(root: Path, classes: tuple[str, ...], broken: bool = False) -> Path:
@@ -710,10 +710,10 @@ def _yaml(tmp_path: Path, old: str, new: str) -> Path:
     ("label smoothing 2", ["--model.init_args.label_smoothing", "2"], ["label_smoothing", "[0, 1)"]),
     ("mix backend", ["--model.init_args.mix_backend", "foo"], ["mix_backend", "foo", "timm"]),
     ("negative workers", ["--data.init_args.num_workers", "-1"], ["num_workers", "-1"]),
-    ("zero channels", ["--data.init_args.in_chans", "0"], ["in_chans", "0"]),
+    ("zero channels", ["--data.init_args.dataset.init_args.in_chans", "0"], ["in_chans", "0"]),
     ("zero eval batch", ["--data.init_args.eval_batch_size", "0"], ["eval_batch_size", "0"]),
     ("zero eval subset", ["--data.init_args.eval_subset", "0"], ["subset size", "0"]),
-    ("image size not a patch multiple", ["--data.init_args.image_size", "18"], ["img_size=(18, 18)", "patch_size=(4, 4)"]),
+    ("image size not a patch multiple", ["--data.init_args.dataset.init_args.image_size", "18"], ["img_size=(18, 18)", "patch_size=(4, 4)"]),
     ("zero devices", ["--trainer.devices", "0"], ["devices", "0"]),
     ("negative max_epochs", ["--trainer.max_epochs", "-5"], ["max_epochs", "-5"]),
 ])

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vispe.data.image_datamodule import ImageDataModule, TensorImageDataset, class_interleaved_order
+from vispe.data.image_datamodule import ImageDataModule, ImageSource, TensorImageDataset, class_interleaved_order
 from vispe.data import (
     CIFAR10JpegDataModule,
     DigitsDataModule,
@@ -170,16 +170,17 @@ def test_fashion_mnist_idx_and_digits():
 
 
 # -- evaluation order: any prefix of the val/test loader is class-stratified ----------------------------
-class _SortedLabels(ImageDataModule):
+class _SortedLabelImages(ImageSource):
     """Images stored sorted by class (as CIFAR-10's and Fashion-MNIST's test files are), unequal class sizes;
     each image's first pixel encodes its label so a fixed 'model' can score it."""
 
-    def __init__(self, counts, **kw):
-        super().__init__(**kw)
+    def __init__(self, counts):
+        super().__init__(locals())
         self.num_classes, self.in_chans, self.image_size = len(counts), 1, 4
+        self.mean, self.std = (0.5,), (0.5,)
         self.counts = counts
 
-    def build_datasets(self):
+    def build(self, seed):
         y = torch.cat([torch.full((n,), c) for c, n in enumerate(self.counts)])
         x = torch.zeros(len(y), 1, 4, 4, dtype=torch.uint8)
         x[:, 0, 0, 0] = y.to(torch.uint8)
@@ -190,7 +191,7 @@ class _SortedLabels(ImageDataModule):
 
 def test_first_eval_batches_cover_every_class_in_proportion():
     counts = [100, 100, 100, 100, 100, 100, 100, 100, 100, 100]
-    dm = _SortedLabels(counts, batch_size=64, seed=0)
+    dm = ImageDataModule(_SortedLabelImages(counts), batch_size=64, seed=0)
     dm.setup()
     assert torch.equal(dm.val_set.labels, dm.val_set.labels.sort().values)  # the stored order is class-sorted
     for loader in (dm.val_dataloader(), dm.test_dataloader()):
@@ -231,7 +232,7 @@ def test_full_set_accuracy_unchanged_by_the_eval_order():
             self.correct += int((pred == y).sum())
             self.count += len(y)
 
-    dm = _SortedLabels([120, 80, 100, 100, 60, 140, 100, 100, 90, 110], batch_size=64, eval_batch_size=64, augment="none")
+    dm = ImageDataModule(_SortedLabelImages([120, 80, 100, 100, 60, 140, 100, 100, 90, 110]), batch_size=64, eval_batch_size=64, augment="none")
     dm.setup()
     x, y = dm.val_set.images, dm.val_set.labels
     want = int((dm.normalize(x)[:, 0, 1, 1] > -0.99).sum())  # correct images, in the stored order, all at once
@@ -248,3 +249,36 @@ def test_full_set_accuracy_unchanged_by_the_eval_order():
     pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
                enable_model_summary=False, limit_val_batches=2).validate(task2, datamodule=dm, verbose=False)
     assert len(torch.cat(seen)) == 128 and torch.cat(seen).unique().numel() == 10
+
+
+# -- one image DataModule over any data set ------------------------------------------------------
+def test_former_names_are_the_one_datamodule_over_their_data_set():
+    """``SyntheticDataModule(...)`` is ``ImageDataModule(SyntheticImages(...))`` with the former loader defaults; its
+    hyper-parameters are plain data that build the same DataModule again, and a checkpoint record reads back both ways."""
+    import yaml
+
+    from vispe.data import SyntheticImages
+    from vispe.data.image import former_record
+
+    old = SyntheticDataModule(num_classes=3, image_size=8, train_size=48, val_size=24, seed=2)
+    new = ImageDataModule(SyntheticImages(num_classes=3, image_size=8, train_size=48, val_size=24), batch_size=32,
+                          augment="flip", seed=2)
+    assert isinstance(old, ImageDataModule) and (old.batch_size, old.augment) == (new.batch_size, new.augment)
+    assert (old.num_classes, old.in_chans, old.image_size, old.mean, old.std) == (3, 3, 8, (0.5,), (0.25,))
+    record = {"class_path": "vispe.data.image_datamodule.ImageDataModule", "init_args": dict(new.hparams)}
+    yaml.safe_dump(record)  # no object inside: a checkpoint stores it under weights_only
+    again = ImageDataModule(**record["init_args"])
+    flat = former_record(record)
+    assert flat["class_path"] == "vispe.data.image.SyntheticDataModule" and flat["init_args"]["train_size"] == 48
+    former = SyntheticDataModule(**{k: v for k, v in flat["init_args"].items() if not k.startswith("_")})
+    for dm in (old, new, again, former):
+        dm.setup()
+    for dm in (new, again, former):
+        assert torch.equal(dm.train_set.images, old.train_set.images) and torch.equal(dm.val_set.labels, old.val_set.labels)
+
+
+def test_datamodule_refuses_what_is_not_a_data_set():
+    with pytest.raises(ValueError, match=r"dataset must be an ImageSource \(CIFAR10Images, .*SyntheticImages.*got str 'cifar10'"):
+        ImageDataModule("cifar10")
+    with pytest.raises(ValueError, match=r"class_path 'torch.nn.Linear' is not an ImageSource; use one of"):
+        ImageDataModule({"class_path": "torch.nn.Linear", "init_args": {}})

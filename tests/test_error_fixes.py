@@ -19,7 +19,7 @@ def test_missing_image_folder_names_its_argument_and_flag_not_the_data_root(tmp_
     with pytest.raises(FileNotFoundError) as err:
         ImageFolderDataModule(train_dir=str(tmp_path / "no_train"), val_dir=str(tmp_path))
     msg = str(err.value)
-    assert "no_train" in msg and "--data.init_args.train_dir" in msg
+    assert "no_train" in msg and "--data.init_args.dataset.init_args.train_dir" in msg
     assert "data_dir" not in msg and "VISPE_DATA_ROOT" not in msg  # it has no effect on an explicit folder
 
 

@@ -165,7 +165,7 @@ def _seeded(compute, seed=7):
 
 
 def test_auxiliary_loss_is_found_by_the_walk_anywhere():
-    from vispe.tasks.classification import add_auxiliary_loss
+    from vispe.tasks.auxiliary import add_auxiliary_loss
 
     model = _vit(SEQPE).train()
     seqpe_loss = _seeded(model.pos_encoding.auxiliary_loss)

@@ -52,7 +52,7 @@ def _write_folder(root: Path, classes: list[str], per_class: int, size=(16, 16),
     from PIL import Image
 
     dm = SyntheticDataModule(num_classes=4, image_size=16, val_size=4 * per_class, noise=0.2, seed=0)
-    val = dm.generate(4 * per_class, stream=2)
+    val = dm.dataset.generate(4 * per_class, stream=2, seed=0)
     count = {c: 0 for c in range(4)}
     for x, y in zip(val.images, val.labels.tolist()):
         if y >= len(classes) or count[y] >= per_class:

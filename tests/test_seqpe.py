@@ -116,7 +116,7 @@ class _Recorder:
 
 
 def test_tasks_add_the_auxiliary_loss_with_their_weight():
-    from vispe.tasks.classification import add_auxiliary_loss
+    from vispe.tasks.auxiliary import add_auxiliary_loss
 
     model = timm.create_model(MODEL, pos_encoding={"name": "seqpe", **SMALL}, depth=1)
     base = torch.tensor(1.0)

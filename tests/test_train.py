@@ -81,7 +81,9 @@ def uninterrupted(tmp_path_factory) -> Path:
 def test_plain_python_fit_trains_and_checkpoints(uninterrupted):
     ck = _ckpt(uninterrupted)
     assert ck["epoch"] == 2 and ck["global_step"] == 3 * 4  # 128 samples / batch 32 = 4 steps per epoch
-    assert "vispe_datamodule" in ck and ck["vispe_datamodule"]["class_path"] == "vispe.data.image.SyntheticDataModule"
+    record = ck["vispe_datamodule"]  # the one image DataModule and its data set: enough to build the test split again
+    assert record["class_path"] == "vispe.data.image_datamodule.ImageDataModule"
+    assert record["init_args"]["dataset"]["init_args"]["train_size"] == 128
     assert 0.0 <= _last_val(uninterrupted, "version_0")["val/acc"] <= 1.0
 
 
@@ -286,7 +288,7 @@ def test_world_size_guard_catches_duplicated_training(monkeypatch, tmp_path):
     [
         (["--model.init_args.pos_encoding", "no_such_pe"], ValueError, "unknown positional encoding 'no_such_pe'; choose one of"),
         (["--model.init_args.model", "vispe_vit_no_such"], ValueError, "unknown model 'vispe_vit_no_such'"),
-        (["--data", "vispe.data.CIFAR10JpegDataModule", "--data.init_args.data_dir", "/no/such/cifar10-jpeg"],
+        (["--data.init_args.dataset", "vispe.data.CIFAR10Images", "--data.init_args.dataset.init_args.data_dir", "/no/such/cifar10-jpeg"],
          FileNotFoundError, "not found at '/no/such/cifar10-jpeg'"),
     ],
 )
@@ -345,3 +347,82 @@ def test_mixing_gives_soft_labels(backend):
 def test_pos_encoding_on_plain_timm_model_is_rejected():
     with pytest.raises(ValueError, match="pos_encoding is an option of vispe_\\* models"):
         ImageClassification("vit_tiny_patch16_224", pos_encoding="rope_axial")
+
+
+# -- Lightning composition: data sizes linked into the model, the backbone as an argument ----------------------------
+TINY_VIT = dict(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2)
+
+
+def _cli(*args: str):
+    """The classes ``vispe fit -c smoke ARGS`` would train, built and not run."""
+    import warnings
+
+    from vispe.train_cli import VispeCLI
+
+    with warnings.catch_warnings():  # the arguments are given explicitly, as `vispe fit` gives them
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+        return VispeCLI(args=["-c", str(SMOKE), "--trainer.logger", "false", "--trainer.enable_checkpointing", "false", *args],
+                        run=False)
+
+
+def test_data_sizes_are_linked_into_the_model_once_the_data_is_built():
+    cli = _cli("--data.init_args.dataset.init_args.num_classes", "3", "--data.init_args.dataset.init_args.image_size", "8")
+    assert (cli.datamodule.num_classes, cli.datamodule.image_size) == (3, 8)
+    _check_linked(cli)
+
+
+def test_a_config_of_a_former_datamodule_name_still_builds_and_links():
+    cli = _cli("--data", "vispe.data.SyntheticDataModule", "--data.init_args.num_classes", "3", "--data.init_args.image_size", "8")
+    assert type(cli.datamodule).__name__ == "SyntheticDataModule" and cli.datamodule.augment == "flip"  # its former default
+    _check_linked(cli)
+
+
+def test_links_skip_arguments_the_model_does_not_take():
+    """Image data (num_classes, in_chans, image_size) under a task that takes only img_size: the others are neither
+    passed nor recorded, so the checkpoint's hyper-parameters build the task again."""
+    cli = _cli("--model", "vispe.tasks.ThreeCellTask", "--model.init_args.model", "vispe_vit_tiny_patch4_32",
+               "--model.init_args.model_kwargs", "{embed_dim: 32, depth: 1, num_heads: 2}")
+    hp = cli.model.hparams
+    assert hp.img_size == 16 and "num_classes" not in hp and "in_chans" not in hp
+
+
+def _check_linked(cli) -> None:
+    hp = cli.model.hparams
+    assert (hp.num_classes, hp.in_chans, hp.img_size) == (3, 3, 8)  # recorded as the model's hyper-parameters
+    assert cli.model.model.head.out_features == 3 and cli.model.model.patch_embed.img_size == (8, 8)
+    assert "visual_dim" not in hp  # a link whose attribute the data lacks is skipped
+
+
+def test_module_backbone_from_python():
+    import timm
+
+    vit = timm.create_model("vispe_vit_tiny_patch4_32", pos_encoding="rope_axial", num_classes=4, **TINY_VIT)
+    task = ImageClassification(model=vit, num_classes=4, img_size=16)
+    assert task.model is vit and task.hparams.model is None  # its weights are in the state dict, not the hyper-parameters
+    with pytest.raises(ValueError, match=r"pass it again \(load_from_checkpoint\(path, model=<the module>\)\)"):
+        ImageClassification(**{k: v for k, v in task.hparams.items() if k != "model"}, model=task.hparams.model)
+    assert task(torch.randn(2, 3, 16, 16)).shape == (2, 4)
+    with pytest.raises(ValueError, match="has num_classes=4 but the task needs num_classes=10"):
+        ImageClassification(model=vit, num_classes=10)
+    with pytest.raises(ValueError, match="pos_encoding configure a model built from its name"):
+        ImageClassification(model=vit, num_classes=4, pos_encoding="rope_mixed")
+
+
+def test_module_backbone_from_a_config_class_path():
+    """Any nn.Module class with its arguments (here timm's plain ViT) is the backbone; the record builds it again."""
+    import yaml
+
+    from timm.models.vision_transformer import VisionTransformer
+
+    from vispe.train_cli import run_name
+
+    spec = {"class_path": "timm.models.vision_transformer.VisionTransformer", "init_args": {"num_classes": 4, **TINY_VIT}}
+    cli = _cli("--model.init_args.model", yaml.safe_dump(spec, default_flow_style=True).strip(),
+               "--model.init_args.model_kwargs", "null", "--model.init_args.pos_encoding", "null")
+    assert type(cli.model.model) is VisionTransformer and cli.model.model.embed_dim == 32
+    assert cli.model(torch.randn(2, 3, 16, 16)).shape == (2, 4)
+    assert cli.model.hparams.model["class_path"] == spec["class_path"]  # a checkpoint can build it again
+    rebuilt = ImageClassification(**{k: v for k, v in cli.model.hparams.items() if not k.startswith("_")})
+    assert type(rebuilt.model) is VisionTransformer and rebuilt(torch.randn(1, 3, 16, 16)).shape == (1, 4)
+    # a module config's own encoding names the run
+    assert run_name({"init_args": {"model": {"init_args": {"pos_encoding": "rope_axial[coord_shift=1.0]"}}}}) == "rope_axial"

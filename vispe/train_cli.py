@@ -13,9 +13,10 @@
   independent single-device copies of the job. The CLI maps ``LT_*`` (or torchrun's
   ``LOCAL_WORLD_SIZE``/``WORLD_SIZE``) onto the trainer settings and refuses to start when the
   Trainer's world size differs from the launcher's.
-* Data-derived model arguments: ``num_classes``, ``in_chans`` and ``img_size`` are taken from the
-  DataModule (``num_classes``, ``in_chans``, ``image_size`` attributes) for any model whose
-  ``__init__`` accepts them, so configs state them once.
+* Data-derived model arguments: ``num_classes``, ``in_chans``, ``img_size`` and ``visual_dim`` are linked from the
+  built DataModule (its ``num_classes``, ``in_chans``, ``image_size``, ``visual_dim`` attributes;
+  ``LightningCLI.link_arguments(..., apply_on="instantiate")``) into any model whose ``__init__`` accepts them, so
+  configs state them once; a link whose attribute the DataModule lacks, or whose argument the model lacks, is skipped.
 * Defaults added when the config has none: a TQDM progress bar refreshed every 2 s (30 s in a log), CSV logger (plus TensorBoard when
   installed), learning-rate monitor, and a :class:`FinalLastCheckpoint` with ``last.ckpt`` in the
   logger's versioned folder ``<save_dir>/<name>/version_N/checkpoints``: a rerun never overwrites an
@@ -49,7 +50,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelCheckpoint, ProgressBar, TQDMProgressBar
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningCLI, _InstantiatorFn
 from lightning.pytorch.loggers import CSVLogger, Logger
 
 from vispe._checks import check_choice, did_you_mean
@@ -63,6 +64,7 @@ __all__ = ["CKPT_HPARAMS", "AtomicCheckpointIO", "TimedProgressBar", "apply_thre
 
 
 _TRAINER_DEFAULTS = {"accelerator": "auto", "devices": "auto", "num_nodes": 1, "strategy": "auto", "precision": None}
+#: DataModule attribute -> model argument, linked once the DataModule is built
 _DATA_TO_MODEL = {"num_classes": "num_classes", "in_chans": "in_chans", "image_size": "img_size", "visual_dim": "visual_dim"}
 #: ``--ckpt_hparams``: what to do when ``--ckpt_path``'s model hyper-parameters differ from the configured model
 CKPT_HPARAMS = ("refuse", "checkpoint", "config")
@@ -237,8 +239,21 @@ def _get(ns: Any, key: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
+class _AcceptedLinksInstantiator(_InstantiatorFn):
+    """Lightning's instantiator (the config becomes the module's hyper-parameters), given only the linked values the
+    class accepts: jsonargparse skips a link whose target the chosen class lacks (``num_classes`` into the retrieval
+    task), Lightning would still record it as a hyper-parameter, and the checkpoint could not build the class again."""
+
+    def __call__(self, class_type: type, *args: Any, applied_instantiation_links: dict, **kwargs: Any) -> Any:
+        accepted = inspect.signature(class_type.__init__).parameters
+        prefix = f"{self.key}.init_args."
+        links = {k: v for k, v in applied_instantiation_links.items()
+                 if not k.startswith(prefix) or k[len(prefix):].split(".", 1)[0] in accepted}
+        return super().__call__(class_type, *args, applied_instantiation_links=links, **kwargs)
+
+
 class VispeCLI(LightningCLI):
-    """LightningCLI with launcher mapping, data -> model argument filling and vispe defaults."""
+    """LightningCLI with launcher mapping, data -> model argument links and vispe defaults."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("subclass_mode_model", True)
@@ -256,6 +271,9 @@ class VispeCLI(LightningCLI):
         super().__init__(pl.LightningModule, pl.LightningDataModule, *args, **kwargs)
 
     def add_arguments_to_parser(self, parser: Any) -> None:
+        for data_attr, model_arg in _DATA_TO_MODEL.items():
+            # once the DataModule is built (it checks its files), its sizes become the model's arguments
+            parser.link_arguments(f"data.{data_attr}", f"model.init_args.{model_arg}", apply_on="instantiate")
         parser.add_argument(
             "--threads", type=Optional[Union[int, str]], default=None,
             help="torch CPU threads per process: a number, 'auto' (this process's share of the cores less what other work "
@@ -306,10 +324,8 @@ class VispeCLI(LightningCLI):
         if not hparams or policy == "config":
             return
         if policy == "refuse" and cfg.get("model") is not None:
-            self._fill_model_from_data(cfg)  # data-derived arguments (num_classes ...) take part in the comparison
-            refuse_other_model(ckpt_path, hparams, cfg.get("model"),
-                               "Pass --ckpt_hparams checkpoint to build the checkpoint's model, --ckpt_hparams config to "
-                               "build the configured one (the checkpoint's weights must fit it), or make the config match")
+            # compared once the model is built (instantiate_trainer): its data-linked arguments (num_classes ...) take part
+            self._ckpt_to_compare = (ckpt_path, hparams)
             return
         if "_class_path" in hparams:
             hparams = {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
@@ -342,13 +358,24 @@ class VispeCLI(LightningCLI):
         if (cfg.get("ckpt_hparams") or "refuse") == "config":
             return
         ckpt = read_checkpoint(path)
-        diffs = _hparam_differences(cfg.get("model"), dict(ckpt.get("hyper_parameters") or {}) if isinstance(ckpt, dict) else {})
+        diffs = _hparam_differences(self._model_config(), dict(ckpt.get("hyper_parameters") or {}) if isinstance(ckpt, dict) else {})
         if diffs:
             raise ValueError(
                 f"--ckpt_path last ({path!r}) was saved from a model with other hyper-parameters than the configured model: "
                 f"{'; '.join(diffs)}. Make the config match, or pass the file itself (--ckpt_path {path}) with "
                 f"--ckpt_hparams checkpoint to build the checkpoint's model"
             )
+
+    def _model_config(self) -> Any:
+        """The configured model as ``{'class_path', 'init_args'}``: the built model's hyper-parameters (with the values
+        linked from the data) once it exists, the parsed config before."""
+        model = getattr(self, "model", None)
+        if isinstance(model, pl.LightningModule) and model.hparams:
+            hp = dict(model.hparams)
+            cls = type(model)
+            return {"class_path": hp.get("_class_path") or f"{cls.__module__}.{cls.__qualname__}",
+                    "init_args": {k: v for k, v in hp.items() if not k.startswith("_")}}
+        return self.config[self.subcommand].get("model")
 
     def before_fit(self) -> None:
         self._check_last_checkpoint()
@@ -367,7 +394,6 @@ class VispeCLI(LightningCLI):
         cfg = self.config[self.subcommand] if self.subcommand else self.config
         apply_threads(cfg.get("threads"))
         self._apply_launcher(cfg)
-        self._fill_model_from_data(cfg)
         self._name_run_after_encoding(cfg)
 
     def _name_run_after_encoding(self, cfg: Any) -> None:
@@ -399,17 +425,26 @@ class VispeCLI(LightningCLI):
                     f"already started the processes; remove trainer.{key} from the config or launch with matching flags"
                 )
 
-    def _fill_model_from_data(self, cfg: Any) -> None:
-        data, model = cfg.get("data"), cfg.get("model")
-        if data is None or model is None or not data.get("class_path") or not model.get("class_path"):
-            return
-        data_cls = _import_class(data["class_path"])
-        init = data.get("init_args")
-        dm = data_cls(**(dict(vars(init)) if init is not None else {}))  # fails early on bad paths
-        accepted = inspect.signature(_import_class(model["class_path"]).__init__).parameters
-        for data_attr, model_arg in _DATA_TO_MODEL.items():
-            if model_arg in accepted and hasattr(dm, data_attr):
-                model["init_args"][model_arg] = getattr(dm, data_attr)
+    def instantiate_classes(self) -> None:
+        """A constructor's own error (a missing data folder, an unknown model) as it was raised, not inside
+        jsonargparse's "Does not validate against any of the Union subtypes" report."""
+        try:
+            super().instantiate_classes()
+        except ValueError as err:
+            cause = err
+            while cause.__cause__ is not None:
+                cause = cause.__cause__
+            if cause is err:
+                raise
+            raise cause from None
+
+    def _add_instantiators(self) -> None:
+        with warnings.catch_warnings():  # the API LightningCLI itself uses (deprecated in jsonargparse 4.49, kept to 5.0)
+            warnings.filterwarnings("ignore", message=".*add_instantiator")
+            self.parser.add_instantiator(_AcceptedLinksInstantiator(cli=self, key="model"), pl.LightningModule,
+                                         subclasses=self.subclass_mode_model)
+            self.parser.add_instantiator(_AcceptedLinksInstantiator(cli=self, key="data"), pl.LightningDataModule,
+                                         subclasses=self.subclass_mode_data)
 
     # -- --ckpt_path last: the same version folder, or nothing to do ------------------------
     def _resume_in_same_version(self, logger: Any, first_logger: Any, tcfg: dict[str, Any]) -> None:
@@ -442,6 +477,11 @@ class VispeCLI(LightningCLI):
 
     # -- trainer with vispe defaults -------------------------------------------------------
     def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
+        compare = getattr(self, "_ckpt_to_compare", None)
+        if compare is not None:  # --ckpt_path FILE: refused before any logger or checkpoint folder exists
+            refuse_other_model(compare[0], compare[1], self._model_config(),
+                               "Pass --ckpt_hparams checkpoint to build the checkpoint's model, --ckpt_hparams config to "
+                               "build the configured one (the checkpoint's weights must fit it), or make the config match")
         tcfg = self._get(self.config_init, "trainer", default={}) or {}
         callbacks = list(tcfg.get("callbacks") or [])
         logger = tcfg.get("logger")
@@ -521,7 +561,10 @@ def run_name(model_cfg: Any) -> str | None:
     ``None`` when the model has no ``pos_encoding``."""
     from vispe.encodings.spec import parse_pos_encoding
 
-    spec = _plain(_get(_get(model_cfg, "init_args"), "pos_encoding"))
+    init = _get(model_cfg, "init_args")
+    spec = _plain(_get(init, "pos_encoding"))
+    if spec is None:  # a backbone given as a module config: its own pos_encoding
+        spec = _plain(_get(_get(_get(init, "model"), "init_args"), "pos_encoding"))
     if spec is None:
         return None
     try:

@@ -70,7 +70,7 @@ def run_task(grid: Grid, part: Part, run_encoding: str, seed: int, out: Path, da
                               "trainer.enable_progress_bar": False, "trainer.enable_model_summary": False}
     values.update(part.overrides)
     if data_dir is not None and part.needs_data:
-        values["data.init_args.data_dir"] = str(Path(data_dir) / part.needs_data)
+        values["data.init_args.dataset.init_args.data_dir"] = str(Path(data_dir) / part.needs_data)
     values.update(overrides or {})
     values["threads"] = threads  # the recipe's own yields: the run's threads are the benchmark's
     last = find_last_checkpoint(out / name)

@@ -45,7 +45,6 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from vispe._checks import AnyOf, Choice, Int, Real, Satisfies, Seq, Str
 from vispe.cli_options import Conflict, Option, Options, TextError, device_rule, floats_text, int_text, json_object_text, strings_text
@@ -225,20 +224,12 @@ def aspect_shapes(ratios: Sequence[float], tokens: int, patch: tuple[int, int]) 
 # ------------------------------------------------------------------------------------------
 # images -> model input
 # ------------------------------------------------------------------------------------------
-def _resample(x: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
-    if tuple(x.shape[-2:]) == tuple(size):
-        return x
-    return F.interpolate(x, size=size, mode="bicubic", align_corners=False, antialias=True)
-
-
 def prepare_batch(images: Sequence[torch.Tensor], shape: tuple[int, int], policy: str, mean: Sequence[float],
                   std: Sequence[float], in_chans: int) -> torch.Tensor:
     """uint8 images (any sizes) -> a normalised float batch ``(B, in_chans, H, W)`` under the resize ``policy``."""
-    from vispe.data.image_datamodule import channel_fix
+    from vispe.data.image_datamodule import channel_fix, normalize_images, resize_images
 
     H, W = shape
-    m = torch.tensor(mean, dtype=torch.float32).view(-1, 1, 1)
-    s = torch.tensor(std, dtype=torch.float32).view(-1, 1, 1)
     out = torch.zeros(len(images), in_chans, H, W)
     groups: dict[tuple[int, int], list[int]] = {}
     for i, im in enumerate(images):  # resize images of one size together
@@ -246,18 +237,18 @@ def prepare_batch(images: Sequence[torch.Tensor], shape: tuple[int, int], policy
     for (h, w), idx in groups.items():
         x = torch.stack([channel_fix(images[i], in_chans) for i in idx]).float().div_(255.0)
         if policy == "resize":
-            y = _resample(x, (H, W))
+            y = resize_images(x, (H, W))
         elif policy == "crop":
             k = max(H / h, W / w)
-            y = _resample(x, (max(H, round(h * k)), max(W, round(w * k))))
+            y = resize_images(x, (max(H, round(h * k)), max(W, round(w * k))))
             top, left = (y.shape[-2] - H) // 2, (y.shape[-1] - W) // 2
             y = y[..., top:top + H, left:left + W]
         elif policy == "pad":
             k = min(H / h, W / w)
-            y = _resample(x, (min(H, max(1, round(h * k))), min(W, max(1, round(w * k)))))
+            y = resize_images(x, (min(H, max(1, round(h * k))), min(W, max(1, round(w * k)))))
         else:
             raise ValueError(f"resize policy {policy!r} is not valid; choose one of {list(RESIZE_POLICIES)}")
-        y = (y - m) / s  # padding below is 0 = the mean colour
+        y = normalize_images(y, tuple(mean), tuple(std))  # the data module's; padding below is 0 = the mean colour
         top, left = (H - y.shape[-2]) // 2, (W - y.shape[-1]) // 2
         out[idx, :, top:top + y.shape[-2], left:left + y.shape[-1]] = y
     return out
@@ -452,8 +443,9 @@ def _recorded(dm_info: dict[str, Any], data_dir: str | None) -> tuple[Callable[[
 
     from vispe.data import eval_sets
     from vispe.data.loading import locate_recorded_paths
-    from vispe.data.image import CIFAR_MEAN, CIFAR_STD, FASHION_MNIST_MEAN, FASHION_MNIST_STD
+    from vispe.data.image import CIFAR_MEAN, CIFAR_STD, FASHION_MNIST_MEAN, FASHION_MNIST_STD, former_record
 
+    dm_info = former_record(dm_info)  # an ImageDataModule record in its data set's flat, former form
     class_path = str(dm_info.get("class_path", ""))
     short = class_path.rsplit(".", 1)[-1]
     init = locate_recorded_paths(dict(dm_info.get("init_args") or {}), dm_info.get("cwd"), f"the checkpoint's {short}",

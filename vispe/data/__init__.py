@@ -1,18 +1,27 @@
-"""LightningDataModules for vispe (image classification here; other modules add three-cell and video data).
+"""LightningDataModules for vispe: one :class:`ImageDataModule` over any image data set (an :class:`ImageSource`:
+CIFAR-10 zips, Fashion-MNIST, digits, ImageFolder trees, torchvision sets, generated images), Three Cell, NIAH and
+video-text data.
 
 Every DataModule takes its data location from an argument or ``$VISPE_DATA_ROOT`` and fails at
 construction, naming the missing path, when the files are not there.
 """
 from .loading import DATA_ROOT_ENV, DEFAULT_DATA_ROOT, EpochSeededRandomSampler, ResumableDataLoader, resolve_data_path
-from .image_datamodule import AUGMENTATIONS, ImageDataModule, TensorImageDataset, random_crop_flip, resize_images
+from .image_datamodule import (AUGMENTATIONS, ImageDataModule, ImageSource, TensorImageDataset, normalize_images,
+                               random_crop_flip, resize_images)
 from .image import (
     CIFAR10_CLASSES,
+    CIFAR10Images,
     CIFAR10JpegDataModule,
     DigitsDataModule,
+    DigitsImages,
     FashionMNISTDataModule,
+    FashionMNISTImages,
+    FolderImages,
     ImageFolderDataModule,
     SyntheticDataModule,
+    SyntheticImages,
     TorchvisionDataModule,
+    TorchvisionImages,
     load_cifar10_zip,
     read_idx,
 )
@@ -53,19 +62,27 @@ __all__ = [
     "DATA_ROOT_ENV",
     "DEFAULT_DATA_ROOT",
     "CIFAR10_CLASSES",
+    "CIFAR10Images",
     "CIFAR10JpegDataModule",
     "DigitsDataModule",
+    "DigitsImages",
     "EpochSeededRandomSampler",
     "ResumableDataLoader",
     "FashionMNISTDataModule",
+    "FashionMNISTImages",
+    "FolderImages",
     "ImageDataModule",
     "ImageFolderDataModule",
+    "ImageSource",
     "SyntheticDataModule",
+    "SyntheticImages",
     "TensorImageDataset",
     "TorchvisionDataModule",
+    "TorchvisionImages",
     "load_cifar10_zip",
     "random_crop_flip",
     "read_idx",
+    "normalize_images",
     "resize_images",
     "resolve_data_path",
 ]

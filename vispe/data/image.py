@@ -1,11 +1,17 @@
-"""Image classification DataModules: CIFAR-10 (JPEG zips), torchvision datasets, ImageFolder,
-Fashion-MNIST (IDX), scikit-learn digits (csv.gz) and a synthetic set that needs no files.
+"""Image classification data sets for :class:`vispe.data.ImageDataModule`: CIFAR-10 (JPEG zips), torchvision
+datasets, ImageFolder trees, Fashion-MNIST (IDX), scikit-learn digits (csv.gz) and a synthetic set that needs no files.
 
-Locations come from arguments or ``$VISPE_DATA_ROOT``; missing files raise at construction time
+Each is an :class:`~vispe.data.image_datamodule.ImageSource`: ``ImageDataModule(dataset=CIFAR10Images(...),
+batch_size=...)``; in a config, ``data.init_args.dataset: {class_path: vispe.data.CIFAR10Images, init_args: {...}}``.
+Locations come from arguments or ``$VISPE_DATA_ROOT``; missing or damaged files raise when the source is built
 (LightningCLI builds the DataModule before the Trainer runs anything).
+
+The former per-dataset DataModules (``CIFAR10JpegDataModule``, ``SyntheticDataModule``, ...) stay importable: each is
+``ImageDataModule`` over its source, with that source's arguments and its former loader defaults.
 """
 from __future__ import annotations
 
+import inspect
 import zipfile
 import zlib
 from pathlib import Path
@@ -17,19 +23,29 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from ..files import DamagedFileError, ImageDecodeError, check_idx, check_zip, read_idx, read_image
-from .image_datamodule import ImageDataModule, TensorImageDataset, channel_fix, make_pil_to_uint8
-from .loading import NumWorkers, resolve_data_path
+from .image_datamodule import ImageDataModule, ImageSource, TensorImageDataset, channel_fix, make_pil_to_uint8
+from .loading import resolve_data_path
 
 __all__ = [
     "CIFAR10_CLASSES",
+    "CIFAR10Images",
+    "DigitsImages",
+    "FashionMNISTImages",
+    "FolderImages",
+    "SyntheticImages",
+    "TorchvisionImages",
+    "load_cifar10_zip",
+    # former names: ImageDataModule over one source
     "CIFAR10JpegDataModule",
     "DigitsDataModule",
     "FashionMNISTDataModule",
     "ImageFolderDataModule",
     "SyntheticDataModule",
     "TorchvisionDataModule",
-    "load_cifar10_zip",
 ]
+
+#: the flag that sets a source's argument under ``vispe fit`` (named in "not found" errors)
+_FLAG = "--data.init_args.dataset.init_args.{}"
 
 CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
@@ -86,7 +102,7 @@ def load_cifar10_zip(zip_path: str | Path, limit_per_class: int | None = None) -
     return torch.from_numpy(images).permute(0, 3, 1, 2).contiguous(), torch.from_numpy(labels)
 
 
-class CIFAR10JpegDataModule(ImageDataModule):
+class CIFAR10Images(ImageSource):
     """CIFAR-10 read from ``cifar10_train_jpeg.zip`` / ``cifar10_test_jpeg.zip`` (members decoded in memory).
 
     Validation and test both use the official test split (``eval_subset`` keeps a fixed,
@@ -94,29 +110,13 @@ class CIFAR10JpegDataModule(ImageDataModule):
 
     Args:
         data_dir: folder with the two zips (default ``$VISPE_DATA_ROOT/cifar10-jpeg``).
+        image_size: model input size in pixels.
         cache_dir: if set, decoded arrays are cached there as ``.npz`` (decoding 60k JPEGs takes ~10 s).
     """
 
-    def __init__(
-        self,
-        data_dir: str | None = None,
-        image_size: int = 32,
-        cache_dir: str | None = None,
-        batch_size: int = 128,
-        eval_batch_size: int | None = None,
-        num_workers: NumWorkers = 0,
-        augment: str = "crop_flip",
-        train_subset: int | None = None,
-        eval_subset: int | None = None,
-        seed: int = 0,
-        resolutions: list[int | list[int]] | None = None,
-        resolution_sampling: str = "batch",
-        patch_size: int | None = None,
-    ) -> None:
-        super().__init__(batch_size, eval_batch_size, num_workers, augment, train_subset, eval_subset, seed,
-                         resolutions=resolutions, resolution_sampling=resolution_sampling, patch_size=patch_size)
-        self.save_hyperparameters()
-        self.data_dir = resolve_data_path(data_dir, "cifar10-jpeg", "CIFAR-10 JPEG data")
+    def __init__(self, data_dir: str | None = None, image_size: int = 32, cache_dir: str | None = None) -> None:
+        super().__init__(locals())
+        self.data_dir = resolve_data_path(data_dir, "cifar10-jpeg", "CIFAR-10 JPEG data", flag=_FLAG.format("data_dir"))
         for split in ("train", "test"):
             zp = self.data_dir / f"cifar10_{split}_jpeg.zip"
             if not zp.is_file():
@@ -140,7 +140,7 @@ class CIFAR10JpegDataModule(ImageDataModule):
             tmp.replace(cache)
         return TensorImageDataset(x, y)
 
-    def build_datasets(self) -> tuple[Dataset, Dataset, Dataset]:
+    def build(self, seed: int) -> tuple[Dataset, Dataset, Dataset]:
         train = self._load("train")
         test = self._load("test")
         return train, test, test
@@ -169,12 +169,12 @@ class _Uint8Wrap(Dataset):
         return self.tf(img, self._name(i)), int(label)
 
 
-class TorchvisionDataModule(ImageDataModule):
+class TorchvisionImages(ImageSource):
     """Any ``torchvision.datasets`` class by name (``'CIFAR10'``, ``'CIFAR100'``, ``'SVHN'``, ``'STL10'`` ...).
 
     Datasets with a ``train=`` flag use ``train=True/False``; those with ``split=`` use
     ``train_split``/``test_split``. Validation uses the test split. ``download=True`` fetches the
-    files (needs internet); without it a missing dataset raises before training.
+    files (needs internet; in ``prepare_data``); without it a missing dataset raises before training.
     """
 
     def __init__(
@@ -189,20 +189,8 @@ class TorchvisionDataModule(ImageDataModule):
         test_split: str = "test",
         mean: tuple[float, ...] = IMAGENET_MEAN,
         std: tuple[float, ...] = IMAGENET_STD,
-        batch_size: int = 128,
-        eval_batch_size: int | None = None,
-        num_workers: NumWorkers = 0,
-        augment: str = "crop_flip",
-        train_subset: int | None = None,
-        eval_subset: int | None = None,
-        seed: int = 0,
-        resolutions: list[int | list[int]] | None = None,
-        resolution_sampling: str = "batch",
-        patch_size: int | None = None,
     ) -> None:
-        super().__init__(batch_size, eval_batch_size, num_workers, augment, train_subset, eval_subset, seed,
-                         resolutions=resolutions, resolution_sampling=resolution_sampling, patch_size=patch_size)
-        self.save_hyperparameters()
+        super().__init__(locals())
         import torchvision.datasets as tvd
 
         cls = getattr(tvd, name, None)
@@ -214,7 +202,7 @@ class TorchvisionDataModule(ImageDataModule):
         if download:
             self.root = Path(root if root else ".")
         else:
-            self.root = resolve_data_path(root, name.lower(), f"torchvision dataset {name}", arg="root")
+            self.root = resolve_data_path(root, name.lower(), f"torchvision dataset {name}", arg="root", flag=_FLAG.format("root"))
         self.download = download
         self.train_split, self.test_split = train_split, test_split
         self.num_classes, self.in_chans, self.image_size = _image_shape(num_classes, in_chans, image_size)
@@ -237,17 +225,17 @@ class TorchvisionDataModule(ImageDataModule):
             raise FileNotFoundError(f"torchvision {self.name} not found under {str(self.root)!r}: {err}") from err
         return _Uint8Wrap(ds, self.image_size, self.in_chans)
 
-    def prepare_data(self) -> None:
+    def prepare(self) -> None:
         if self.download:
             self._make(True)
             self._make(False)
 
-    def build_datasets(self) -> tuple[Dataset, Dataset, Dataset]:
+    def build(self, seed: int) -> tuple[Dataset, Dataset, Dataset]:
         test = self._make(False)
         return self._make(True), test, test
 
 
-class ImageFolderDataModule(ImageDataModule):
+class FolderImages(ImageSource):
     """``torchvision.datasets.ImageFolder`` trees (``<root>/<class>/<image>``) for train / val / (test).
 
     Images are resized (shorter side, bicubic) and centre-cropped to ``image_size`` per sample;
@@ -263,23 +251,12 @@ class ImageFolderDataModule(ImageDataModule):
         in_chans: int = 3,
         mean: tuple[float, ...] = IMAGENET_MEAN,
         std: tuple[float, ...] = IMAGENET_STD,
-        batch_size: int = 64,
-        eval_batch_size: int | None = None,
-        num_workers: NumWorkers = 0,
-        augment: str = "crop_flip",
-        train_subset: int | None = None,
-        eval_subset: int | None = None,
-        seed: int = 0,
-        resolutions: list[int | list[int]] | None = None,
-        resolution_sampling: str = "batch",
-        patch_size: int | None = None,
     ) -> None:
-        super().__init__(batch_size, eval_batch_size, num_workers, augment, train_subset, eval_subset, seed,
-                         resolutions=resolutions, resolution_sampling=resolution_sampling, patch_size=patch_size)
-        self.save_hyperparameters()
-        self.train_dir = resolve_data_path(train_dir, "", "ImageFolder train_dir", arg="train_dir")
-        self.val_dir = resolve_data_path(val_dir, "", "ImageFolder val_dir", arg="val_dir")
-        self.test_dir = resolve_data_path(test_dir, "", "ImageFolder test_dir", arg="test_dir") if test_dir else self.val_dir
+        super().__init__(locals())
+        self.train_dir = resolve_data_path(train_dir, "", "ImageFolder train_dir", arg="train_dir", flag=_FLAG.format("train_dir"))
+        self.val_dir = resolve_data_path(val_dir, "", "ImageFolder val_dir", arg="val_dir", flag=_FLAG.format("val_dir"))
+        self.test_dir = (resolve_data_path(test_dir, "", "ImageFolder test_dir", arg="test_dir", flag=_FLAG.format("test_dir"))
+                         if test_dir else self.val_dir)
         classes = sorted(p.name for p in self.train_dir.iterdir() if p.is_dir())
         if not classes:
             raise ValueError(f"ImageFolder train_dir {str(self.train_dir)!r} has no class sub-folders")
@@ -287,18 +264,18 @@ class ImageFolderDataModule(ImageDataModule):
             other = sorted(p.name for p in folder.iterdir() if p.is_dir())
             if other != classes:  # checked here (a directory listing), not when setup builds the datasets
                 raise ValueError(f"class folders of {name} {str(folder)!r} {other} differ from train_dir's {classes}")
-        self.classes = classes
+        self.classes = tuple(classes)
         self.num_classes, self.in_chans, self.image_size = _image_shape(len(classes), in_chans, image_size)
         self.mean, self.std = tuple(mean), tuple(std)
 
-    def build_datasets(self) -> tuple[Dataset, Dataset, Dataset]:
+    def build(self, seed: int) -> tuple[Dataset, Dataset, Dataset]:
         from torchvision.datasets import ImageFolder
 
         from ..files import image_loader
 
         def make(root: Path) -> Dataset:
             ds = ImageFolder(str(root), loader=image_loader)  # vispe's one decoder (mode rules, bombs, non-finite pixels)
-            if ds.classes != self.classes:
+            if tuple(ds.classes) != self.classes:
                 raise ValueError(f"class folders of {str(root)!r} {ds.classes} differ from train_dir's {self.classes}")
             return _Uint8Wrap(ds, self.image_size, self.in_chans)
 
@@ -308,32 +285,15 @@ class ImageFolderDataModule(ImageDataModule):
 # ------------------------------------------------------------------------------------------
 # Fashion-MNIST (IDX) and scikit-learn digits (csv.gz)
 # ------------------------------------------------------------------------------------------
-class FashionMNISTDataModule(ImageDataModule):
+class FashionMNISTImages(ImageSource):
     """Fashion-MNIST from the four official IDX files (``.gz`` or decompressed), 28 px grey.
 
     ``in_chans=3`` repeats the grey channel; validation and test use the official test split.
     """
 
-    def __init__(
-        self,
-        data_dir: str | None = None,
-        image_size: int = 28,
-        in_chans: int = 1,
-        batch_size: int = 128,
-        eval_batch_size: int | None = None,
-        num_workers: NumWorkers = 0,
-        augment: str = "crop_flip",
-        train_subset: int | None = None,
-        eval_subset: int | None = None,
-        seed: int = 0,
-        resolutions: list[int | list[int]] | None = None,
-        resolution_sampling: str = "batch",
-        patch_size: int | None = None,
-    ) -> None:
-        super().__init__(batch_size, eval_batch_size, num_workers, augment, train_subset, eval_subset, seed,
-                         resolutions=resolutions, resolution_sampling=resolution_sampling, patch_size=patch_size)
-        self.save_hyperparameters()
-        self.data_dir = resolve_data_path(data_dir, "fashion-mnist", "Fashion-MNIST IDX files")
+    def __init__(self, data_dir: str | None = None, image_size: int = 28, in_chans: int = 1) -> None:
+        super().__init__(locals())
+        self.data_dir = resolve_data_path(data_dir, "fashion-mnist", "Fashion-MNIST IDX files", flag=_FLAG.format("data_dir"))
         self.files = {k: self._find(k) for k in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
         for prefix in ("train", "t10k"):
             images, labels = (check_idx(self.files[f"{prefix}-{kind}"]) for kind in ("images-idx3-ubyte", "labels-idx1-ubyte"))
@@ -357,39 +317,22 @@ class FashionMNISTDataModule(ImageDataModule):
             x = x.expand(-1, self.in_chans, -1, -1).contiguous()
         return TensorImageDataset(x, y)
 
-    def build_datasets(self) -> tuple[Dataset, Dataset, Dataset]:
+    def build(self, seed: int) -> tuple[Dataset, Dataset, Dataset]:
         test = self._split("t10k")
         return self._split("train"), test, test
 
 
-class DigitsDataModule(ImageDataModule):
+class DigitsImages(ImageSource):
     """scikit-learn's 8x8 digits (``digits.csv.gz``: 64 pixel columns 0..16 + label), a seeded split.
 
     Pixel counts 0..16 are scaled to 0..255. ``val_fraction`` of the 1,797 samples (class-balanced,
-    seeded) form the validation/test split. ``image_size`` upsamples (e.g. 16 for patch 4).
+    seeded by the data module's ``seed``) form the validation/test split. ``image_size`` upsamples (e.g. 16 for patch 4).
     """
 
-    def __init__(
-        self,
-        data_path: str | None = None,
-        image_size: int = 8,
-        in_chans: int = 1,
-        val_fraction: float = 0.2,
-        batch_size: int = 64,
-        eval_batch_size: int | None = None,
-        num_workers: NumWorkers = 0,
-        augment: str = "none",
-        train_subset: int | None = None,
-        eval_subset: int | None = None,
-        seed: int = 0,
-        resolutions: list[int | list[int]] | None = None,
-        resolution_sampling: str = "batch",
-        patch_size: int | None = None,
-    ) -> None:
-        super().__init__(batch_size, eval_batch_size, num_workers, augment, train_subset, eval_subset, seed,
-                         resolutions=resolutions, resolution_sampling=resolution_sampling, patch_size=patch_size)
-        self.save_hyperparameters()
-        path = resolve_data_path(data_path, "sklearn-digits/digits.csv.gz", "scikit-learn digits csv.gz", arg="data_path")
+    def __init__(self, data_path: str | None = None, image_size: int = 8, in_chans: int = 1, val_fraction: float = 0.2) -> None:
+        super().__init__(locals())
+        path = resolve_data_path(data_path, "sklearn-digits/digits.csv.gz", "scikit-learn digits csv.gz", arg="data_path",
+                                 flag=_FLAG.format("data_path"))
         if path.is_dir():
             path = path / "digits.csv.gz"
             if not path.is_file():
@@ -411,13 +354,13 @@ class DigitsDataModule(ImageDataModule):
             raise DamagedFileError(self.data_path, f"has {a.shape[1]} columns, expected 65 (64 pixels + label)", "check that it is scikit-learn's digits.csv.gz")
         return a
 
-    def build_datasets(self) -> tuple[Dataset, Dataset, Dataset]:
+    def build(self, seed: int) -> tuple[Dataset, Dataset, Dataset]:
         a = self._table
         x = torch.from_numpy(np.round(a[:, :64] * (255.0 / 16.0)).astype(np.uint8)).view(-1, 1, 8, 8)
         y = torch.from_numpy(a[:, 64].astype(np.int64))
         if self.in_chans != 1:
             x = x.expand(-1, self.in_chans, -1, -1).contiguous()
-        g = torch.Generator().manual_seed(self.seed)
+        g = torch.Generator().manual_seed(seed)
         val_idx = []
         for c in range(10):  # class-balanced hold-out
             idx = (y == c).nonzero().flatten()
@@ -432,34 +375,15 @@ class DigitsDataModule(ImageDataModule):
 # ------------------------------------------------------------------------------------------
 # Synthetic: learnable without any file
 # ------------------------------------------------------------------------------------------
-class SyntheticDataModule(ImageDataModule):
+class SyntheticImages(ImageSource):
     """Generated images, no files: each class is a fixed random low-frequency colour pattern
     (a 4x4 template upsampled bilinearly), each sample adds Gaussian noise and a random brightness
-    shift. Deterministic given ``seed``; a small ViT separates the classes within a few steps.
+    shift. Deterministic given the data module's ``seed``; a small ViT separates the classes within a few steps.
     """
 
-    def __init__(
-        self,
-        num_classes: int = 4,
-        image_size: int = 16,
-        in_chans: int = 3,
-        train_size: int = 256,
-        val_size: int = 128,
-        noise: float = 0.35,
-        batch_size: int = 32,
-        eval_batch_size: int | None = None,
-        num_workers: NumWorkers = 0,
-        augment: str = "flip",
-        train_subset: int | None = None,
-        eval_subset: int | None = None,
-        seed: int = 0,
-        resolutions: list[int | list[int]] | None = None,
-        resolution_sampling: str = "batch",
-        patch_size: int | None = None,
-    ) -> None:
-        super().__init__(batch_size, eval_batch_size, num_workers, augment, train_subset, eval_subset, seed,
-                         resolutions=resolutions, resolution_sampling=resolution_sampling, patch_size=patch_size)
-        self.save_hyperparameters()
+    def __init__(self, num_classes: int = 4, image_size: int = 16, in_chans: int = 3, train_size: int = 256,
+                 val_size: int = 128, noise: float = 0.35) -> None:
+        super().__init__(locals())
         if num_classes < 2:
             raise ValueError(f"num_classes must be >= 2, got {num_classes}")
         if image_size < 4:
@@ -468,11 +392,11 @@ class SyntheticDataModule(ImageDataModule):
         self.train_size, self.val_size, self.noise = int(train_size), int(val_size), float(noise)
         self.mean, self.std = (0.5,), (0.25,)
 
-    def generate(self, n: int, stream: int) -> TensorImageDataset:
-        g_tpl = torch.Generator().manual_seed(self.seed)
+    def generate(self, n: int, stream: int, seed: int) -> TensorImageDataset:
+        g_tpl = torch.Generator().manual_seed(seed)
         templates = torch.rand(self.num_classes, self.in_chans, 4, 4, generator=g_tpl)
         templates = F.interpolate(templates, size=(self.image_size,) * 2, mode="bilinear", align_corners=False)
-        g = torch.Generator().manual_seed(self.seed * 1009 + stream)
+        g = torch.Generator().manual_seed(seed * 1009 + stream)
         y = torch.arange(n) % self.num_classes
         y = y[torch.randperm(n, generator=g)]
         x = templates[y]
@@ -480,6 +404,58 @@ class SyntheticDataModule(ImageDataModule):
         x = (x.clamp(0, 1) * 255).round().to(torch.uint8)
         return TensorImageDataset(x, y)
 
-    def build_datasets(self) -> tuple[Dataset, Dataset, Dataset]:
-        val = self.generate(self.val_size, stream=2)
-        return self.generate(self.train_size, stream=1), val, val
+    def build(self, seed: int) -> tuple[Dataset, Dataset, Dataset]:
+        val = self.generate(self.val_size, stream=2, seed=seed)
+        return self.generate(self.train_size, stream=1, seed=seed), val, val
+
+
+# ------------------------------------------------------------------------------------------
+# Former names: ImageDataModule over one source, with that source's arguments and former loader defaults
+# ------------------------------------------------------------------------------------------
+def _former_datamodule(name: str, source: type[ImageSource], **loader_defaults: Any) -> type[ImageDataModule]:
+    """``name(**source_args, **loader_args)`` = ``ImageDataModule(source(**source_args), **loader_args)``: the
+    per-dataset DataModule of earlier configs, checkpoints and scripts, with no arguments of its own."""
+    source_params = [p for p in inspect.signature(source.__init__).parameters.values() if p.name != "self"]
+    loader_params = [p.replace(default=loader_defaults.get(p.name, p.default), kind=inspect.Parameter.KEYWORD_ONLY)
+                     for p in inspect.signature(ImageDataModule.__init__).parameters.values() if p.name not in ("self", "dataset")]
+
+    def __init__(self: ImageDataModule, *args: Any, **kwargs: Any) -> None:
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        values = dict(bound.arguments)
+        values.pop("self")
+        src = source(**{p.name: values.pop(p.name) for p in source_params})
+        ImageDataModule.__init__(self, src, **values)
+
+    signature = inspect.Signature([inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD), *source_params, *loader_params])
+    __init__.__signature__ = signature  # type: ignore[attr-defined]
+    doc = f"``ImageDataModule(dataset={source.__name__}(...))`` under its former name (earlier configs and checkpoints)."
+    return type(name, (ImageDataModule,), {"__init__": __init__, "__doc__": doc, "__module__": __name__, "former_source": source})
+
+
+CIFAR10JpegDataModule = _former_datamodule("CIFAR10JpegDataModule", CIFAR10Images)
+TorchvisionDataModule = _former_datamodule("TorchvisionDataModule", TorchvisionImages)
+ImageFolderDataModule = _former_datamodule("ImageFolderDataModule", FolderImages, batch_size=64)
+FashionMNISTDataModule = _former_datamodule("FashionMNISTDataModule", FashionMNISTImages)
+DigitsDataModule = _former_datamodule("DigitsDataModule", DigitsImages, batch_size=64, augment="none")
+SyntheticDataModule = _former_datamodule("SyntheticDataModule", SyntheticImages, batch_size=32, augment="flip")
+
+_FORMER_NAMES = (CIFAR10JpegDataModule, TorchvisionDataModule, ImageFolderDataModule, FashionMNISTDataModule,
+                 DigitsDataModule, SyntheticDataModule)
+
+
+def former_record(record: dict[str, Any]) -> dict[str, Any]:
+    """A recorded ``ImageDataModule`` (``{'class_path', 'init_args': {'dataset': {...}, ...}}``, as checkpoints keep
+    it) in the flat form of its former per-dataset name (``CIFAR10JpegDataModule`` with ``data_dir`` ...), which
+    earlier checkpoints hold and readers of records understand; any other record unchanged."""
+    init = dict(record.get("init_args") or {})
+    dataset = init.get("dataset")
+    if not str(record.get("class_path", "")).endswith(".ImageDataModule") or not isinstance(dataset, dict):
+        return record
+    path = str(dataset.get("class_path", ""))
+    former = next((c for c in _FORMER_NAMES if path in (f"{c.former_source.__module__}.{c.former_source.__name__}",
+                                                         f"vispe.data.{c.former_source.__name__}")), None)
+    if former is None:
+        return record
+    init.pop("dataset")
+    return {**record, "class_path": f"{former.__module__}.{former.__name__}", "init_args": {**init, **(dataset.get("init_args") or {})}}

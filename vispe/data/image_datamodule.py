@@ -1,6 +1,7 @@
-"""The image LightningDataModule base class and its batch transforms.
+"""The image LightningDataModule, the data sets it reads (:class:`ImageSource`) and its batch transforms.
 
-Every image DataModule hands the model ``uint8`` tensors ``(B, C, H, W)`` from its DataLoaders and
+One DataModule serves every image data set: ``ImageDataModule(dataset=SyntheticImages(...), batch_size=32)``
+(sources in :mod:`vispe.data.image`). It hands the model ``uint8`` tensors ``(B, C, H, W)`` from its DataLoaders and
 turns them into normalised float batches in :meth:`ImageDataModule.on_after_batch_transfer`:
 batch-level augmentation (random crop with padding + horizontal flip, drawn from the torch RNG of
 the main process) during training, plain normalisation otherwise. Keeping augmentation out of the
@@ -8,7 +9,7 @@ workers makes it cheap on CPU and makes a run reproducible from the global seed 
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import lightning.pytorch as pl
 import torch
@@ -17,8 +18,9 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from .loading import EpochSeededRandomSampler, NumWorkers, ResumableDataLoader, resolve_num_workers
 
-__all__ = ["AUGMENTATIONS", "RESOLUTION_SAMPLING", "ClassInterleavedSampler", "ImageDataModule", "class_interleaved_order",
-           "parse_resolutions", "TensorImageDataset", "channel_fix", "make_pil_to_uint8", "random_crop_flip", "resize_images"]
+__all__ = ["AUGMENTATIONS", "RESOLUTION_SAMPLING", "ClassInterleavedSampler", "ImageDataModule", "ImageSource",
+           "class_interleaved_order", "normalize_images", "parse_resolutions", "TensorImageDataset", "channel_fix",
+           "make_pil_to_uint8", "random_crop_flip", "resize_images"]
 
 #: Batch-level training augmentations: 'crop_flip' (pad by size/8, random crop, random h-flip),
 #: 'flip' (random h-flip only), 'none'.
@@ -132,14 +134,75 @@ def resize_images(x: torch.Tensor, size: int | tuple[int, int]) -> torch.Tensor:
     return F.interpolate(x, size=size, mode="bicubic", align_corners=False, antialias=True)
 
 
-class ImageDataModule(pl.LightningDataModule):
-    """Base class: loaders over ``uint8`` datasets plus batch-level augmentation and normalisation.
+def normalize_images(x: torch.Tensor, mean: tuple[float, ...], std: tuple[float, ...]) -> torch.Tensor:
+    """A float batch ``(B, C, H, W)`` in [0, 1] normalised per channel (one value: every channel)."""
+    m = torch.tensor(mean, device=x.device, dtype=x.dtype).view(1, -1, 1, 1)
+    s = torch.tensor(std, device=x.device, dtype=x.dtype).view(1, -1, 1, 1)
+    return (x - m) / s
 
-    Subclasses set ``self.num_classes``, ``self.in_chans``, ``self.image_size``, ``self.mean``,
-    ``self.std`` in ``__init__`` (so LightningCLI can link them into the model) and implement
-    :meth:`build_datasets` returning ``(train, val, test)`` datasets of ``(uint8 CHW, label)``.
+
+class ImageSource:
+    """An image classification data set as :class:`ImageDataModule` reads it.
+
+    A subclass calls ``super().__init__(locals())`` first (its arguments become its :meth:`record`), checks its files
+    in ``__init__`` (a run fails at configuration time), sets ``num_classes``, ``in_chans``, ``image_size``, ``mean``,
+    ``std`` (and ``classes`` when the class names are known) and implements :meth:`build`.
+    """
+
+    num_classes: int
+    in_chans: int
+    image_size: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    classes: tuple[str, ...] | None = None
+
+    def __init__(self, arguments: Mapping[str, Any]) -> None:
+        self.init_args = {k: v for k, v in arguments.items() if k not in ("self", "__class__")}
+
+    def build(self, seed: int) -> tuple[Dataset, Dataset, Dataset]:
+        """``(train, val, test)`` datasets of ``(uint8 (C, H, W), label)``; ``seed`` for generated or split sets."""
+        raise NotImplementedError
+
+    def prepare(self) -> None:
+        """Download or write files (``LightningDataModule.prepare_data``: once per node); nothing by default."""
+
+    def record(self) -> dict[str, Any]:
+        """``{'class_path', 'init_args'}``: how configs and checkpoints name this source (:func:`source_from_record`)."""
+        cls = type(self)
+        return {"class_path": f"{cls.__module__}.{cls.__qualname__}", "init_args": dict(self.init_args)}
+
+
+def source_from_record(record: Mapping[str, Any]) -> ImageSource:
+    """The :class:`ImageSource` of a record ``{'class_path': ..., 'init_args': {...}}`` (a config's or checkpoint's)."""
+    import importlib
+
+    class_path = str(record.get("class_path"))
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        cls = None
+    if not (isinstance(cls, type) and issubclass(cls, ImageSource)):
+        raise ValueError(f"dataset: class_path {class_path!r} is not an ImageSource; use one of {_source_names()}")
+    return cls(**dict(record.get("init_args") or {}))
+
+
+def _source_names() -> list[str]:
+    from . import image  # noqa: F401  (defines the shipped sources)
+
+    return sorted(c.__name__ for c in ImageSource.__subclasses__())
+
+
+class ImageDataModule(pl.LightningDataModule):
+    """Loaders over one image data set plus batch-level augmentation and normalisation.
+
+    ``num_classes``, ``in_chans``, ``image_size``, ``mean``, ``std`` (and ``classes``) are the data set's; ``vispe
+    fit`` links the first three into the model.
 
     Args:
+        dataset: the data set, an :class:`ImageSource` (:mod:`vispe.data.image`: ``CIFAR10Images``,
+            ``FashionMNISTImages``, ``DigitsImages``, ``FolderImages``, ``TorchvisionImages``, ``SyntheticImages``),
+            or its record ``{'class_path': ..., 'init_args': {...}}``.
         batch_size: per-process batch size.
         eval_batch_size: batch size for validation/test (default: ``batch_size``).
         num_workers: DataLoader workers, or ``'auto'`` (:func:`vispe.data.loading.auto_num_workers`: this
@@ -162,6 +225,7 @@ class ImageDataModule(pl.LightningDataModule):
 
     def __init__(
         self,
+        dataset: ImageSource,
         batch_size: int = 128,
         eval_batch_size: int | None = None,
         num_workers: NumWorkers = 0,
@@ -175,6 +239,13 @@ class ImageDataModule(pl.LightningDataModule):
         patch_size: int | None = None,
     ) -> None:
         super().__init__()
+        if isinstance(dataset, Mapping) and "class_path" in dataset:
+            dataset = source_from_record(dataset)
+        if not isinstance(dataset, ImageSource):
+            raise ValueError(f"dataset must be an ImageSource ({', '.join(_source_names())}), got {type(dataset).__name__} {dataset!r}")
+        self.dataset = dataset
+        dataset = dataset.record()  # hyper-parameters hold the record (plain data), never the object
+        self.save_hyperparameters()
         if augment not in AUGMENTATIONS:
             raise ValueError(f"augment={augment!r} is not valid; choose one of {list(AUGMENTATIONS)}")
         if batch_size < 1:
@@ -201,16 +272,16 @@ class ImageDataModule(pl.LightningDataModule):
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
         self.test_set: Dataset | None = None
-        # subclasses fill these in __init__
-        self.num_classes: int = 0
-        self.in_chans: int = 3
-        self.image_size: int = 32
-        self.mean: tuple[float, ...] = (0.5,)
-        self.std: tuple[float, ...] = (0.5,)
+        source = self.dataset
+        self.num_classes, self.in_chans, self.image_size = source.num_classes, source.in_chans, source.image_size
+        self.mean, self.std = tuple(source.mean), tuple(source.std)
+        self.classes = source.classes
 
-    # -- to implement -----------------------------------------------------------------------
     def build_datasets(self) -> tuple[Dataset, Dataset, Dataset]:
-        raise NotImplementedError
+        return self.dataset.build(self.seed)
+
+    def prepare_data(self) -> None:
+        self.dataset.prepare()
 
     # -- Lightning hooks --------------------------------------------------------------------
     def setup(self, stage: str | None = None) -> None:
@@ -275,9 +346,7 @@ class ImageDataModule(pl.LightningDataModule):
         x = x.float().div_(255.0)
         if tuple(x.shape[-2:]) != (self.image_size, self.image_size):
             x = resize_images(x, self.image_size)
-        mean = torch.tensor(self.mean, device=x.device, dtype=x.dtype).view(1, -1, 1, 1)
-        std = torch.tensor(self.std, device=x.device, dtype=x.dtype).view(1, -1, 1, 1)
-        return (x - mean) / std
+        return normalize_images(x, self.mean, self.std)
 
     def augment_batch(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         if self.augment == "crop_flip":

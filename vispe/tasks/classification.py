@@ -1,89 +1,36 @@
 """Image classification over any timm / vispe model (the model owns its positional encoding)."""
 from __future__ import annotations
 
-import difflib
 import os
 import random
 from typing import Any, Mapping
 
 import lightning.pytorch as pl
 import numpy as np
-import timm
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torchmetrics import Accuracy, MetricCollection
 
-from vispe.models.layers import auxiliary_loss
-from vispe.tasks.optim import adamw_warmup_cosine, check_schedule, param_groups_no_decay, warmup_cosine
+from vispe.tasks.auxiliary import add_auxiliary_loss, check_aux_loss_weight
+from vispe.tasks.backbone import Backbone, backbone_name, resolve_backbone, unrecorded
+from vispe.tasks.optim import adamw_warmup_cosine, check_schedule, param_groups_no_decay
 
-__all__ = ["ImageClassification", "build_model", "param_groups_no_decay", "warmup_cosine"]
+__all__ = ["ImageClassification"]
 
 MIX_BACKENDS = ("timm", "torchvision")
-
-
-def build_model(
-    model: str,
-    model_kwargs: Mapping[str, Any] | None = None,
-    pos_encoding: str | Mapping[str, Any] | None = None,
-    **overrides: Any,
-) -> nn.Module:
-    """``timm.create_model(model, **model_kwargs, **overrides)`` with ``pos_encoding`` for ``vispe_*`` models.
-
-    Unknown model / encoding names raise ``ValueError`` naming the valid choices.
-    """
-    import vispe  # noqa: F401  (registers vispe_* models and the encodings)
-    from vispe.encodings.spec import parse_pos_encoding
-
-    if not isinstance(model, str) or not timm.is_model(model):
-        names = timm.list_models()
-        close = difflib.get_close_matches(str(model), names, n=5, cutoff=0.6)
-        raise ValueError(
-            f"unknown model {model!r}; vispe models are {timm.list_models('vispe_*')}"
-            + (f", close timm names: {close}" if close else "")
-        )
-    kwargs = dict(model_kwargs or {})
-    kwargs.update({k: v for k, v in overrides.items() if v is not None})
-    if pos_encoding is not None:
-        if "pos_encoding" in kwargs:
-            raise ValueError("give pos_encoding either as an argument or inside model_kwargs, not both")
-        kwargs["pos_encoding"] = pos_encoding
-    if "pos_encoding" in kwargs:
-        if not model.startswith("vispe_"):
-            raise ValueError(f"pos_encoding is an option of vispe_* models; {model!r} is a plain timm model")
-        name, _ = parse_pos_encoding(kwargs["pos_encoding"])
-        vispe.get_encoding_class(name)  # ValueError listing the registered encodings
-    return timm.create_model(model, **kwargs)
-
-
-def add_auxiliary_loss(task: pl.LightningModule, model: nn.Module, loss: torch.Tensor, weight: float,
-                       batch_size: int | None = None) -> torch.Tensor:
-    """``loss + weight * auxiliary_loss(model)`` -- the auxiliary losses of the model's modules, found by walking them
-    (:func:`vispe.models.layers.auxiliary_loss`; e.g. SeqPE's regulariser) -- logged as ``train/aux_loss``; ``loss``
-    unchanged when the weight is 0 or no module has one."""
-    if weight == 0:
-        return loss
-    aux = auxiliary_loss(model)
-    if aux is None:
-        return loss
-    task.log("train/aux_loss", aux.detach(), on_step=True, on_epoch=True, batch_size=batch_size)
-    return loss + weight * aux
-
-
-def check_aux_loss_weight(weight: float) -> float:
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight >= 0:
-        raise ValueError(f"aux_loss_weight must be a number >= 0 (0 turns the encoding's auxiliary loss off), got {weight!r}")
-    return float(weight)
 
 
 class ImageClassification(pl.LightningModule):
     """Supervised image classification.
 
     Args:
-        model: a timm model name, e.g. ``'vispe_vit_tiny_patch4_32'``.
-        model_kwargs: extra ``timm.create_model`` arguments (``depth``, ``embed_dim``, ...).
-        pos_encoding: encoding name or ``{'name': ..., **options}`` (vispe models only).
-        num_classes, in_chans, img_size: usually linked from the DataModule by the CLI.
+        model: the backbone: an ``nn.Module`` (any timm / vispe model instance, or a config's ``class_path``), or a
+            timm model name, e.g. ``'vispe_vit_tiny_patch4_32'`` (:mod:`vispe.tasks.backbone`).
+        model_kwargs: extra ``timm.create_model`` arguments (``depth``, ``embed_dim``, ...) of a model given by name.
+        pos_encoding: encoding name or ``{'name': ..., **options}`` (vispe models given by name only).
+        num_classes, in_chans, img_size: linked from the DataModule by ``vispe fit``; a model given by name is built
+            with them, a module is checked against ``num_classes`` / ``in_chans``.
         lr, weight_decay, betas: AdamW (no decay on biases, norms and ``no_weight_decay()``).
         warmup_epochs, warmup_steps: linear warm-up length, in epochs (fractions allowed) or optimiser steps (one of
             the two, the other None); then cosine to ``min_lr`` (:mod:`vispe.tasks.optim`, shared by every task).
@@ -98,7 +45,7 @@ class ImageClassification(pl.LightningModule):
 
     def __init__(
         self,
-        model: str = "vispe_vit_tiny_patch4_32",
+        model: Backbone = "vispe_vit_tiny_patch4_32",
         model_kwargs: dict[str, Any] | None = None,
         pos_encoding: str | dict[str, Any] | None = None,
         num_classes: int = 10,
@@ -119,6 +66,7 @@ class ImageClassification(pl.LightningModule):
         warmup_steps: int | None = None,
     ) -> None:
         super().__init__()
+        backbone, model = model, unrecorded(model)
         self.save_hyperparameters()
         check_aux_loss_weight(aux_loss_weight)
         if mix_backend not in MIX_BACKENDS:
@@ -129,7 +77,8 @@ class ImageClassification(pl.LightningModule):
         overrides: dict[str, Any] = dict(num_classes=num_classes, in_chans=in_chans)
         if img_size is not None:
             overrides["img_size"] = img_size
-        self.model = build_model(model, model_kwargs, pos_encoding, **overrides)
+        self.model = resolve_backbone(backbone, model_kwargs, pos_encoding, **overrides)
+        self._backbone_name = backbone_name(backbone)
         self.num_classes = int(num_classes)
         self.mixer = self._build_mixer()
         top5 = min(5, self.num_classes)
@@ -183,7 +132,7 @@ class ImageClassification(pl.LightningModule):
             return
         patch = tuple(patch) if isinstance(patch, (tuple, list)) else (patch, patch)
         if patch[0] == patch[1]:
-            dm.use_model_patch_size(int(patch[0]), model_name=f"model {self.hparams.model!r}")
+            dm.use_model_patch_size(int(patch[0]), model_name=f"model {self._backbone_name}")
 
     # -- steps ------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -274,7 +223,10 @@ class ImageClassification(pl.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         if dm is not None:
-            cls = type(dm)
+            from vispe.data.image_datamodule import ImageDataModule
+
+            # the former per-dataset names build the one ImageDataModule, whose arguments the record holds
+            cls = ImageDataModule if isinstance(dm, ImageDataModule) else type(dm)
             checkpoint["vispe_datamodule"] = {
                 "class_path": f"{cls.__module__}.{cls.__qualname__}",
                 "init_args": dict(getattr(dm, "hparams", {})),

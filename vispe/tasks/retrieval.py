@@ -24,7 +24,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from vispe.tasks.classification import add_auxiliary_loss, check_aux_loss_weight
+from vispe.tasks.auxiliary import add_auxiliary_loss, check_aux_loss_weight
+from vispe.tasks.backbone import Backbone, resolve_backbone, unrecorded
 from vispe.tasks.optim import adamw_warmup_cosine, check_schedule, param_groups_no_decay
 
 __all__ = [
@@ -171,7 +172,8 @@ class VideoTextRetrieval(pl.LightningModule):
     """CLIP-style text-video retrieval.
 
     Args:
-        video_model: timm name of a video ViT (``vispe_video_vit_*``).
+        video_model: the video tower: an ``nn.Module`` (its positional encoding is its own; ``pos_encoding`` then
+            unused) or the timm name of a video ViT (``vispe_video_vit_*``; :mod:`vispe.tasks.backbone`).
         pos_encoding: the video tower's 3D encoding (name or ``{'name': ..., **options}``).
         video_model_kwargs: more ``timm.create_model`` arguments (``depth``, ``embed_dim``,
             ``num_frames``, ``img_size``, ...). The tower's head projects to ``embed_dim``.
@@ -189,7 +191,7 @@ class VideoTextRetrieval(pl.LightningModule):
 
     def __init__(
         self,
-        video_model: str = "vispe_video_vit_tiny",
+        video_model: Backbone = "vispe_video_vit_tiny",
         pos_encoding: str | Mapping[str, Any] = "rope_axial_3d",
         video_model_kwargs: Mapping[str, Any] | None = None,
         embed_dim: int = 128,
@@ -210,12 +212,13 @@ class VideoTextRetrieval(pl.LightningModule):
         check_schedule(lr, weight_decay, min_lr, warmup_epochs, warmup_steps)
         import open_clip
 
+        backbone, video_model = video_model, unrecorded(video_model)
         self.save_hyperparameters()
         if text_cfg is None and open_clip_model is None:
             text_cfg = {"context_length": 32, "width": 128, "heads": 4, "layers": 2}
-        from vispe.tasks.classification import build_model
-
-        self.visual = build_model(video_model, video_model_kwargs, pos_encoding=pos_encoding, num_classes=embed_dim)
+        # a module is used as given (its encoding is its own); a name is built with pos_encoding
+        self.visual = resolve_backbone(backbone, video_model_kwargs,
+                                       None if isinstance(backbone, nn.Module) else pos_encoding, num_classes=embed_dim)
         self.text = build_text_tower(embed_dim, text_cfg, open_clip_model)
         self.context_length = self.text.context_length
         self.tokenizer = open_clip.tokenizer.SimpleTokenizer(context_length=self.context_length)  # bundled BPE, offline

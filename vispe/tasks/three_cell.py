@@ -1,11 +1,11 @@
 """LightningModule for the Three Cell Experiment: BCE over the 6 bits, accuracy per group.
 
-The model is any timm model name (vispe models included) plus keyword arguments, e.g.
+The model is an ``nn.Module`` with 6 outputs, or any timm model name (vispe models included) plus keyword arguments, e.g.
 ``ThreeCellTask('vispe_vit_tiny_patch16_224', {'patch_size': 2, 'embed_dim': 64, 'depth': 2,
 'num_heads': 4}, pos_encoding='rope_mixed', img_size=16)``: the positional encoding is only
 ever chosen through the model's own ``pos_encoding`` argument. The signature follows
 :class:`vispe.tasks.classification.ImageClassification` (``model``, ``model_kwargs``,
-``pos_encoding``, ``img_size``), so ``vispe fit`` fills ``img_size`` from the DataModule.
+``pos_encoding``, ``img_size``), so ``vispe fit`` links ``img_size`` from the DataModule.
 
 Metrics (val/test), as in the LOOPE paper: accuracy of each group at threshold 0.5 --
 ``distance`` (bits 0-1), ``orientation`` (bit 2), ``area`` (bits 3-4), ``vector_sum`` (bit 5);
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-import timm
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -25,7 +24,8 @@ from torchmetrics import MetricCollection
 from torchmetrics.classification import BinaryAccuracy, MultilabelAccuracy
 
 from vispe.data.three_cell import LABEL_GROUPS, LABEL_NAMES
-from vispe.tasks.classification import add_auxiliary_loss, check_aux_loss_weight
+from vispe.tasks.auxiliary import add_auxiliary_loss, check_aux_loss_weight
+from vispe.tasks.backbone import Backbone, resolve_backbone, unrecorded
 from vispe.tasks.optim import adamw_warmup_cosine, check_schedule, param_groups_no_decay
 
 __all__ = ["ThreeCellTask", "GROUPS"]
@@ -47,8 +47,9 @@ class ThreeCellTask(LightningModule):
     """Multi-label (6-bit) Three Cell training around a timm model.
 
     Args:
-        model: a timm model name (``timm.list_models('vispe_*')`` for vispe's ViTs).
-        model_kwargs: passed to ``timm.create_model`` (``patch_size`` = the cell size,
+        model: the backbone: an ``nn.Module`` with 6 outputs, or a timm model name (``timm.list_models('vispe_*')``
+            for vispe's ViTs; :mod:`vispe.tasks.backbone`).
+        model_kwargs: passed to ``timm.create_model`` for a model given by name (``patch_size`` = the cell size,
             ``embed_dim``, ``depth``, ...); ``num_classes`` is always 6.
         pos_encoding: the model's ``pos_encoding`` (name, ``{'name': ..., **options}``); None
             leaves the model's default (or ``model_kwargs['pos_encoding']``).
@@ -66,7 +67,7 @@ class ThreeCellTask(LightningModule):
 
     def __init__(
         self,
-        model: str = "vispe_vit_tiny_patch16_224",
+        model: Backbone = "vispe_vit_tiny_patch16_224",
         model_kwargs: Mapping[str, Any] | None = None,
         pos_encoding: str | Mapping[str, Any] | None = None,
         img_size: int | tuple[int, int] | None = None,
@@ -80,21 +81,15 @@ class ThreeCellTask(LightningModule):
     ) -> None:
         super().__init__()
         check_aux_loss_weight(aux_loss_weight)
-        if not isinstance(model, str) or not timm.is_model(model):
-            raise ValueError(
-                f"model={model!r} is not a timm model; see timm.list_models() (vispe's: timm.list_models('vispe_*'))"
-            )
         check_schedule(lr, weight_decay, min_lr, warmup_epochs, warmup_steps)
         model_kwargs = dict(model_kwargs or {})
         if "num_classes" in model_kwargs and model_kwargs["num_classes"] != len(LABEL_NAMES):
             raise ValueError(f"the Three Cell target has {len(LABEL_NAMES)} bits; got num_classes={model_kwargs['num_classes']}")
-        model_kwargs["num_classes"] = len(LABEL_NAMES)
-        if pos_encoding is not None:
-            model_kwargs["pos_encoding"] = pos_encoding
-        if img_size is not None:
-            model_kwargs["img_size"] = img_size
+        backbone, model = model, unrecorded(model)
         self.save_hyperparameters()
-        self.model: nn.Module = timm.create_model(model, **model_kwargs)
+        build_kwargs = {k: v for k, v in model_kwargs.items() if k != "num_classes"}
+        self.model: nn.Module = resolve_backbone(backbone, build_kwargs or None, pos_encoding, num_classes=len(LABEL_NAMES),
+                                                 img_size=None if isinstance(backbone, nn.Module) else img_size)
         self.val_metrics = _group_metrics()
         self.test_metrics = _group_metrics()
 
