@@ -200,7 +200,8 @@ def test_image_vit_nope_in_every_layer_is_the_no_position_model(name):
     _copy_into(none, nope)
     x = torch.randn(2, 3, 32, 32)
     assert torch.equal(nope(x), none(x))
-    partial = VispeVisionTransformer(pos_encoding=f"{name}[nope_layers=(2,),rotary_fraction=0.5]", **kw).eval()
+    fraction = ",rotary_fraction=0.5" if "rotary_fraction" in get_encoding_class(name).layer_schedules else ""
+    partial = VispeVisionTransformer(pos_encoding=f"{name}[nope_layers=(2,){fraction}]", **kw).eval()
     _copy_into(partial, nope)
     if any(p.abs().sum() > 0 for p in partial.pos_encoding.parameters()) or not any(True for _ in partial.pos_encoding.parameters()):
         assert not torch.allclose(partial(x), none(x))  # layers 0 and 1 rotate
@@ -229,7 +230,8 @@ def test_video_vit_nope_in_every_layer_is_the_no_position_model(name):
     _copy_into(none, nope)
     x = torch.randn(2, 3, 4, 16, 16)
     assert torch.equal(nope(x), none(x))
-    partial = VispeVideoViT(pos_encoding=f"{name}[rotary_fraction=0.75,nope_layers=(0,)]", **kw).eval()
+    fraction = "rotary_fraction=0.75," if "rotary_fraction" in get_encoding_class(name).layer_schedules else ""
+    partial = VispeVideoViT(pos_encoding=f"{name}[{fraction}nope_layers=(0,)]", **kw).eval()
     _copy_into(partial, nope)
     if any(p.abs().sum() > 0 for p in partial.pos_encoding.parameters()) or not any(True for _ in partial.pos_encoding.parameters()):
         assert not torch.allclose(partial(x), none(x))  # layers 1 and 2 rotate
@@ -262,11 +264,16 @@ def test_video_llm_partial_rotary_and_per_layer_schedules():
     assert partial.pos_encoding.layer_schedule.rotary_dim == 16
     logits = partial(input_ids=ids).logits
     assert torch.isfinite(logits).all()
-    # the decoder's attention does not pass its layer index to rotate_qk: a per-layer schedule is refused by name
-    # rather than applied to the wrong layers
-    model = VideoLLM(pos_scheme="mrope[nope_layers=(1,)]", **kw).eval()
-    with pytest.raises(ValueError, match="without the layer index"):
-        model(input_ids=ids)
+    # the decoder attends through the encoding with its layer index: NoPE in every layer makes the logits independent
+    # of the position ids; NoPE in one layer leaves the other rotating
+    L = ids.shape[1]
+    positions = torch.arange(L).expand(3, 2, L)
+    scrambled = torch.stack([torch.randperm(L) for _ in range(3)])[:, None].expand(3, 2, L)
+    for nope, depends in (((0, 1), False), ((1,), True)):
+        torch.manual_seed(0)
+        model = VideoLLM(pos_scheme=f"mrope[nope_layers={nope!r}]", **kw).eval()
+        a, b = model(input_ids=ids, position_ids=positions).logits, model(input_ids=ids, position_ids=scrambled).logits
+        assert torch.allclose(a, b, atol=1e-5) is not depends, nope
 
 
 @pytest.mark.parametrize("spec", ["rope_axial[nope_layers=(1,),rotary_fraction=0.5,layer_theta=(10.0,100.0,10.0)]",

@@ -63,6 +63,7 @@ class GoldenRope(_LatticeRotary):
     """
 
     grid_ndims = (2, 3)
+    layer_schedules = ("nope_layers", "rotary_fraction")  # no rotary base: min_freq / max_freq set the ladder
     layout = "half"
     resolution = ResolutionContract(("extend", "rescale"), default="extend")
     option_checks = {"min_freq": Real(0, low_open=True), "max_freq": Real(0, low_open=True),

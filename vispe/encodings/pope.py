@@ -62,6 +62,9 @@ class PoPE(RopeAxial):
     """
 
     grid_ndims = (2, 3)
+    # NoPE layers only: PoPE maps every channel to a magnitude (no channel passes through, so no partial rotary),
+    # and its learned key phase makes theta an initialisation, not a per-layer base
+    layer_schedules = ("nope_layers",)
     prefix_policy = "prefix tokens get phase 0 (no position); their q/k still become softplus magnitudes, keys get the bias"
     option_checks = {"head_dim": Int(1), "theta": Real(1), "sections": Ints(0, optional=True),
                      "bias_init": Choice(POPE_BIAS_INITS)}

@@ -104,6 +104,11 @@ class ResolutionContract:
             return self.interpolates_by if value == INTERPOLATE else value
         raise ValueError(f"{owner}: {self.refusal(value)}")
 
+    def keeps_positions(self, value: str | None, owner: str = "encoding") -> bool:
+        """Whether the policy ``value`` names (``None``: the default) evaluates the new grid's own positions
+        (``extend``, or no policy at all): an option that fixes the coordinates' range takes only such a policy."""
+        return self.resolve(value, owner) in (None, "extend")
+
     def refusal(self, value: Any) -> str:
         """``"extrapolation='x' is not valid; choose one of [...]"``, naming the alias's precise name."""
         alias = f" (or {self.interpolates_by!r}, what {INTERPOLATE!r} does here)" if self.interpolates_by else ""

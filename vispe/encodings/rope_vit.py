@@ -140,7 +140,7 @@ class _LatticeRotary(CoordinateAugmentation, RotaryEncoding):
         check_choice(f"{name}: grid_type", grid_type, GRID_TYPES)
         check_choice(f"{name}: normalize_coords", normalize_coords, NORMALIZE_COORDS_MODES)
         check_choice(f"{name}: coord_aug_style", coord_aug_style, COORD_AUG_STYLES)
-        if grid_type != "index" and extrapolation not in (None, "extend"):
+        if grid_type != "index" and not self.resolution.keeps_positions(extrapolation, name):
             raise ValueError(f"{name}: grid_type={grid_type!r} maps every grid into the same [-1, 1] box, so extrapolation="
                              f"{extrapolation!r} has nothing to rescale; use extrapolation='extend' or grid_type='index'")
         if grid_type != "index" and random_positions != 1.0:
