@@ -14,7 +14,7 @@ import math
 
 import pytest
 import torch
-from encoding_hosts import check_grads, host_model, is_image, step_loss, three_grids
+from encoding_hosts import MULTIMODAL, check_grads, host_model, is_image, step_loss, three_grids
 
 from vispe._checks import Bool, Choice, Int, Real
 from vispe.encodings import EncodingContext, create_encoding, encoding_records, get_record
@@ -151,3 +151,19 @@ def test_bad_options_are_refused_naming_the_option(name):
 def test_every_record_is_hosted():
     """Each record runs in a host above: the image ViT (2D grids), the video ViT (3D only) or the video-LLM (schemes)."""
     assert all(is_image(n) or 3 in get_record(n).grid_ndim for n in NAMES)
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if n not in MULTIMODAL])
+def test_trains_a_step_in_pure_bf16(name):
+    """A model cast whole to bfloat16 (``model.to(torch.bfloat16)``, the GPU speed plan's ``bf16``) runs forward and
+    backward: an encoding that computes a table in float32 must hand the blocks tensors in the weights' dtype (a float32
+    table into a bf16 Linear fails)."""
+    torch.manual_seed(0)
+    model = host_model(name).to(torch.bfloat16)
+    x = torch.randn(*three_grids(name)[0]).to(torch.bfloat16)
+    logits = model(x)
+    assert logits.dtype == torch.bfloat16
+    torch.nn.functional.cross_entropy(logits.float(), torch.zeros(len(x), dtype=torch.long)).backward()
+    for n, p in model.named_parameters():
+        if p.grad is not None:
+            assert torch.isfinite(p.grad.float()).all(), f"non-finite gradient in {n}"

@@ -123,22 +123,3 @@ def test_cli_bf16_mixed_video_llm_niah(tmp_path, name):
         "--data", "vispe.data.niah.NIAHDataModule", "--data.init_args.train_frames", "4", "--data.init_args.train_episodes", "8",
         "--data.init_args.eval_lengths", "[4]", "--data.init_args.episodes_per_cell", "1", "--data.init_args.batch_size", "4",
     )
-
-
-# -- pure bf16: weights and inputs in bfloat16, no autocast (the GPU speed plan's `bf16` precision) ------------------
-@pytest.mark.parametrize("name", [n for n in list_encodings() if n not in MULTIMODAL])
-def test_every_encoding_trains_a_step_in_pure_bf16(name):
-    """A model cast whole to bfloat16 (``model.to(torch.bfloat16)``) runs forward and backward: encodings that compute
-    tables in float32 must hand the blocks tensors in the weights' dtype (a float32 table into a bf16 Linear fails)."""
-    torch.manual_seed(0)
-    if 2 in get_encoding_class(name).grid_ndims:
-        model, x = _image_model(name), torch.randn(2, 3, 32, 48)
-    else:
-        model, x = _video_model(name), torch.randn(2, 3, 4, 32, 32)
-    model = model.to(torch.bfloat16)
-    logits = model(x.to(torch.bfloat16))
-    assert logits.dtype == torch.bfloat16
-    torch.nn.functional.cross_entropy(logits.float(), torch.tensor([1, 3])).backward()
-    for n, p in model.named_parameters():
-        if p.grad is not None:
-            assert torch.isfinite(p.grad.float()).all(), f"non-finite gradient in {n}"
