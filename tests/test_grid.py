@@ -86,7 +86,7 @@ def test_shipped_grids_make_the_runs_of_the_parts_they_replaced(grid_name, part_
         assert task.name == f"{run_encoding}-s{seed}" and task.seed == seed and task.recipe == recipe
         assert task.overrides["model.init_args.pos_encoding"] == _old_pos_encoding(run_encoding)
         assert {k: task.overrides[k] for k in overrides} == overrides
-        assert task.overrides.get("data.init_args.data_dir") == (str(Path("/data") / data) if data else None)
+        assert task.overrides.get("data.init_args.dataset.init_args.data_dir") == (str(Path("/data") / data) if data else None)
 
 
 def test_every_shipped_grid_loads():

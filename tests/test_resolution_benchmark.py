@@ -333,7 +333,7 @@ def test_mixed_resolution_part_trains_the_fashion_mnist_recipe_on_mixed_grids(tm
     assert task.overrides["data.init_args.resolutions"] == resolutions
     assert task.overrides["data.init_args.resolution_sampling"] == "sample" and task.overrides["data.init_args.patch_size"] == 7
     assert task.recipe == "fashion_mnist" and task.seed == 1
-    assert task.overrides["data.init_args.data_dir"] == str(tmp_path / "data" / "fashion-mnist")
+    assert task.overrides["data.init_args.dataset.init_args.data_dir"] == str(tmp_path / "data" / "fashion-mnist")
 
 
 def test_published_fashion_mnist_table_is_the_report_of_its_raw_results():
