@@ -8,7 +8,7 @@ import math
 import pytest
 import timm
 import torch
-from rotary_checks import shifted_block_logits
+from rotary_checks import check_vit_trains, shifted_block_logits
 
 import vispe  # noqa: F401  (registers the models)
 from vispe.encodings import EncodingContext, PositionGrid, create_encoding
@@ -124,25 +124,7 @@ def _vit(**kw):
 
 def test_vit_trains_at_three_grids_with_patch_dropout_and_bf16():
     torch.manual_seed(0)
-    model = _vit(pos_encoding="golden_rope[max_freq=100]")
-    for size in [(32, 32), (48, 48), (24, 40)]:
-        model.zero_grad()
-        out = model(torch.randn(2, 3, *size))
-        assert out.shape == (2, 5) and torch.isfinite(out).all()
-        torch.nn.functional.cross_entropy(out, torch.tensor([1, 2])).backward()
-        assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
-    model = _vit(patch_drop_rate=0.5).train()
-    model(torch.randn(2, 3, 32, 32)).logsumexp(-1).sum().backward()
-    x, y = torch.randn(2, 3, 32, 48), torch.tensor([1, 3])
-    model = _vit().eval()
-    with torch.no_grad():
-        ref = torch.nn.functional.cross_entropy(model(x), y).item()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = torch.nn.functional.cross_entropy(model(x).float(), y)
-    assert torch.isfinite(loss) and abs(loss.item() - ref) <= 0.05 * max(1.0, ref)
-    out = model.to(torch.bfloat16)(x.bfloat16())
-    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
-    assert model.pos_encoding.prepare(PositionGrid((8, 12), 1)).table.dtype == torch.complex64
+    check_vit_trains(_vit, _vit(pos_encoding="golden_rope[max_freq=100]"))
 
 
 @pytest.mark.parametrize("frames,size", [(4, 32), (2, 48)])
