@@ -236,12 +236,44 @@ def test_growth_verdicts_judge_the_issue_targets():
     rows = [
         {"family": "vispe", "mode": "eager", "encoding": "fire", "model": "vispe:fire", "tokens": 1025, "img_size": 512,
          "train_ratio": 1.10, "train_mem_ratio": 1.08},
+        {"family": "vispe", "mode": "compile", "encoding": "fire", "model": "vispe:fire", "tokens": 577, "img_size": 384,
+         "train_ratio": 1.10, "train_mem_ratio": 1.08},
         {"family": "vispe", "mode": "compile", "encoding": "rope_axial", "model": "vispe:rope_axial", "tokens": 197,
          "img_size": 224, "frames": 0, "train_ratio": 1.02},
+        {"family": "vispe", "mode": "eager", "encoding": "liere", "model": "vispe:liere[block_size=8]", "tokens": 197,
+         "img_size": 224, "frames": 0, "train_ratio": 2.3},
+        {"family": "vispe", "mode": "eager", "encoding": "rope_axial", "model": "vispe:rope_axial", "tokens": 197,
+         "img_size": 224, "frames": 0, "train_ratio": 1.3},  # eager non-bias rows at 224 px: no target here
     ]
     lines = growth_verdicts(rows)
-    assert "fire train at 1025 tokens: time 1.100x (<= 1.15x), peak memory 1.080x (<= 1.05x): MISSED" in lines[0]
-    assert lines[1].endswith("met")
+    assert len(lines) == 4
+    # eager memory limit 1.05x, compiled 1.10x: the same figures miss one and meet the other
+    assert "fire eager train at 1025 tokens: time 1.100x (<= 1.15x), peak memory 1.080x (<= 1.05x): MISSED" in lines[0]
+    assert "fire compile train at 577 tokens: time 1.100x (<= 1.15x), peak memory 1.080x (<= 1.1x): met" in lines[1]
+    assert lines[2].endswith("met") and "rope_axial compile" in lines[2]
+    assert "liere[block_size=8] eager train at 224 px: time 2.300x (<= 2.0x): MISSED" in lines[3]
+
+
+@pytest.mark.slow
+def test_jobs_split_encodings_over_worker_processes_each_with_its_reference(tmp_path):
+    """``--jobs 2``: two worker processes, each measuring its share against its own timm APE; one merged JSON whose
+    vispe rows carry the worker (``shard``) and a ratio to that worker's reference."""
+    rc = main(["speed", "--models", "vit_s4_32", "--depth", "1", "--batch-size", "1", "--iters", "1", "--warmup", "0",
+               "--timm-refs", "ape", "--encodings", "none,alibi_2d", "--bench", "train", "--jobs", "2",
+               "--out-dir", str(tmp_path), "--tag", "j"])
+    assert rc == 0
+    data = json.loads((tmp_path / "j.json").read_text())
+    assert data["meta"]["jobs"] == 2 and data["meta"]["complete"]
+    rows = {(r["model"], r["shard"]): r for r in data["results"]}
+    assert set(rows) == {("timm:ape", 0), ("vispe:none", 0), ("timm:ape", 1), ("vispe:alibi_2d", 1)}
+    for shard in (0, 1):
+        assert rows[("timm:ape", shard)]["train_ratio"] == 1.0
+    assert rows[("vispe:alibi_2d", 1)]["train_ratio"] > 0
+    assert (tmp_path / "j.md").read_text().count("timm:ape") == 1  # the table shows one reference row
+    with pytest.raises(ValueError, match=r"--jobs 2: worker processes split a CPU run"):
+        main(["speed", "--jobs", "2", "--device", "cuda"])
+    with pytest.raises(ValueError, match=r"--jobs must be >= 1, got 0"):
+        main(["speed", "--jobs", "0"])
 
 
 @pytest.mark.slow

@@ -122,7 +122,7 @@ BENCH_CONFIGS: dict[str, BenchConfig] = {
 #: What ``vispe bench speed`` runs without ``--models`` (``video_s16`` is opt-in: it has no timm counterpart).
 DEFAULT_MODELS = ("vit_s16", "vit_s4_32")
 
-#: Targets from issue 8: (max time ratio to timm APE, max peak-memory ratio), CPU eager.
+#: Per-encoding cost limits: (max time ratio to timm APE, max peak-memory ratio), CPU eager at the size's own resolution.
 TARGETS: dict[str, tuple[float, float]] = {
     "rope_axial": (1.05, 1.10),
     "rope_mixed": (1.05, 1.10),
@@ -419,7 +419,7 @@ def summarise(
             row["infer_ratio_of_medians"] = inf / ri if inf and ri else None
             row["train_mem_ratio"] = e.train_peak / ref.train_peak if e.train_peak and ref.train_peak else None
             row["infer_mem_ratio"] = e.infer_peak / ref.infer_peak if e.infer_peak and ref.infer_peak else None
-            # issue 8's limits are CPU eager at the configuration's own size
+            # the limits are CPU eager at the configuration's own size
             home = BENCH_CONFIGS.get(e.config)
             at_home = home is None or (img_size == home.img_size and frames == home.frames)
             on_cpu = e.precision == "fp32" and not any(p.is_cuda for p in e.model.parameters())
@@ -483,6 +483,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "waits for a scheduler slice, which would be measured instead of the kernels; 0 = torch's default)")
     p.add_argument("--out-dir", default="outputs/bench_speed", help="where speed.json and speed.md go")
     p.add_argument("--tag", default="speed", help="file stem of the JSON / Markdown outputs")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="CPU only: split the encodings over this many worker processes run side by side (each with --threads "
+                   "threads and its own timm reference models, so every ratio is still taken in one process); one merged "
+                   "JSON / Markdown. Use at most the idle cores (e.g. a growth table of every encoding on a many-core host)")
     p.add_argument("--clock", default=None, choices=("cpu", "wall"),
                    help="headline timer: 'cpu' = process CPU time (default on CPU: robust when other jobs share the cores), "
                    "'wall' = wall clock (default on CUDA); both are written to the JSON")
@@ -520,6 +524,10 @@ def _checked_choices(args: argparse.Namespace):
         raise ValueError(f"--iters must be >= 1, got {args.iters}")
     if args.threads < 0:
         raise ValueError(f"--threads must be >= 0, got {args.threads}")
+    if args.jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
+    if args.jobs > 1 and (args.plan or args.device != "cpu"):
+        raise ValueError(f"--jobs {args.jobs}: worker processes split a CPU run; drop --jobs for --plan or --device {args.device}")
     for pr in _split(args.precisions):
         if pr not in PRECISIONS:
             raise ValueError(f"--precisions: unknown precision {pr!r}; choose from {list(PRECISIONS)}")
@@ -667,6 +675,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import timm
 
+    if args.jobs > 1:
+        return run_jobs(args, argv, configs, refs, specs_for, t_start, load_start, log)
     if args.plan:
         parts, budget = load_plan(args.plan, args, specs_for, device)
         if args.parts:
@@ -781,6 +791,90 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"parts not run (time budget): {', '.join(skipped)}")
     print(f"wrote {out / (args.tag + '.json')} and {out / (args.tag + '.md')}")
     return 0
+
+def _job_chunks(labels: Sequence[str], keep: Sequence[str], jobs: int) -> list[list[str]]:
+    """``labels`` dealt round-robin over ``jobs`` workers (each worker's share costs about the same), every worker
+    also given ``keep`` (a vispe reference model its ratios need); empty shares are dropped."""
+    rest = [lb for lb in labels if lb not in keep]
+    chunks = [list(keep) + rest[k::jobs] for k in range(jobs)]
+    return [c for c in chunks if len(c) > len(keep)] or [list(keep)]
+
+
+def run_jobs(args: argparse.Namespace, argv: list[str], configs: list[str], refs: list[str],
+             specs_for: Callable[[BenchConfig], list], t_start: float, load_start: tuple, log: Callable[[str], None]) -> int:
+    """``--jobs N``: the same command in N worker processes, each measuring a share of the encodings against its own
+    timm reference models (so each ratio is in-process, as in a single run), then one merged JSON / Markdown.
+    Reference rows from every worker are kept in the JSON (``shard``); the table shows the first worker's."""
+    import subprocess
+
+    import timm
+
+    labels: list[str] = []
+    vispe_refs: list[str] = []
+    for c in configs:
+        cfg = BENCH_CONFIGS[c]
+        labels += [sp[0] for sp in specs_for(cfg) if sp[0] not in labels]
+        if cfg.reference.startswith("vispe:") and cfg.reference[6:] not in vispe_refs:
+            vispe_refs.append(cfg.reference[6:])
+    chunks = _job_chunks(labels, vispe_refs, args.jobs)
+    ref_names = {BENCH_CONFIGS[c].reference.split(":", 1)[1] for c in configs if BENCH_CONFIGS[c].reference.startswith("timm:")}
+    out = Path(args.out_dir)
+    work = out / f"{args.tag}-jobs"
+    work.mkdir(parents=True, exist_ok=True)
+    procs = []
+    for k, chunk in enumerate(chunks):
+        worker_refs = refs if k == 0 else [r for r in refs if r in ref_names]
+        cmd = [sys.executable, "-m", "vispe.cli", "bench", "speed", *argv, "--encodings", ",".join(chunk),
+               "--timm-refs", ",".join(worker_refs), "--jobs", "1", "--out-dir", str(work), "--tag", f"job{k}", "--plot", ""]
+        log_file = open(work / f"job{k}.log", "w")
+        procs.append((k, subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT), log_file))
+        log(f"[job {k}] {len(chunk)} encodings: {','.join(chunk)} (log {work / f'job{k}.log'})")
+    failed = []
+    for k, proc, log_file in procs:
+        rc = proc.wait()
+        log_file.close()
+        log(f"[job {k}] exited {rc}")
+        if rc != 0:
+            failed.append(k)
+    rows: list[dict[str, Any]] = []
+    shards = []
+    for k, _, _ in procs:
+        path = work / f"job{k}.json"
+        if not path.is_file():
+            continue
+        data = json.loads(path.read_text())
+        shards.append({"shard": k, "command": data["meta"]["command"], "wall_s": data["meta"]["wall_s"],
+                       "process_cpu_s": data["meta"]["process_cpu_s"], "complete": data["meta"]["complete"]})
+        for r in data["results"]:
+            r["shard"] = k
+            rows.append(r)
+    if not shards:
+        print(f"vispe bench speed: no worker wrote results; see the logs in {work}", file=sys.stderr)
+        return 1
+    first = json.loads((work / f"job{shards[0]['shard']}.json").read_text())["meta"]
+    meta = {**first, "command": "vispe bench speed " + " ".join(argv), "complete": not failed and len(shards) == len(procs),
+            "jobs": len(procs), "shards": shards, "threads": first["threads"], "timm": timm.__version__,
+            "wall_s": time.perf_counter() - t_start, "process_cpu_s": sum(s["process_cpu_s"] for s in shards),
+            "loadavg_start": load_start, "loadavg_end": tuple(round(v, 2) for v in os.getloadavg()),
+            "ratio_method": first["ratio_method"] + "; with --jobs each worker process has its own reference (row 'shard')"}
+    # one table in size order (workers interleave their sizes), the first worker's timm rows as the shown references
+    rows.sort(key=lambda r: (r["config"], r.get("img_size") or 0, r.get("frames") or 0))
+    shown = [r for r in rows if r["shard"] == shards[0]["shard"] or r["family"] != "timm"]
+    write_text_atomic(out / f"{args.tag}.json", json.dumps({"meta": meta, "results": rows}, indent=2))
+    write_text_atomic(out / f"{args.tag}.md", format_markdown(shown, meta))
+    if args.plot:
+        from .speed_report import plot_growth
+
+        plot_growth(shown, args.plot, meta)
+        log(f"wrote {args.plot}")
+    print(format_table(shown))
+    print(f"\nwall time {meta['wall_s']:.0f} s (worker CPU {meta['process_cpu_s']:.0f} s) on {meta['machine']}, {len(procs)} "
+          f"worker processes x {meta['threads']} threads; load average {load_start} -> {meta['loadavg_end']}")
+    if failed:
+        print(f"workers that failed: {failed} (logs in {work})", file=sys.stderr)
+    print(f"wrote {out / (args.tag + '.json')} and {out / (args.tag + '.md')}")
+    return 0 if not failed else 1
+
 
 if __name__ == "__main__":
     sys.exit(main())
