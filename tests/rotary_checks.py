@@ -51,8 +51,8 @@ def check_vit_trains(vit: Callable[..., torch.nn.Module], first_model: torch.nn.
     assert torch.isfinite(loss) and abs(loss.item() - ref) <= 0.05 * max(1.0, ref)
     out = model.to(torch.bfloat16)(x.bfloat16())
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
-    state = model.pos_encoding.prepare(PositionGrid((8, 12), 1))
-    if model.pos_encoding.pairwise_phases:
-        assert state.table.dtype == torch.complex64
-    else:  # block rotations (spherical_rope, LieRE): real float32 matrices
-        assert state.rotations.dtype == torch.float32
+    enc, grid = model.pos_encoding, PositionGrid((8, 12), 1)
+    if enc.pairwise_phases:
+        assert enc.prepare(grid).table.dtype == torch.complex64
+    else:  # block rotations (spherical_rope, LieRE): float32 matrices
+        assert enc.rotations(grid).dtype == torch.float32

@@ -47,13 +47,17 @@ def test_rotations_are_yaw_by_x_then_roll_by_y_and_proper_orthogonal():
     assert (euler_rotations(a, b) - euler_rotations(b, torch.tensor(0.0)) @ euler_rotations(torch.tensor(0.0), a)).abs().max() > 0.1
 
 
-def test_rotation_preserves_norms_and_passes_the_channels_after_the_triplets():
+def test_rotation_is_the_matrices_preserves_norms_and_passes_the_channels_after_the_triplets():
     torch.manual_seed(0)
     enc = _sph((3, 4), head_dim=16, prefix=1)  # 5 triplets + 1 channel
-    state = enc.prepare(PositionGrid((3, 4), 1))
+    grid = PositionGrid((3, 4), 1)
+    state = enc.prepare(grid)
     q, k = torch.randn(2, 2, 2, 13, 16).unbind(0)
     qr, kr = enc.rotate_qk(q, k, state)
+    rot = enc.rotations(grid)  # (13, 5, 3, 3): the yaw then roll, applied as matrices
     for x, xr in ((q, qr), (k, kr)):
+        want = torch.einsum("ntij,bhntj->bhnti", rot, x[..., :15].unflatten(-1, (5, 3))).flatten(-2)
+        assert torch.allclose(xr[..., :15], want, atol=1e-5)
         trip, trip_r = x[..., :15].unflatten(-1, (5, 3)), xr[..., :15].unflatten(-1, (5, 3))
         assert torch.allclose(trip_r.norm(dim=-1), trip.norm(dim=-1), atol=1e-5)  # each triplet keeps its norm
         assert torch.equal(xr[..., 15], x[..., 15])  # the leftover channel passes
@@ -91,10 +95,9 @@ def test_logits_are_not_shift_invariant_along_x_except_within_a_row(shift):
 class _CommutingControl(SphericalRope):
     """Both angles in the yaw plane (commuting generators: RoPE-Mixed-like), the control of the test below."""
 
-    def rotations(self, grid, device=None):
-        pos = spherical_coordinates(grid, self.grid_size, self.resolution_policy, device)
-        w = self.freqs.to(pos.device)
-        return euler_rotations((pos[:, 0, None] + pos[:, 1, None]) * w, torch.zeros(pos.shape[0], w.numel()))
+    def euler_angles(self, grid, device=None):
+        yaw, roll = super().euler_angles(grid, device)
+        return yaw + roll, torch.zeros_like(roll)
 
 
 def test_the_commuting_case_is_shift_invariant_where_spherical_is_not():
