@@ -1,6 +1,6 @@
 """Checks the rotary encodings' own tests share: the same q/k placed on a block of a lattice and on that block
 shifted give the same logits (attention depends on offsets only); a ViT with the encoding trains at three grids,
-with patch dropout, under bf16 autocast and cast to bf16, with its rotation table kept complex64."""
+with patch dropout, under bf16 autocast and cast to bf16, with its rotation table kept complex64 (block rotations float32)."""
 from __future__ import annotations
 
 from typing import Callable, Sequence
@@ -32,7 +32,7 @@ def shifted_block_logits(enc, grid: Sequence[int], shift: Sequence[int], head_di
 def check_vit_trains(vit: Callable[..., torch.nn.Module], first_model: torch.nn.Module) -> None:
     """``first_model`` trains a step at 32x32, 48x48 and 24x40 with finite gradients; ``vit(patch_drop_rate=0.5)``
     trains with patch dropout; ``vit()`` under bf16 autocast stays within 5 % of its float32 loss, runs cast to bf16,
-    and keeps its rotation table complex64 (angles in float32)."""
+    and keeps its rotation table complex64 (angles in float32; block rotations: float32 matrices)."""
     model = first_model
     for size in [(32, 32), (48, 48), (24, 40)]:
         model.zero_grad()
@@ -51,4 +51,8 @@ def check_vit_trains(vit: Callable[..., torch.nn.Module], first_model: torch.nn.
     assert torch.isfinite(loss) and abs(loss.item() - ref) <= 0.05 * max(1.0, ref)
     out = model.to(torch.bfloat16)(x.bfloat16())
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
-    assert model.pos_encoding.prepare(PositionGrid((8, 12), 1)).table.dtype == torch.complex64
+    enc, grid = model.pos_encoding, PositionGrid((8, 12), 1)
+    if enc.pairwise_phases:
+        assert enc.prepare(grid).table.dtype == torch.complex64
+    else:  # block rotations (spherical_rope, LieRE): float32 matrices
+        assert enc.rotations(grid).dtype == torch.float32
