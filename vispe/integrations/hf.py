@@ -796,10 +796,17 @@ def text_rotary_schedule(config: Any) -> TextRotarySchedule:
                               "interleaved" if tcfg.model_type in _INTERLEAVED_PAIRS else "half")
 
 
+def _default_ladder(theta: float, dim: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """transformers' ``rope_type='default'`` inverse frequencies of a ``dim``-wide rotary, as it rounds them (float32)."""
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
+
+
 class ScheduledTextRotary(nn.Module):
     """vispe's rotary under a :class:`TextRotarySchedule`: one vispe encoding per rotated width, built with the
-    schedule's layer options, so ``rotate_qk(q, k, positions, layer)`` turns each layer's q and k as the model's own
-    attention does (``positions``: ``(B, L)`` token indices or the scheme's ``(K, B, L)`` coordinates)."""
+    schedule's layer options on transformers' float32 frequency ladder, so ``rotate_qk(q, k, positions, layer)`` turns
+    each layer's q and k as the model's own attention does (to float32 rounding; ``positions``: ``(B, L)`` token
+    indices or the scheme's ``(K, B, L)`` coordinates). ``scheme`` defaults to ``'qwen3vl'`` (interleaved M-RoPE
+    sections) where the schedule has ``mrope_section``, else ``'rope_1d'``."""
 
     def __init__(self, schedule: TextRotarySchedule, scheme: str | None = None, num_heads: int = 1) -> None:
         super().__init__()
@@ -809,6 +816,9 @@ class ScheduledTextRotary(nn.Module):
                                   num_prefix_tokens=0)
         groups = schedule.encoding_options()
         self.encodings = nn.ModuleList([create_encoding(self.scheme, context, **opts) for _, opts in groups])
+        for enc in self.encodings:  # transformers' float32 ladder (vispe's own rounds theta^(-2i/d) in float64)
+            for e in [enc, *enc._modules.get("layer_theta_encodings", ())]:
+                e.inv_freq = functools.partial(_default_ladder, e.theta, e.head_dim)  # type: ignore[method-assign]
         self.layer_encoding = {layer: g for g, (layers, _) in enumerate(groups) for layer in layers}
 
     def rotate_qk(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
