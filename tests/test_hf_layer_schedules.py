@@ -137,7 +137,7 @@ def test_hy_v4_vl_interleaved_mrope_on_the_rope_slice():
                                          qk_rope_head_dim=16, v_head_dim=8, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                                                              "mrope_section": [4, 2, 2]})
     schedule = vhf.text_rotary_schedule(cfg)
-    assert schedule.head_dim == 16 and schedule.mrope_section == (4, 2, 2) and not schedule.nope_layers
+    assert schedule.head_dim == 16 and schedule.mrope_section == (4, 2, 2) and schedule.mrope_interleaved and not schedule.nope_layers
     rotary = modeling.HYV4VLRotaryEmbedding(cfg)
     # t, h, w rows that differ: a wrong section or interleaving turns some pair by the wrong coordinate
     pos = torch.stack([POSITIONS, POSITIONS.flip(-1) % 7, (3 * POSITIONS) % 5])
@@ -153,6 +153,16 @@ def test_schedule_rejects_a_ladder_it_cannot_reproduce():
                                           num_key_value_heads=1, head_dim=16, mlp_layer_types=["dense"] * 2)
     cfg.rope_parameters["full_attention"]["rope_type"] = "linear"
     with pytest.raises(ValueError, match=r"rope_parameters\['full_attention'\]\['rope_type'\]='linear'.*'default' only"):
+        vhf.text_rotary_schedule(cfg)
+
+
+def test_schedule_rejects_a_layer_rope_theta_of_another_depth():
+    _, configuration = _family("muse_glimmer")
+    cfg = configuration.MuseGlimmerTextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                              num_attention_heads=2, num_key_value_heads=1, head_dim=16, bos_token_id=1,
+                                              eos_token_id=2)
+    cfg.layer_rope_theta = [0, 1e4, 1e4]
+    with pytest.raises(ValueError, match="layer_rope_theta has 3 entries for 4 layers"):
         vhf.text_rotary_schedule(cfg)
 
 

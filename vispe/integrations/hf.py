@@ -713,6 +713,8 @@ class TextRotarySchedule:
         rotary_fraction: the share of ``head_dim`` each layer rotates (its first ``int(head_dim * f)`` channels).
         nope_layers: layers whose attention gets no position.
         mrope_section: M-RoPE pairs per (t, h, w) axis (``None``: one coordinate).
+        mrope_interleaved: the sections' pairs interleave t/h/w (Qwen3-VL's ``mrope_interleaved``, HY-V4-VL) rather
+            than follow one another.
         pair_layout: which channels the attention turns together: ``'half'`` ``(i, i + d/2)`` or ``'interleaved'``
             ``(2i, 2i+1)`` (HY-V4-VL's GLM-style rotation).
     """
@@ -723,6 +725,7 @@ class TextRotarySchedule:
     rotary_fraction: tuple[float, ...]
     nope_layers: frozenset[int] = frozenset()
     mrope_section: tuple[int, ...] | None = None
+    mrope_interleaved: bool = False
     pair_layout: str = "half"
 
     @property
@@ -751,8 +754,10 @@ class TextRotarySchedule:
         return out
 
 
-#: text models whose attention turns channel pairs ``(2i, 2i+1)`` (the pair layout is in the modeling code, not the config)
+#: text models whose attention turns channel pairs ``(2i, 2i+1)``, and whose M-RoPE sections interleave t/h/w without
+#: a config flag (both are in the modeling code, not the config)
 _INTERLEAVED_PAIRS = ("hy_v4_vl_text",)
+_INTERLEAVED_SECTIONS = ("hy_v4_vl_text",)
 
 
 def _per_type_rope(rp: Any, layer_types: Any) -> bool:
@@ -782,7 +787,9 @@ def text_rotary_schedule(config: Any) -> TextRotarySchedule:
         if params.get("rope_type", "default") != "default":
             raise ValueError(f"{tcfg.model_type}: {name}['rope_type']={params['rope_type']!r} is not a theta ladder; vispe's layer "
                              "schedule reproduces rope_type 'default' only")
-    theta = [float(p["rope_theta"]) for p in per_layer]
+    if any(p.get("rope_theta", getattr(tcfg, "rope_theta", None)) is None for p in per_layer):
+        raise ValueError(f"{tcfg.model_type}: the config has no rope_theta (in rope_parameters or as an attribute)")
+    theta = [float(p.get("rope_theta", getattr(tcfg, "rope_theta", None))) for p in per_layer]
     fraction = [float(p.get("partial_rotary_factor", 1.0) or 1.0) for p in per_layer]
     nope: set[int] = set()
     layer_rope_theta = getattr(tcfg, "layer_rope_theta", None)
@@ -793,6 +800,7 @@ def text_rotary_schedule(config: Any) -> TextRotarySchedule:
     section = rp.get("mrope_section") if not _per_type_rope(rp, layer_types) else None
     return TextRotarySchedule(str(tcfg.model_type), head_dim, tuple(theta), tuple(fraction), frozenset(nope),
                               tuple(int(s) for s in section) if section is not None else None,
+                              bool(rp.get("mrope_interleaved")) or tcfg.model_type in _INTERLEAVED_SECTIONS,
                               "interleaved" if tcfg.model_type in _INTERLEAVED_PAIRS else "half")
 
 
@@ -805,13 +813,15 @@ class ScheduledTextRotary(nn.Module):
     """vispe's rotary under a :class:`TextRotarySchedule`: one vispe encoding per rotated width, built with the
     schedule's layer options on transformers' float32 frequency ladder, so ``rotate_qk(q, k, positions, layer)`` turns
     each layer's q and k as the model's own attention does (to float32 rounding; ``positions``: ``(B, L)`` token
-    indices or the scheme's ``(K, B, L)`` coordinates). ``scheme`` defaults to ``'qwen3vl'`` (interleaved M-RoPE
-    sections) where the schedule has ``mrope_section``, else ``'rope_1d'``."""
+    indices or the scheme's ``(K, B, L)`` coordinates). ``scheme`` defaults to ``'rope_1d'``, or where the schedule
+    has ``mrope_section`` to ``'qwen3vl'`` (interleaved sections) or ``'mrope'`` (consecutive ones)."""
 
     def __init__(self, schedule: TextRotarySchedule, scheme: str | None = None, num_heads: int = 1) -> None:
         super().__init__()
         self.schedule = schedule
-        self.scheme = scheme or ("qwen3vl" if schedule.mrope_section is not None else "rope_1d")
+        if scheme is None:
+            scheme = "rope_1d" if schedule.mrope_section is None else "qwen3vl" if schedule.mrope_interleaved else "mrope"
+        self.scheme = scheme
         context = EncodingContext(dim=schedule.head_dim * num_heads, num_heads=num_heads, depth=schedule.depth, grid_size=(1, 1, 1),
                                   num_prefix_tokens=0)
         groups = schedule.encoding_options()
