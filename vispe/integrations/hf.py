@@ -38,6 +38,10 @@ a switched model writes transformers' custom-code layout (:mod:`vispe.integratio
 (``trust_remote_code=True``, or with this module imported: it registers the classes with the Auto classes and makes
 ``from_pretrained`` of the supported classes restore a recorded scheme or refuse naming it) and otherwise fails
 with transformers' own errors instead of loading the unswitched model.
+
+:func:`text_rotary_schedule` reads the per-layer rotary of other text models' configs (NoPE layers, partial rotary and
+base per layer or layer type, M-RoPE sections: Muse Glimmer, NeoMME, Step3p7, HY-V4-VL) into vispe's layer-schedule
+options; :class:`ScheduledTextRotary` turns each layer's q / k by it as the model's attention does.
 """
 from __future__ import annotations
 
