@@ -117,18 +117,24 @@ def test_neomme_quarter_rotary_in_global_layers():
     assert _check_layers(modeling, schedule, received, POSITIONS, heads=2) == [16] * 5 + [4] * 2
 
 
-def test_step3p7_per_layer_theta_and_partial_rotary():
+@pytest.mark.parametrize("factors", [[1.0, 0.5, 1.0, 0.5], [1.0] * 4])
+def test_step3p7_per_layer_theta_and_partial_rotary(factors):
+    """Both bases on one width is one vispe encoding with ``layer_theta``; two widths, two encodings."""
     modeling, configuration = _family("step3p7")
     types = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
     cfg = configuration.Step3p7TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
                                           num_key_value_heads=1, head_dim=16, layer_types=types, mlp_layer_types=["dense"] * 4,
-                                          rope_theta=[1e4, 5e5, 1e4, 5e5], partial_rotary_factors=[1.0, 0.5, 1.0, 0.5], sliding_window=4)
+                                          rope_theta=[1e4, 5e5, 1e4, 5e5], partial_rotary_factors=factors, sliding_window=4)
     schedule = vhf.text_rotary_schedule(cfg)
-    assert schedule.layer_theta == (1e4, 5e5, 1e4, 5e5) and schedule.rotary_fraction == (1.0, 0.5, 1.0, 0.5) and not schedule.nope_layers
+    assert schedule.layer_theta == (1e4, 5e5, 1e4, 5e5) and schedule.rotary_fraction == tuple(factors) and not schedule.nope_layers
+    groups = schedule.encoding_options()
+    assert len(groups) == len(set(factors))
+    if len(groups) == 1:
+        assert groups[0][1]["layer_theta"] == [1e4, 5e5, 1e4, 5e5]
     torch.manual_seed(0)
     model = modeling.Step3p7TextModel(cfg).eval()
     received = _attention_inputs(model, model.layers, input_ids=torch.randint(3, 64, (B, L)), position_ids=POSITIONS, use_cache=False)
-    assert _check_layers(modeling, schedule, received, POSITIONS, heads=2) == [16, 8, 16, 8]
+    assert _check_layers(modeling, schedule, received, POSITIONS, heads=2) == [int(16 * f) for f in factors]
 
 
 def test_hy_v4_vl_interleaved_mrope_on_the_rope_slice():
