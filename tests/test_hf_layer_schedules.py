@@ -6,8 +6,9 @@ vispe's ``rotate_qk`` for that layer (NoPE layers, rotated channels, base per la
 
 Families (transformers 5.24): Muse Glimmer (``layer_rope_theta``: NoPE every fourth layer counted from the last),
 NeoMME (per-layer-type base and ``partial_rotary_factor``: 25 % in global layers), Step3p7 (per-layer ``rope_theta``
-and ``partial_rotary_factors``), HY-V4-VL (interleaved M-RoPE sections on the MLA rope slice). A family the installed
-transformers lacks is skipped, naming it.
+and ``partial_rotary_factors``), HY-V4-VL (interleaved M-RoPE sections on the MLA rope slice); and Qwen3.5 (5.2), an
+integrated family whose linear-attention layers take no position. A family the installed transformers lacks is
+skipped, naming it.
 """
 from __future__ import annotations
 
@@ -25,21 +26,22 @@ L, B = 12, 2
 POSITIONS = torch.tensor([[0, 1, 2, 3, 5, 8, 13, 21, 34, 40, 41, 47], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]])
 
 
-def _family(name: str):
+def _family(name: str, since: str = "5.24"):
     """The installed ``modeling_<name>`` and ``configuration_<name>`` modules, or a skip naming the family."""
     try:
         return (importlib.import_module(f"transformers.models.{name}.modeling_{name}"),
                 importlib.import_module(f"transformers.models.{name}.configuration_{name}"))
     except ImportError:
-        pytest.skip(f"transformers {transformers.__version__} has no {name} (added in 5.24)")
+        pytest.skip(f"transformers {transformers.__version__} has no {name} (added in {since})")
 
 
 def _attention_inputs(model, layers, **forward_kwargs) -> list:
-    """The ``position_embeddings`` (``(cos, sin)`` or ``None``) each layer's attention receives in one forward."""
-    seen: dict[int, object] = {}
+    """The ``position_embeddings`` (``(cos, sin)`` or ``None``) each layer's attention receives in one forward (``None``
+    for a layer without softmax attention)."""
+    seen: dict[int, object] = {i: None for i, layer in enumerate(layers) if not hasattr(layer, "self_attn")}  # linear attention
     hooks = [layer.self_attn.register_forward_pre_hook(
         lambda m, args, kwargs, i=i: seen.__setitem__(i, kwargs.get("position_embeddings")), with_kwargs=True)
-        for i, layer in enumerate(layers)]
+        for i, layer in enumerate(layers) if hasattr(layer, "self_attn")]
     try:
         with torch.no_grad():
             model(**forward_kwargs)
@@ -151,6 +153,24 @@ def test_hy_v4_vl_interleaved_mrope_on_the_rope_slice():
     received = [(cos, sin)] * schedule.depth  # one table for every layer, applied to the rope slice of q and k
     assert _check_layers(modeling, schedule, received, pos, heads=2) == [16, 16]
     assert vhf.ScheduledTextRotary(schedule).scheme == "qwen3vl"
+
+
+def test_qwen3_5_linear_attention_layers_get_no_position():
+    """An integrated family: Qwen3.5's Gated DeltaNet layers take no position (NoPE in the schedule), its attention
+    layers turn the first 25 % of the head with interleaved M-RoPE sections."""
+    modeling, configuration = _family("qwen3_5", since="5.2")
+    cfg = configuration.Qwen3_5TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+                                          num_key_value_heads=1, head_dim=32, linear_key_head_dim=8, linear_value_head_dim=8,
+                                          linear_num_key_heads=2, linear_num_value_heads=2,
+                                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
+                                                           "mrope_interleaved": True, "partial_rotary_factor": 0.25})
+    schedule = vhf.text_rotary_schedule(cfg)
+    assert schedule.nope_layers == {0, 1, 2} and schedule.rotary_fraction == (0.25,) * 4 and schedule.mrope_interleaved
+    torch.manual_seed(0)
+    model = modeling.Qwen3_5TextModel(cfg).eval()
+    pos = torch.stack([POSITIONS, POSITIONS.flip(-1) % 7, (3 * POSITIONS) % 5])  # t, h, w rows that differ
+    received = _attention_inputs(model, model.layers, input_ids=torch.randint(3, 64, (B, L)), position_ids=pos, use_cache=False)
+    assert _check_layers(modeling, schedule, received, pos, heads=2) == [0, 0, 0, 8]
 
 
 def test_schedule_rejects_a_ladder_it_cannot_reproduce():

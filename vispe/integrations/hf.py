@@ -762,6 +762,8 @@ class TextRotarySchedule:
 #: a config flag (both are in the modeling code, not the config)
 _INTERLEAVED_PAIRS = ("hy_v4_vl_text",)
 _INTERLEAVED_SECTIONS = ("hy_v4_vl_text",)
+#: layer types that take no position embeddings (linear attention)
+_POSITIONLESS_LAYER_TYPES = ("linear_attention",)
 
 
 def _per_type_rope(rp: Any, layer_types: Any) -> bool:
@@ -775,7 +777,7 @@ def text_rotary_schedule(config: Any) -> TextRotarySchedule:
     ``partial_rotary_factor``: NeoMME, Step3p7), ``layer_rope_theta`` (Muse Glimmer: ``0`` marks a NoPE layer; the
     installed rotary uses the global ``rope_theta`` on every other layer, whatever value is written there), a global
     ``rope_parameters`` with ``partial_rotary_factor`` and ``mrope_section`` (HY-V4-VL: on the MLA rope slice of width
-    ``head_dim``). ``ValueError`` for a ``rope_type`` other than ``'default'`` (its ladder is not a theta ladder).
+    ``head_dim``; Qwen3.5), ``linear_attention`` layer types (Qwen3.5: no position reaches them). ``ValueError`` for a ``rope_type`` other than ``'default'`` (its ladder is not a theta ladder).
     """
     tcfg = getattr(config, "text_config", None) or config
     depth = int(tcfg.num_hidden_layers)
@@ -795,12 +797,13 @@ def text_rotary_schedule(config: Any) -> TextRotarySchedule:
         raise ValueError(f"{tcfg.model_type}: the config has no rope_theta (in rope_parameters or as an attribute)")
     theta = [float(p.get("rope_theta", getattr(tcfg, "rope_theta", None))) for p in per_layer]
     fraction = [float(p.get("partial_rotary_factor", 1.0) or 1.0) for p in per_layer]
-    nope: set[int] = set()
+    # layers without softmax attention (Qwen3.5's Gated DeltaNet) receive no position
+    nope = {i for i, t in enumerate(layer_types or ()) if t in _POSITIONLESS_LAYER_TYPES}
     layer_rope_theta = getattr(tcfg, "layer_rope_theta", None)
     if layer_rope_theta is not None:
         if len(layer_rope_theta) != depth:
             raise ValueError(f"{tcfg.model_type}: layer_rope_theta has {len(layer_rope_theta)} entries for {depth} layers")
-        nope = {i for i, t in enumerate(layer_rope_theta) if not t}
+        nope |= {i for i, t in enumerate(layer_rope_theta) if not t}
     section = rp.get("mrope_section") if not _per_type_rope(rp, layer_types) else None
     return TextRotarySchedule(str(tcfg.model_type), head_dim, tuple(theta), tuple(fraction), frozenset(nope),
                               tuple(int(s) for s in section) if section is not None else None,
