@@ -19,7 +19,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from vispe.integrations import hf as vhf  # noqa: E402
+from vispe.integrations import hf as vhf
 
 L, B = 12, 2
 #: token positions with a far one: a wrong base or frequency layout moves these by O(1)

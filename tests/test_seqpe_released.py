@@ -26,7 +26,7 @@ def released_state_dict(final_layer_norm: bool = True, width: int = WIDTH, depth
     """A ``SequentialPE(pe_embed_dim=width, num_attention_heads=2, layer_num=depth, max_digits=digits,
     out_proj_dim=dim, data_dim=2)`` state dict in the released layout (GPT-2 ``Conv1D`` weights stored ``(in, out)``),
     with values from a fixed formula (no random generator: the same on every torch version)."""
-    WIDTH, DEPTH, DIM, DIGITS = width, depth, dim, digits  # noqa: N806  (the shapes below read as the module's)
+    WIDTH, DEPTH, DIM, DIGITS = width, depth, dim, digits  # the shapes below read as the module-level ones
     shapes = {
         "pos_of_seqpe_embed.weight": (DIGITS * 2, WIDTH),
         "token_of_seqpe_embed.weight": (10, WIDTH),
