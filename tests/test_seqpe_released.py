@@ -21,10 +21,12 @@ from vispe.models.checkpoint import load_released_seqpe, released_seqpe_options
 WIDTH, HEADS, DEPTH, DIM, DIGITS = 8, 2, 2, 6, 2
 
 
-def released_state_dict(final_layer_norm: bool = True) -> dict[str, torch.Tensor]:
-    """A ``SequentialPE(pe_embed_dim=8, num_attention_heads=2, layer_num=2, max_digits=2, out_proj_dim=6,
-    data_dim=2)`` state dict in the released layout (GPT-2 ``Conv1D`` weights stored ``(in, out)``), with values
-    from a fixed formula (no random generator: the same on every torch version)."""
+def released_state_dict(final_layer_norm: bool = True, width: int = WIDTH, depth: int = DEPTH, dim: int = DIM,
+                        digits: int = DIGITS) -> dict[str, torch.Tensor]:
+    """A ``SequentialPE(pe_embed_dim=width, num_attention_heads=2, layer_num=depth, max_digits=digits,
+    out_proj_dim=dim, data_dim=2)`` state dict in the released layout (GPT-2 ``Conv1D`` weights stored ``(in, out)``),
+    with values from a fixed formula (no random generator: the same on every torch version)."""
+    WIDTH, DEPTH, DIM, DIGITS = width, depth, dim, digits  # the shapes below read as the module-level ones
     shapes = {
         "pos_of_seqpe_embed.weight": (DIGITS * 2, WIDTH),
         "token_of_seqpe_embed.weight": (10, WIDTH),
@@ -50,6 +52,8 @@ def released_state_dict(final_layer_norm: bool = True) -> dict[str, torch.Tensor
         wave = torch.sin(0.731 * k + 0.0137 * k * k + 1.3 * j)  # a chirp: no low-rank structure
         value = 1.0 + 0.3 * wave if name.endswith("layernorm_1.weight") or name.endswith("layernorm_2.weight") \
             or name == "layernorm.weight" else 0.5 * wave
+        if name == "out_proj.weight":  # outputs of a few units at any width (the factor is 1 at width 8)
+            value = value * math.sqrt(8 / width)
         out[name] = value.float().reshape(shape)
     return out
 
@@ -121,6 +125,37 @@ def test_outputs_equal_the_released_sequential_pe(final_layer_norm):
     inside = [i for i, (r, c) in enumerate(POSITIONS) if r < 56 and c < 56]
     rows = torch.tensor([POSITIONS[i][0] * 56 + POSITIONS[i][1] for i in inside])
     assert (table[rows] - golden[inside]).abs().max() <= 5e-6
+
+
+#: the released ``SequentialPE`` with the image recipe's size (width 384, 6 heads, 2 layers, out_proj to 384, final
+#: LayerNorm on, 2 digits per axis) on ``released_state_dict(width=384, dim=384)``: tables of 14x14, 28x28 and 56x56
+#: lattices at (row, col) -> {channel: value}; the channels where SDPA and torch's tanh-GELU kernel rounded furthest
+#: from the released order (up to 6.3e-5), and one position they left within 4e-6
+GOLDEN_384 = {
+    14: {(4, 5): {206: -0.81672668, 216: 0.46521497, 251: 0.38976753, 252: 1.4722016},
+         (4, 7): {224: -0.19118038, 230: -1.6039236, 251: -0.07710281, 254: -0.39195743},
+         (0, 0): {15: 0.85051501, 76: 2.0082185, 183: -1.6868163, 190: 1.8672612}},
+    28: {(18, 9): {163: -0.40719697, 332: -0.020921439, 333: 0.068768546, 336: -0.38382393},
+         (16, 9): {71: 2.4607131, 80: -0.21885197, 96: -1.5057982, 113: 1.1449877},
+         (27, 0): {167: -1.6797525, 269: 1.8994492, 342: 1.7250021, 359: -0.1180371}},
+    56: {(42, 4): {342: 1.6402276, 357: -1.4486853, 364: -1.79217, 367: -0.6467452},
+         (40, 52): {19: 1.5273135, 29: -0.499174, 35: 0.71319002, 63: 1.8239658},
+         (55, 55): {111: 0.1293436, 202: -1.6872332, 253: 3.235086, 286: 3.0722361}},
+}
+
+
+@pytest.mark.parametrize("size", sorted(GOLDEN_384))
+def test_default_encoder_equals_the_released_at_image_recipe_size(size):
+    """The default encoder on copied weights, float32, outputs of a few units: computed in the released order (GPT-2
+    ``gelu_new``, explicit attention softmax) it gives the released outputs well inside 5e-6."""
+    enc = create_encoding("seqpe", EncodingContext(384, 6, 1, (14, 14), 0)).eval()
+    report = load_released_seqpe(enc, released_state_dict(width=384, dim=384))
+    assert report.new == [] and enc.num_digits == DIGITS
+    with torch.no_grad():
+        table = enc.table_for(PositionGrid((size, size), 0), torch.device("cpu"))[0]
+    for (r, c), golden in GOLDEN_384[size].items():
+        got = table[r * size + c, list(golden)]
+        assert (got - torch.tensor(list(golden.values()))).abs().max() <= 5e-6, (r, c)
 
 
 def test_interpolate_is_the_released_plain_bicubic():

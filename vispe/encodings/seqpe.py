@@ -22,7 +22,8 @@ Two regularisers, exposed through the generic :meth:`PositionalEncoding.auxiliar
 Defaults follow the released image code (ghrua/seqpe, MIT; ``image_seqpe/models/sequential_pe.py``,
 ``pe_sampler.py``, ``pe_criterion.py``, ``main.py``, ``runs/ours_vit.sh``): base 10; positions per axis
 ``max_position = 100`` (``--pe_max_position 10000`` flattened, square-rooted for 2D data) hence 2 digits per
-axis; a 2-layer causal encoder of width 384 with ``width // 64`` heads, GELU (tanh), residual dropout 0.1,
+axis; a 2-layer causal encoder of width 384 with ``width // 64`` heads, GELU (tanh: GPT-2's ``gelu_new``, evaluated
+as released, as is the attention's softmax), residual dropout 0.1,
 attention dropout 0; LayerNorm eps 1e-5; padding digits not masked; the summary token last; a final LayerNorm
 on the summary token (``--seqpe_last_layernorm`` in the image recipe); a learned
 (trunc-normal 0.02) vector for the cls token; both losses weighted 0.1 with 32 pivots x 64 negatives and 32
@@ -67,6 +68,14 @@ def position_digits(positions: torch.Tensor, base: int, num_digits: int) -> torc
     return digits.flatten(-2)
 
 
+class GeluNew(nn.Module):
+    """GPT-2's ``gelu_new``, ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``, evaluated in the released order:
+    ``nn.GELU(approximate='tanh')`` is the same function with other float32 rounding."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
 class SeqPEEncoder(nn.Module):
     """The sequential encoder: digit sequences ``(P, A*K)`` -> embeddings ``(P, out_dim)``.
 
@@ -87,13 +96,17 @@ class SeqPEEncoder(nn.Module):
         self.slot_embed = nn.Embedding(num_axes * num_digits, width)  # which digit of the sequence
         self.axis_embed = nn.Parameter(torch.zeros(num_axes, 1, width)) if num_axes > 1 else None
         self.summary_token = nn.Parameter(torch.zeros(1, 1, width))
-        gelu_tanh = lambda: nn.GELU(approximate="tanh")  # noqa: E731  (released: 'gelu_new')
         norm = partial(nn.LayerNorm, eps=layer_norm_eps)
         self.blocks = nn.ModuleList(
             Block(width, num_heads, mlp_ratio=4.0, qkv_bias=True, proj_drop=resid_drop, attn_drop=attn_drop,
-                  act_layer=gelu_tanh, norm_layer=norm)
+                  act_layer=GeluNew, norm_layer=norm)
             for _ in range(depth)
         )
+        for blk in self.blocks:
+            # the released attention's explicit softmax(q k^T / sqrt(d)) v (timm's unfused path; SDPA's fused kernel
+            # rounds otherwise): with GeluNew the float32 outputs equal the released ones, not just to rounding;
+            # the sequences are a few digits long, so the unfused path costs nothing
+            blk.attn.fused_attn = False
         self.final_norm = norm(width) if final_layer_norm else nn.Identity()
         self.out_proj = nn.Linear(width, out_dim)
         self.reset_parameters()

@@ -38,6 +38,10 @@ a switched model writes transformers' custom-code layout (:mod:`vispe.integratio
 (``trust_remote_code=True``, or with this module imported: it registers the classes with the Auto classes and makes
 ``from_pretrained`` of the supported classes restore a recorded scheme or refuse naming it) and otherwise fails
 with transformers' own errors instead of loading the unswitched model.
+
+:func:`text_rotary_schedule` reads the per-layer rotary of other text models' configs (NoPE layers, partial rotary and
+base per layer or layer type, M-RoPE sections: Muse Glimmer, NeoMME, Step3p7, HY-V4-VL) into vispe's layer-schedule
+options; :class:`ScheduledTextRotary` turns each layer's q / k by it as the model's attention does.
 """
 from __future__ import annotations
 
@@ -64,6 +68,8 @@ __all__ = [
     "SUPPORTED_MODELS",
     "TRANSFORMERS_REQUIREMENT",
     "ModelFamily",
+    "ScheduledTextRotary",
+    "TextRotarySchedule",
     "VispeRotaryEmbedding",
     "apply_position_scheme",
     "check_transformers_version",
@@ -74,6 +80,7 @@ __all__ = [
     "remove_position_scheme",
     "restore_position_scheme",
     "scheme_of",
+    "text_rotary_schedule",
 ]
 
 #: The tested range (keep in sync with the ``hf`` extra in pyproject.toml); families may need more (``min_version``).
@@ -692,6 +699,156 @@ def remove_position_scheme(model: nn.Module) -> nn.Module:
         delattr(model.config, CONFIG_KEY)
     del model._vispe_position_patch
     return model
+
+
+# ---------------------------------------------------------------------------------------------
+# per-layer rotary of a text model (NoPE layers, partial rotary, per-layer theta) -> vispe's layer schedule
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TextRotarySchedule:
+    """The rotary of each layer of an HF text model, as its config sets it (:func:`text_rotary_schedule`).
+
+    Attributes:
+        model_type: the config's ``model_type``.
+        head_dim: the width of the head the rotary sees (MLA models: the rope slice, ``qk_rope_head_dim``).
+        layer_theta: the rotary base of each layer.
+        rotary_fraction: the share of ``head_dim`` each layer rotates (its first ``int(head_dim * f)`` channels).
+        nope_layers: layers whose attention gets no position.
+        mrope_section: M-RoPE pairs per (t, h, w) axis (``None``: one coordinate).
+        mrope_interleaved: the sections' pairs interleave t/h/w (Qwen3-VL's ``mrope_interleaved``, HY-V4-VL) rather
+            than follow one another.
+        pair_layout: which channels the attention turns together: ``'half'`` ``(i, i + d/2)`` or ``'interleaved'``
+            ``(2i, 2i+1)`` (HY-V4-VL's GLM-style rotation).
+    """
+
+    model_type: str
+    head_dim: int
+    layer_theta: tuple[float, ...]
+    rotary_fraction: tuple[float, ...]
+    nope_layers: frozenset[int] = frozenset()
+    mrope_section: tuple[int, ...] | None = None
+    mrope_interleaved: bool = False
+    pair_layout: str = "half"
+
+    @property
+    def depth(self) -> int:
+        return len(self.layer_theta)
+
+    def encoding_options(self) -> list[tuple[tuple[int, ...], dict[str, Any]]]:
+        """vispe rotary options (``theta``, ``nope_layers``, ``rotary_fraction``, ``layer_theta``, ``mrope_section``)
+        reproducing the schedule, one option set per rotated width (vispe's ``rotary_fraction`` is one width per
+        encoding), each with the layers it rotates; in each set every other layer is a NoPE layer."""
+        rotating = [i for i in range(self.depth) if i not in self.nope_layers]
+        out = []
+        for frac in dict.fromkeys(self.rotary_fraction[i] for i in rotating):
+            layers = tuple(i for i in rotating if self.rotary_fraction[i] == frac)
+            opts: dict[str, Any] = {"theta": self.layer_theta[layers[0]], "layout": self.pair_layout}
+            others = sorted(set(range(self.depth)) - set(layers))
+            if others:
+                opts["nope_layers"] = others
+            if frac != 1:
+                opts["rotary_fraction"] = frac
+            if len({self.layer_theta[i] for i in layers}) > 1:  # a NoPE layer's entry is never used: any valid base
+                opts["layer_theta"] = [self.layer_theta[i] if i in layers else opts["theta"] for i in range(self.depth)]
+            if self.mrope_section is not None:
+                opts["mrope_section"] = list(self.mrope_section)
+            out.append((layers, opts))
+        return out
+
+
+#: text models whose attention turns channel pairs ``(2i, 2i+1)``, and whose M-RoPE sections interleave t/h/w without
+#: a config flag (both are in the modeling code, not the config)
+_INTERLEAVED_PAIRS = ("hy_v4_vl_text",)
+_INTERLEAVED_SECTIONS = ("hy_v4_vl_text",)
+#: layer types that take no position embeddings (linear attention)
+_POSITIONLESS_LAYER_TYPES = ("linear_attention",)
+
+
+def _per_type_rope(rp: Any, layer_types: Any) -> bool:
+    return isinstance(rp, dict) and bool(layer_types) and all(isinstance(rp.get(t), dict) for t in set(layer_types))
+
+
+def text_rotary_schedule(config: Any) -> TextRotarySchedule:
+    """Read the per-layer rotary of an HF text model from its config (or a multimodal config's ``text_config``).
+
+    Read as transformers runs them: ``rope_parameters`` keyed by ``layer_types`` (per-type ``rope_theta`` and
+    ``partial_rotary_factor``: NeoMME, Step3p7), ``layer_rope_theta`` (Muse Glimmer: ``0`` marks a NoPE layer; the
+    installed rotary uses the global ``rope_theta`` on every other layer, whatever value is written there), a global
+    ``rope_parameters`` with ``partial_rotary_factor`` and ``mrope_section`` (HY-V4-VL: on the MLA rope slice of width
+    ``head_dim``; Qwen3.5), ``linear_attention`` layer types (Qwen3.5: no position reaches them). ``ValueError`` for a ``rope_type`` other than ``'default'`` (its ladder is not a theta ladder).
+    """
+    tcfg = getattr(config, "text_config", None) or config
+    depth = int(tcfg.num_hidden_layers)
+    head_dim = int(getattr(tcfg, "head_dim", None) or tcfg.hidden_size // tcfg.num_attention_heads)
+    rp = getattr(tcfg, "rope_parameters", None) or {}
+    layer_types = getattr(tcfg, "layer_types", None)
+    if _per_type_rope(rp, layer_types):
+        per_layer = [rp[t] for t in layer_types]
+        where = [f"rope_parameters[{t!r}]" for t in layer_types]
+    else:
+        per_layer, where = [rp] * depth, ["rope_parameters"] * depth
+    for params, name in zip(per_layer, where):
+        if params.get("rope_type", "default") != "default":
+            raise ValueError(f"{tcfg.model_type}: {name}['rope_type']={params['rope_type']!r} is not a theta ladder; vispe's layer "
+                             "schedule reproduces rope_type 'default' only")
+    if any(p.get("rope_theta", getattr(tcfg, "rope_theta", None)) is None for p in per_layer):
+        raise ValueError(f"{tcfg.model_type}: the config has no rope_theta (in rope_parameters or as an attribute)")
+    theta = [float(p.get("rope_theta", getattr(tcfg, "rope_theta", None))) for p in per_layer]
+    fraction = [float(p.get("partial_rotary_factor", 1.0) or 1.0) for p in per_layer]
+    # layers without softmax attention (Qwen3.5's Gated DeltaNet) receive no position
+    nope = {i for i, t in enumerate(layer_types or ()) if t in _POSITIONLESS_LAYER_TYPES}
+    layer_rope_theta = getattr(tcfg, "layer_rope_theta", None)
+    if layer_rope_theta is not None:
+        if len(layer_rope_theta) != depth:
+            raise ValueError(f"{tcfg.model_type}: layer_rope_theta has {len(layer_rope_theta)} entries for {depth} layers")
+        nope |= {i for i, t in enumerate(layer_rope_theta) if not t}
+    section = rp.get("mrope_section") if not _per_type_rope(rp, layer_types) else None
+    return TextRotarySchedule(str(tcfg.model_type), head_dim, tuple(theta), tuple(fraction), frozenset(nope),
+                              tuple(int(s) for s in section) if section is not None else None,
+                              bool(rp.get("mrope_interleaved")) or tcfg.model_type in _INTERLEAVED_SECTIONS,
+                              "interleaved" if tcfg.model_type in _INTERLEAVED_PAIRS else "half")
+
+
+def _default_ladder(theta: float, dim: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """transformers' ``rope_type='default'`` inverse frequencies of a ``dim``-wide rotary, as it rounds them (float32)."""
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
+
+
+class ScheduledTextRotary(nn.Module):
+    """vispe's rotary under a :class:`TextRotarySchedule`: one vispe encoding per rotated width, built with the
+    schedule's layer options on transformers' float32 frequency ladder, so ``rotate_qk(q, k, positions, layer)`` turns
+    each layer's q and k as the model's own attention does (to float32 rounding; ``positions``: ``(B, L)`` token
+    indices or the scheme's ``(K, B, L)`` coordinates). ``scheme`` defaults to ``'rope_1d'``, or where the schedule
+    has ``mrope_section`` to ``'qwen3vl'`` (interleaved sections) or ``'mrope'`` (consecutive ones)."""
+
+    def __init__(self, schedule: TextRotarySchedule, scheme: str | None = None, num_heads: int = 1) -> None:
+        super().__init__()
+        self.schedule = schedule
+        if scheme is None:
+            scheme = "rope_1d" if schedule.mrope_section is None else "qwen3vl" if schedule.mrope_interleaved else "mrope"
+        self.scheme = scheme
+        context = EncodingContext(dim=schedule.head_dim * num_heads, num_heads=num_heads, depth=schedule.depth, grid_size=(1, 1, 1),
+                                  num_prefix_tokens=0)
+        groups = schedule.encoding_options()
+        self.encodings = nn.ModuleList([create_encoding(self.scheme, context, **opts) for _, opts in groups])
+        for enc in self.encodings:  # transformers' float32 ladder (vispe's own rounds theta^(-2i/d) in float64)
+            for e in [enc, *enc._modules.get("layer_theta_encodings", ())]:
+                e.inv_freq = functools.partial(_default_ladder, e.theta, e.head_dim)  # type: ignore[method-assign]
+        self.layer_encoding = {layer: g for g, (layers, _) in enumerate(groups) for layer in layers}
+
+    def rotate_qk(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= layer < self.schedule.depth:
+            raise ValueError(f"layer={layer} is outside the model's {self.schedule.depth} layers")
+        g = self.layer_encoding.get(layer)
+        if g is None:  # a NoPE layer
+            return q, k
+        enc = self.encodings[g]
+        coords = positions[None] if positions.ndim == 2 else positions
+        if coords.shape[0] != enc.num_coords:
+            coords = coords[:1].expand(enc.num_coords, *coords.shape[1:])  # text: every coordinate is the token index
+        return enc.rotate_qk(q, k, enc.table_from_positions(coords), layer)
 
 
 # ---------------------------------------------------------------------------------------------
