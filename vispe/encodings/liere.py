@@ -243,7 +243,7 @@ def _word_sums_backward(gens: torch.Tensor, levels: list[torch.Tensor], grads: l
     g_cur = grads[degree]
     for k in range(degree, 0, -1):
         prev = levels[k - 1].reshape(p, -1, b)
-        g_prev = grads[k - 1].clone() if k > 1 else None  # level 0 is the identity: nothing to pass on
+        g_prev = grads[k - 1].clone(memory_format=torch.contiguous_format) if k > 1 else None  # level 0 is the identity: nothing to pass on
         for i in range(n):
             g_y = g_cur.index_select(1, ups[k][i].to(gens.device)).reshape(p, -1, b)
             g_gens[i] += torch.bmm(prev.transpose(1, 2), g_y)  # sum over the words of W^T dY
@@ -256,11 +256,13 @@ def _word_sums_backward(gens: torch.Tensor, levels: list[torch.Tensor], grads: l
 def _monomial_coefficients(coords: torch.Tensor, degree: int) -> torch.Tensor:
     """``x^a / |a|!`` per token and exponent, levels in order: ``(L, T)``."""
     levels, _ = _monomials(coords.shape[1], degree)
-    cols = []
-    for k, lv in enumerate(levels):
-        powers = torch.tensor(lv, dtype=coords.dtype, device=coords.device)  # (n_k, N)
-        cols.append(torch.prod(coords[:, None, :] ** powers, dim=-1) / float(math.factorial(k)))
-    return torch.cat(cols, dim=1)
+    exps = torch.tensor([al for lv in levels for al in lv], device=coords.device)  # (T, N)
+    fact = torch.tensor([float(math.factorial(k)) for k, lv in enumerate(levels) for _ in lv], dtype=coords.dtype,
+                        device=coords.device)
+    # x_i^0 .. x_i^degree by cumulative products (a power with a tensor exponent is far slower), gathered per exponent
+    powers = torch.cat([torch.ones_like(coords[:, None, :]), coords[:, None, :].expand(-1, degree, -1).cumprod(1)], dim=1)
+    coef = powers.gather(1, exps[None].expand(coords.shape[0], -1, -1)).prod(-1)  # (L, T)
+    return coef / fact
 
 
 def _exp_words(coords: torch.Tensor, generators: torch.Tensor) -> tuple[_ExpPlan, torch.Tensor, list[torch.Tensor], torch.Tensor]:
@@ -284,8 +286,10 @@ def _lattice_exp(coords: torch.Tensor, generators: torch.Tensor) -> tuple[torch.
     with torch.autocast(device_type=coords.device.type, enabled=False):
         plan, gens, levels, coef = _exp_words(coords, generators)
         b, p, num_tokens = gens.shape[-1], gens.shape[1], coords.shape[0]
-        words = torch.cat(levels, dim=1).transpose(0, 1).reshape(-1, p * b * b)  # (T, P*b*b)
-        scaled = (coef @ words).view(num_tokens, p, b, b)
+        words = gens.new_empty(coef.shape[1], p, b, b)  # (T, P, b, b): token-independent columns of the GEMM
+        for lv, dst in zip(levels, words.split([lv.shape[1] for lv in levels])):
+            dst.copy_(lv.transpose(0, 1))
+        scaled = (coef @ words.view(coef.shape[1], -1)).view(num_tokens, p, b, b)
         lead, m = generators.shape[1:-3], generators.shape[-3]
         out = scaled.new_empty(*lead, num_tokens, m, b, b)
         by_token = out.view(-1, num_tokens, m, b, b).transpose(0, 1)  # (L, lead, m, b, b) view of the output
@@ -307,20 +311,29 @@ def _lattice_exp_backward(coords: torch.Tensor, generators: torch.Tensor, scaled
         plan, gens, levels, coef = _exp_words(coords, generators)
         num_tokens, p, b = scaled.shape[0], scaled.shape[1], scaled.shape[-1]
         g = grad.to(scaled.dtype).reshape(-1, num_tokens, generators.shape[-3], b, b)
-        g = g.transpose(0, 1).index_select(0, plan.order).reshape(num_tokens, p, b, b)  # sorted, token-major
+        g_cur = g.transpose(0, 1).index_select(0, plan.order).reshape(num_tokens, p, b, b)  # sorted, token-major
         # R = E^(2^s) = E_{s-1} E_{s-1}, E_{j+1} = E_j E_j: the adjoint of each squaring, dE_j = dR E_j^T + E_j^T dR, is a
         # linear map in E_j's powers, which commute, so the maps can be applied in forward order: no chain is kept
-        e = scaled
+        # rows [n_j, n_{j-1}) are done after the adjoints of their j squarings: each range enters the GEMM's
+        # gradient, coefficients^T @ dE, as soon as it is done (no copy back into one tensor)
         steps = _steps(plan.squarings)
-        for j, count in enumerate(steps):
+        g_words = coef.new_zeros(coef.shape[1], p * b * b)
+        e, done = scaled, num_tokens
+        for j in range(len(steps) + 1):
+            count = steps[j] if j < len(steps) else 0
+            if done > count:
+                g_words.addmm_(coef[count:done].transpose(0, 1), g_cur[count:done].reshape(done - count, p * b * b))
+            if not count:
+                break
             ej = e[:count].reshape(-1, b, b)
             et = ej.transpose(1, 2)
-            gj = g[:count].reshape(-1, b, b)
-            g[:count] = torch.baddbmm(torch.bmm(gj, et), et, gj).view(count, p, b, b)
+            gj = g_cur[:count].reshape(-1, b, b)
+            g_cur, done = torch.bmm(gj, et).view(count, p, b, b), count
+            g_cur.view(-1, b, b).baddbmm_(et, gj)
             if j + 1 < len(steps):
                 nxt = e[: steps[j + 1]].reshape(-1, b, b)
                 e = torch.bmm(nxt, nxt).view(steps[j + 1], p, b, b)
-        g_words = (coef.transpose(0, 1) @ g.view(num_tokens, -1)).view(-1, p, b, b).transpose(0, 1).contiguous()  # (P, T, b, b)
+        g_words = g_words.view(-1, p, b, b).transpose(0, 1)  # (P, T, b, b), a view
         g_levels = list(g_words.split([lv.shape[1] for lv in levels], dim=1))
         g_gens = _word_sums_backward(gens, levels, g_levels, plan.degree) * plan.gen_scale
         return g_gens.view(generators.shape)
@@ -432,6 +445,9 @@ class LieREBase(RotaryEncoding):
     than per-pair phases: it keeps the rotary family's attention path and overrides :meth:`rotate_qk`."""
 
     pairwise_phases = False
+    # SDPA keeps the rotated q/k (~1.2 MiB a layer for ViT-S at batch 2): re-rotating them by per-token b x b
+    # products in the backward costs more than RoPE's elementwise pass
+    recompute_rotated_qk = False
     layer_schedules = ("nope_layers", "rotary_fraction")  # learned generators: no rotary base to set per layer
     prefix_policy = (
         "coords='liere': prefix tokens get the identity rotation (released code); coords='centers': they sit at "
