@@ -445,9 +445,6 @@ class LieREBase(RotaryEncoding):
     than per-pair phases: it keeps the rotary family's attention path and overrides :meth:`rotate_qk`."""
 
     pairwise_phases = False
-    # SDPA keeps the rotated q/k (~1.2 MiB a layer for ViT-S at batch 2): re-rotating them by per-token b x b
-    # products in the backward costs more than RoPE's elementwise pass
-    recompute_rotated_qk = False
     layer_schedules = ("nope_layers", "rotary_fraction")  # learned generators: no rotary base to set per layer
     prefix_policy = (
         "coords='liere': prefix tokens get the identity rotation (released code); coords='centers': they sit at "

@@ -312,9 +312,6 @@ class RotaryEncoding(PositionalEncoding):
     #: The constructor option ``layer_theta`` sets per layer.
     layer_theta_option: ClassVar[str] = "theta"
     layer_schedule: LayerSchedule = LayerSchedule()
-    #: SDPA keeps the rotated q/k for its backward as a recipe (re-rotated from the unrotated ones) rather than as
-    #: memory; False where re-rotating costs more time than keeping them is worth in memory (LieRE's block products)
-    recompute_rotated_qk: ClassVar[bool] = True
     option_checks = {
         "nope_layers": Seq(Int(), distinct=True, scalar_ok=True, optional=True),
         "rotary_fraction": Real(0, 1, low_open=True),
@@ -385,8 +382,6 @@ class RotaryEncoding(PositionalEncoding):
             return sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale)
         q0, k0 = q, k
         q, k = self.rotate_qk(q0, k0, state, layer)
-        if not self.recompute_rotated_qk:
-            return sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale)
         # SDPA would keep the rotated q/k for backward; re-rotating the unrotated ones is cheaper than the memory
         with save_as_recomputed((q, k), lambda: self.rotate_qk(q0, k0, state, layer)):
             return sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale)
