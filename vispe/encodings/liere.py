@@ -35,21 +35,20 @@ Defaults follow the released code (``models/rope_vit.py``, ``lightning_conf/*.ya
 Where the code differs: it rotates only the first ``b * floor(head_dim / b)`` channels when ``b`` does not
 divide ``head_dim``; here ``b`` must divide ``head_dim`` (clear error otherwise).
 
-Computation. :meth:`LieREBase.prepare` builds every layer's per-token block rotations once per forward:
-one batched ``torch.linalg.matrix_exp`` over ``depth' x H' x (1 + N) x m`` blocks of ``b x b``
-(``depth' = depth`` if ``per_layer`` else 1, ``H'`` likewise; ``1 +``: the prefix tokens share one rotation),
-in float32 with autocast off, cached per grid while no gradient needs it. Non-commuting generators have no
-shortcut (ComRoPE's per-axis line tables need ``exp(sum) = prod exp``), so this per-token exponential is
-LieRE's inherent cost: ``O(depth' H' N m b^3)`` times the Pade degree plus the squarings (which grow with
-``log ||x . A||``), and its backward (an ``eigh`` per block and the adjoint Frechet derivative in that eigenbasis,
-:class:`_ExpOfGeneratorSum`; PyTorch's own exponentiates ``2b x 2b`` blocks) about twice that. The table holds
-``depth' H' (S + N) head_dim b`` floats: ViT-S/16 at 224 (12 layers, 6 heads, 197 tokens) ~222 MiB dense
-(``b = 64``), ~28 MiB with ``b = 8``; building it took ~14 s dense / ~1.1 s with ``b = 8`` (+ ~72 s / ~4 s
-backward) on one CPU thread -- per forward, not per sample. The backward rebuilds the generator sums instead
-of keeping them (:class:`_ExpOfGeneratorSum`). Rotations are applied blockwise (:func:`rotate_blocks`: one
-batched ``b x b`` product per (head, token, block), the batch of q and k folded into the matrix columns),
-never as a dense ``head_dim x head_dim`` matmul when ``b < head_dim``; that product saves only the unrotated
-q/k and the rotations for its backward. Design notes: ``docs/design/liere.md``.
+Computation. :meth:`LieREBase.prepare` builds every layer's per-token block rotations once per forward
+(``depth' x H' x (1 + N) x m`` blocks of ``b x b``, ``depth' = depth`` if ``per_layer`` else 1, ``H'`` likewise;
+``1 +``: the prefix tokens share one rotation), float32 with autocast off, cached per grid while no gradient needs
+it (eval). Non-commuting generators have no per-axis factorisation (ComRoPE's line tables need
+``exp(sum) = prod exp``), but the generator sum is linear in the coordinates, so the Taylor polynomial of
+``exp(M_t / 2^s_t)`` is a polynomial in the token's coordinates with token-independent matrix coefficients (the
+generators' word sums): one dense GEMM for every token, then ``s_t`` squarings per token
+(:func:`_lattice_exp`; ``s_t`` from the token's norm bound, tokens sorted by it). The backward differentiates exactly
+those steps from the saved scaled exponentials, and both run as one opaque op under ``torch.compile``
+(``vispe::liere_rotations``). Accuracy is that of ``torch.linalg.matrix_exp`` at the same precision
+(``tests/test_liere.py``). Rotations are applied blockwise (:func:`rotate_blocks`: one batched ``b x b`` product
+per (head, token, block), the batch of q and k folded into the matrix columns), never as a dense
+``head_dim x head_dim`` matmul when ``b < head_dim``; that product saves only the unrotated q/k and the rotations
+for its backward. Cost and its floor: ``docs/speed.md``; design notes: ``docs/design/liere.md``.
 """
 from __future__ import annotations
 
