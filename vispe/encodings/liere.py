@@ -313,17 +313,13 @@ def _lattice_exp_backward(coords: torch.Tensor, generators: torch.Tensor, scaled
         g_cur = g.transpose(0, 1).index_select(0, plan.order).reshape(num_tokens, p, b, b)  # sorted, token-major
         # R = E^(2^s) = E_{s-1} E_{s-1}, E_{j+1} = E_j E_j: the adjoint of each squaring, dE_j = dR E_j^T + E_j^T dR, is a
         # linear map in E_j's powers, which commute, so the maps can be applied in forward order: no chain is kept
-        # rows [n_j, n_{j-1}) are done after the adjoints of their j squarings: each range enters the GEMM's
-        # gradient, coefficients^T @ dE, as soon as it is done (no copy back into one tensor)
+        # rows [n_j, n_{j-1}) are done after the adjoints of their j squarings; each step writes only the rows still
+        # going (a new, shorter tensor), and a finished range is copied once into `final` for ONE GEMM at the end
         steps = _steps(plan.squarings)
-        g_words = coef.new_zeros(coef.shape[1], p * b * b)
-        e, done = scaled, num_tokens
-        for j in range(len(steps) + 1):
-            count = steps[j] if j < len(steps) else 0
-            if done > count:
-                g_words.addmm_(coef[count:done].transpose(0, 1), g_cur[count:done].reshape(done - count, p * b * b))
-            if not count:
-                break
+        final, e, g_cur, done = g_cur, scaled, g_cur, num_tokens
+        for j, count in enumerate(steps):
+            if g_cur is not final:
+                final[count:done] = g_cur[count:done]
             ej = e[:count].reshape(-1, b, b)
             et = ej.transpose(1, 2)
             gj = g_cur[:count].reshape(-1, b, b)
@@ -332,6 +328,9 @@ def _lattice_exp_backward(coords: torch.Tensor, generators: torch.Tensor, scaled
             if j + 1 < len(steps):
                 nxt = e[: steps[j + 1]].reshape(-1, b, b)
                 e = torch.bmm(nxt, nxt).view(steps[j + 1], p, b, b)
+        if g_cur is not final:
+            final[:done] = g_cur
+        g_words = coef.transpose(0, 1) @ final.view(num_tokens, -1)  # (T, P*b*b)
         g_words = g_words.view(-1, p, b, b).transpose(0, 1)  # (P, T, b, b), a view
         g_levels = list(g_words.split([lv.shape[1] for lv in levels], dim=1))
         g_gens = _word_sums_backward(gens, levels, g_levels, plan.degree) * plan.gen_scale
