@@ -11,9 +11,8 @@ import timm
 import torch
 
 import vispe  # noqa: F401  (registers the models)
-from vispe.encodings import EncodingContext, PositionGrid, create_encoding, sdpa
+from vispe.encodings import EncodingContext, PositionGrid, create_encoding, liere, sdpa
 from vispe.encodings.block_rotation import rotate_blocks
-from vispe.encodings import liere
 from vispe.encodings.liere import (
     entries_from_skew,
     liere_coordinates,

@@ -61,7 +61,7 @@ import torch
 import torch.nn as nn
 
 from .._checks import Choice, Int, Ints, Real, check_choice
-from .base import autocast_off_in_backward, register_encoding
+from .base import register_encoding
 from .grid import PositionGrid
 from .block_rotation import rotate_blocks
 from .rotary import RotaryEncoding
@@ -124,7 +124,7 @@ def entries_from_skew(skew: torch.Tensor) -> torch.Tensor:
 # recomputing the forward instead of saving it.
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _monomials(num_axes: int, degree: int) -> tuple[tuple[tuple[tuple[int, ...], ...], ...], tuple[tuple[torch.Tensor, ...], ...]]:
     """Exponent tuples of every level ``k = 0..degree`` and, per level ``k >= 1`` and axis ``i``, the position in
     level ``k`` of each level ``k - 1`` exponent plus ``e_i`` (CPU index tensors)."""
@@ -150,7 +150,7 @@ _MAX_DEGREE = {torch.float32: 18, torch.float64: 30}
 _GEMM_COST = 1.0 / 15
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _taylor_radius(degree: int, dtype: torch.dtype) -> float:
     """The largest ``theta`` at which the degree-``degree`` Taylor remainder of exp, ``sum_{k > d} theta^k / k!``,
     stays below :data:`_TAYLOR_TOL` (bisection on the bound ``theta^(d+1) / (d+1)! / (1 - theta / (d+2))``)."""
@@ -310,13 +310,13 @@ def _lattice_exp_backward(coords: torch.Tensor, generators: torch.Tensor, scaled
         plan, gens, levels, coef = _exp_words(coords, generators)
         num_tokens, p, b = scaled.shape[0], scaled.shape[1], scaled.shape[-1]
         g = grad.to(scaled.dtype).reshape(-1, num_tokens, generators.shape[-3], b, b)
-        g_cur = g.transpose(0, 1).index_select(0, plan.order).reshape(num_tokens, p, b, b)  # sorted, token-major
+        final = g.transpose(0, 1).index_select(0, plan.order).reshape(num_tokens, p, b, b)  # sorted, token-major
         # R = E^(2^s) = E_{s-1} E_{s-1}, E_{j+1} = E_j E_j: the adjoint of each squaring, dE_j = dR E_j^T + E_j^T dR, is a
         # linear map in E_j's powers, which commute, so the maps can be applied in forward order: no chain is kept
         # rows [n_j, n_{j-1}) are done after the adjoints of their j squarings; each step writes only the rows still
         # going (a new, shorter tensor), and a finished range is copied once into `final` for ONE GEMM at the end
         steps = _steps(plan.squarings)
-        final, e, g_cur, done = g_cur, scaled, g_cur, num_tokens
+        e, g_cur, done = scaled, final, num_tokens
         for j, count in enumerate(steps):
             if g_cur is not final:
                 final[count:done] = g_cur[count:done]
@@ -365,7 +365,7 @@ def _liere_rotations_setup(ctx, inputs, output) -> None:
     ctx.mark_non_differentiable(output[1])
 
 
-def _liere_rotations_grad(ctx, grad: torch.Tensor, _grad_scaled: Optional[torch.Tensor]):
+def _liere_rotations_grad(ctx, grad: torch.Tensor, _grad_scaled: torch.Tensor | None):
     coords, generators, scaled = ctx.saved_tensors
     return None, _liere_rotations_backward(coords, generators, scaled, grad.contiguous())
 
