@@ -54,9 +54,8 @@ def _to_columns(q: torch.Tensor, k: torch.Tensor, b: int, dtype: torch.dtype, pe
     r = math.prod([sizes[d] for d in rows])  # a list: torch.compile cannot trace a generator here
     c = math.prod([sizes[d] for d in cols])
     width = _padded_width(b, c, q.device)
-    full = torch.empty(r, b, width, dtype=dtype, device=q.device)
-    if width > c:
-        full[..., c:].zero_()
+    # zero the padded buffer whole (one contiguous fill; the pad columns alone are a strided one)
+    full = (torch.zeros if width > c else torch.empty)(r, b, width, dtype=dtype, device=q.device)
     out = full[..., :c].view([sizes[d] for d in perm])
     at = len(rows) + 1  # n2 is the first column dim
     sub = [d - 1 for d in perm if d != 0]  # dims of one of q, k viewed as (B, H, L, m, b)
