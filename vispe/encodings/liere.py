@@ -120,8 +120,8 @@ def entries_from_skew(skew: torch.Tensor) -> torch.Tensor:
 # built level by level (W_a = sum_i W_{a - e_i} A_i: one tall product per axis and level, shared by all tokens).
 # The per-token polynomial is then ONE dense GEMM, coefficients (L, T) @ words (T, blocks*b*b), at the token's own
 # scale 2^-s_t, and s_t squarings per token undo it: R = exp(M / 2^s_t)^(2^s_t). The squarings are the only
-# per-token b x b products left. The backward differentiates exactly these steps (squarings, GEMM, word recursion),
-# recomputing the forward instead of saving it.
+# per-token b x b products left. The backward differentiates exactly these steps (squarings, GEMM, word recursion)
+# from the one saved table of scaled exponentials, rebuilding the (token-independent) word sums.
 
 
 @functools.cache
@@ -164,6 +164,8 @@ def _taylor_radius(degree: int, dtype: torch.dtype) -> float:
 
 @dataclass
 class _ExpPlan:
+    """How :func:`_lattice_exp` computes one table (:func:`_exp_plan`)."""
+
     degree: int
     #: per token (in ``order``), its squarings, descending
     squarings: list[int]
