@@ -213,18 +213,3 @@ def test_irpe_hands_its_flex_tiles_to_flex_attention(monkeypatch):
     with torch.no_grad():
         enc.attend(q, q, q, layer=0, state=enc.prepare(grid, q.device))
     assert seen["options"]["BLOCK_M1"] == 32 and seen["options"]["BLOCK_N2"] == 32 and seen["options"]["num_warps"] == 4
-
-
-def test_liere_backward_in_eigh_chunks_equals_one_batch(monkeypatch):
-    from vispe.encodings import liere
-
-    torch.manual_seed(0)
-    coords = torch.rand(9, 2, dtype=torch.float64)
-    gens = liere.skew_from_entries(torch.randn(2, 3, 2, 28, dtype=torch.float64), 8).requires_grad_(True)
-    grads = []
-    for chunk in (10**9, 5):
-        monkeypatch.setattr(liere, "EIGH_CHUNK", chunk)
-        gens.grad = None
-        liere._ExpOfGeneratorSum.apply(coords, gens).sum().backward()
-        grads.append(gens.grad.clone())
-    torch.testing.assert_close(grads[0], grads[1], rtol=1e-12, atol=1e-12)

@@ -11,7 +11,7 @@ import timm
 import torch
 
 import vispe  # noqa: F401  (registers the models)
-from vispe.encodings import EncodingContext, PositionGrid, create_encoding, sdpa
+from vispe.encodings import EncodingContext, PositionGrid, create_encoding, liere, sdpa
 from vispe.encodings.block_rotation import rotate_blocks
 from vispe.encodings.liere import (
     entries_from_skew,
@@ -142,6 +142,94 @@ def test_rotation_table_equals_matrix_exp_with_equal_eigenvalues(block_size):
     (g_want,) = torch.autograd.grad((want * weight).sum(), gens)
     torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
     torch.testing.assert_close(g_got, g_want, atol=1e-10, rtol=1e-10)
+
+def _dense_oracle(coords: torch.Tensor, gens: torch.Tensor) -> torch.Tensor:
+    """One torch.linalg.matrix_exp per token and block of ``sum_i x_i A_i`` (autograd through it: the oracle gradient)."""
+    return torch.linalg.matrix_exp(torch.einsum("ln,n...ij->...lij", coords, gens).movedim(-3, -4).contiguous())
+
+
+@pytest.mark.parametrize("num_axes,block_size,lead", [(1, 2, (2,)), (2, 3, ()), (2, 8, (2, 3)), (3, 4, (2,))])
+def test_rotation_table_equals_the_dense_oracle_at_every_squaring_count(num_axes, block_size, lead):
+    """The word-sum polynomial + per-token squarings (and its hand-written backward) against one matrix_exp per token
+    in float64, with generators large enough that tokens take different numbers of squarings (the origin none)."""
+    torch.manual_seed(0)
+    coords = torch.cat([torch.zeros(1, num_axes), torch.rand(8, num_axes) * 2]).double()
+    gens = torch.randn(num_axes, *lead, 2, block_size, block_size, dtype=torch.float64) * 3
+    gens = (gens - gens.transpose(-1, -2)).requires_grad_(True)
+    plan = liere._exp_plan(coords, gens.detach())
+    assert len(set(plan.squarings)) >= 3 and min(plan.squarings) == 0  # mixed squaring counts, the origin exact
+    weight = torch.randn(*lead, 9, 2, block_size, block_size, dtype=torch.float64)
+    got = rotations_from_generators(coords, gens)
+    (g_got,) = torch.autograd.grad((got * weight).sum(), gens)
+    want = _dense_oracle(coords, gens)
+    (g_want,) = torch.autograd.grad((want * weight).sum(), gens)
+    torch.testing.assert_close(got, want, atol=1e-11, rtol=1e-11)
+    torch.testing.assert_close(g_got, g_want, atol=1e-10 * g_want.abs().max().item(), rtol=1e-10)
+
+
+def test_float32_rotation_table_is_as_accurate_as_matrix_exp():
+    """In float32 the table is as close to the float64 oracle as torch.linalg.matrix_exp's own float32 result is
+    (both scale and square); so are the generator gradients."""
+    torch.manual_seed(0)
+    enc = _liere(block_size=8, heads=3, head_dim=16, depth=2, grid=(6, 6))
+    grid = PositionGrid((6, 6), 1)
+    coords = enc.token_coordinates(grid)
+    gens = enc.axis_generators().detach()
+    weight = torch.randn(2, 3, grid.seq_len, 2, 8, 8, dtype=torch.float64)
+    g64 = gens.double().requires_grad_(True)
+    want = _dense_oracle(coords.double(), g64)
+    (g_want,) = torch.autograd.grad((want * weight).sum(), g64)
+    g32 = gens.clone().requires_grad_(True)
+    got = rotations_from_generators(coords, g32)
+    (g_got,) = torch.autograd.grad((got * weight.float()).sum(), g32)
+    torch_err = (_dense_oracle(coords, gens).double() - want).abs().max().item()
+    assert (got.double() - want).abs().max().item() <= 3 * torch_err + 1e-6
+    assert (g_got.double() - g_want).abs().max().item() <= 1e-4 * g_want.abs().max().item()
+
+
+def test_compiled_training_step_equals_the_dense_oracle(monkeypatch):
+    """A tiny LieRE ViT compiled whole (the table as one opaque custom op) trains a step with the loss and gradients of
+    the same model whose rotations are one matrix_exp per token (eager, autograd through matrix_exp)."""
+    from vispe.encodings import liere as liere_module
+
+    torch.manual_seed(0)
+    model = _vit(pos_encoding="liere[block_size=8]")
+    x, y = torch.randn(2, 3, 32, 32), torch.tensor([1, 3])
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    torch.nn.functional.cross_entropy(compiled(x), y).backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    monkeypatch.setattr(liere_module, "rotations_from_generators", lambda c, g: _dense_oracle(c.to(g.dtype), g))
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    assert got["pos_encoding.generator_entries"].abs().sum() > 0
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(got[n], p.grad, atol=2e-5, rtol=1e-3, msg=lambda m, n=n: f"gradient of {n}: {m}")
+
+
+def test_overflowing_generators_are_refused():
+    gens = torch.zeros(2, 1, 1, 2, 2)
+    gens[0, 0, 0, 0, 1], gens[0, 0, 0, 1, 0] = float("inf"), -float("inf")
+    with pytest.raises(ValueError, match="not finite"):
+        rotations_from_generators(torch.rand(3, 2), gens)
+
+
+def test_padded_block_rotation_equals_the_dense_product():
+    """Batch 2 with 8 x 8 blocks: the q/k columns are zero-padded past ATen's small-bmm loop on CPU; the products and
+    their gradients are unchanged (float64 gradcheck, and the dense per-token oracle)."""
+    from vispe.encodings.block_rotation import _padded_width
+
+    assert _padded_width(8, 4, torch.device("cpu")) > 4
+    torch.manual_seed(0)
+    q = torch.randn(2, 2, 3, 16, dtype=torch.float64, requires_grad=True)
+    k = torch.randn_like(q, requires_grad=True)
+    rot = torch.linalg.matrix_exp(torch.randn(2, 3, 2, 8, 8, dtype=torch.float64) - torch.randn(2, 3, 2, 8, 8).double().mT)
+    rot.requires_grad_(True)
+    q2, k2 = rotate_blocks(q, k, rot)
+    dense = _block_diag(rot)  # (H, L, dh, dh)
+    torch.testing.assert_close(q2, torch.einsum("hlij,bhlj->bhli", dense, q))
+    torch.testing.assert_close(k2, torch.einsum("hlij,bhlj->bhli", dense, k))
+    assert torch.autograd.gradcheck(lambda r, a, b: rotate_blocks(a, b, r), (rot, q, k))
+
 
 # -- special cases: ComRoPE and RoPE-Mixed are LieRE ---------------------------------------------
 

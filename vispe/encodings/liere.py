@@ -35,24 +35,24 @@ Defaults follow the released code (``models/rope_vit.py``, ``lightning_conf/*.ya
 Where the code differs: it rotates only the first ``b * floor(head_dim / b)`` channels when ``b`` does not
 divide ``head_dim``; here ``b`` must divide ``head_dim`` (clear error otherwise).
 
-Computation. :meth:`LieREBase.prepare` builds every layer's per-token block rotations once per forward:
-one batched ``torch.linalg.matrix_exp`` over ``depth' x H' x (1 + N) x m`` blocks of ``b x b``
-(``depth' = depth`` if ``per_layer`` else 1, ``H'`` likewise; ``1 +``: the prefix tokens share one rotation),
-in float32 with autocast off, cached per grid while no gradient needs it. Non-commuting generators have no
-shortcut (ComRoPE's per-axis line tables need ``exp(sum) = prod exp``), so this per-token exponential is
-LieRE's inherent cost: ``O(depth' H' N m b^3)`` times the Pade degree plus the squarings (which grow with
-``log ||x . A||``), and its backward (an ``eigh`` per block and the adjoint Frechet derivative in that eigenbasis,
-:class:`_ExpOfGeneratorSum`; PyTorch's own exponentiates ``2b x 2b`` blocks) about twice that. The table holds
-``depth' H' (S + N) head_dim b`` floats: ViT-S/16 at 224 (12 layers, 6 heads, 197 tokens) ~222 MiB dense
-(``b = 64``), ~28 MiB with ``b = 8``; building it took ~14 s dense / ~1.1 s with ``b = 8`` (+ ~72 s / ~4 s
-backward) on one CPU thread -- per forward, not per sample. The backward rebuilds the generator sums instead
-of keeping them (:class:`_ExpOfGeneratorSum`). Rotations are applied blockwise (:func:`rotate_blocks`: one
-batched ``b x b`` product per (head, token, block), the batch of q and k folded into the matrix columns),
-never as a dense ``head_dim x head_dim`` matmul when ``b < head_dim``; that product saves only the unrotated
-q/k and the rotations for its backward. Design notes: ``docs/design/liere.md``.
+Computation. :meth:`LieREBase.prepare` builds every layer's per-token block rotations once per forward
+(``depth' x H' x (1 + N) x m`` blocks of ``b x b``, ``depth' = depth`` if ``per_layer`` else 1, ``H'`` likewise;
+``1 +``: the prefix tokens share one rotation), float32 with autocast off, cached per grid while no gradient needs
+it (eval). Non-commuting generators have no per-axis factorisation (ComRoPE's line tables need
+``exp(sum) = prod exp``), but the generator sum is linear in the coordinates, so the Taylor polynomial of
+``exp(M_t / 2^s_t)`` is a polynomial in the token's coordinates with token-independent matrix coefficients (the
+generators' word sums): one dense GEMM for every token, then ``s_t`` squarings per token
+(:func:`_lattice_exp`; ``s_t`` from the token's norm bound, tokens sorted by it). The backward differentiates exactly
+those steps from the saved scaled exponentials, and both run as one opaque op under ``torch.compile``
+(``vispe::liere_rotations``). Accuracy is that of ``torch.linalg.matrix_exp`` at the same precision
+(``tests/test_liere.py``). Rotations are applied blockwise (:func:`rotate_blocks`: one batched ``b x b`` product
+per (head, token, block), the batch of q and k folded into the matrix columns), never as a dense
+``head_dim x head_dim`` matmul when ``b < head_dim``; that product saves only the unrotated q/k and the rotations
+for its backward. Cost and its floor: ``docs/speed.md``; design notes: ``docs/design/liere.md``.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 from typing import Optional, Sequence
@@ -61,7 +61,7 @@ import torch
 import torch.nn as nn
 
 from .._checks import Choice, Int, Ints, Real, check_choice
-from .base import autocast_off_in_backward, register_encoding
+from .base import register_encoding
 from .grid import PositionGrid
 from .block_rotation import rotate_blocks
 from .rotary import RotaryEncoding
@@ -113,75 +113,266 @@ def entries_from_skew(skew: torch.Tensor) -> torch.Tensor:
     return skew[..., rows, cols]
 
 
-def _generator_sum(coords: torch.Tensor, generators: torch.Tensor) -> torch.Tensor:
-    """``sum_i x_i A_i`` per token: ``(L, N)`` x ``(N, *lead, m, b, b)`` -> contiguous ``(*lead, L, m, b, b)``."""
-    gen = torch.tensordot(coords, generators.movedim(0, -4), dims=([1], [-4]))  # (L, *lead, m, b, b)
-    return gen.movedim(0, -4).contiguous()
+# The exponential of a generator sum, exactly, without a per-token matrix_exp. Every token's sum
+# M(x) = sum_i x_i A_i is linear in its coordinates, so the Taylor polynomial of exp(M) is a polynomial in x whose
+# matrix coefficients do not depend on the token:
+#     (sum_i x_i A_i)^k = sum_{|a| = k} x^a W_a,    W_a = the sum of every word with a_i letters A_i,
+# built level by level (W_a = sum_i W_{a - e_i} A_i: one tall product per axis and level, shared by all tokens).
+# The per-token polynomial is then ONE dense GEMM, coefficients (L, T) @ words (T, blocks*b*b), at the token's own
+# scale 2^-s_t, and s_t squarings per token undo it: R = exp(M / 2^s_t)^(2^s_t). The squarings are the only
+# per-token b x b products left. The backward differentiates exactly these steps (squarings, GEMM, word recursion)
+# from the one saved table of scaled exponentials, rebuilding the (token-independent) word sums.
 
 
-def _matrix_exp(x: torch.Tensor) -> torch.Tensor:
-    """``torch.linalg.matrix_exp`` over one flat batch axis: inductor (torch 2.15) may hand a fallback op a permuted
-    layout of a many-axis batch, on which matrix_exp's internal ``view`` fails; a 3D batch has no such layout."""
-    b = x.shape[-1]
-    return torch.linalg.matrix_exp(x.reshape(-1, b, b)).view(x.shape)
+@functools.cache
+def _monomials(num_axes: int, degree: int) -> tuple[tuple[tuple[tuple[int, ...], ...], ...], tuple[tuple[torch.Tensor, ...], ...]]:
+    """Exponent tuples of every level ``k = 0..degree`` and, per level ``k >= 1`` and axis ``i``, the position in
+    level ``k`` of each level ``k - 1`` exponent plus ``e_i`` (CPU index tensors)."""
+    levels = [((0,) * num_axes,)]
+    ups: list[tuple[torch.Tensor, ...]] = [()]
+    for _ in range(degree):
+        prev = levels[-1]
+        step = [[tuple(a + (j == i) for j, a in enumerate(al)) for al in prev] for i in range(num_axes)]
+        cur = tuple(sorted({al for row in step for al in row}, reverse=True))
+        pos = {al: n for n, al in enumerate(cur)}
+        levels.append(cur)
+        ups.append(tuple(torch.tensor([pos[al] for al in row]) for row in step))
+    return tuple(levels), tuple(ups)
 
 
-#: blocks per ``eigh`` call in the backward (see :func:`_skew_eig`)
-EIGH_CHUNK = 16384
+#: truncation error target of the Taylor polynomial (per unit norm): below half an ulp of the working precision
+_TAYLOR_TOL = {torch.float32: 2.0**-26, torch.float64: 2.0**-55}
+#: largest Taylor degree per precision: at radius theta the terms grow to ~e^theta before cancelling, so the
+#: degree (which sets theta) is capped where that loses about a digit, as scaling-and-squaring exponentials do
+_MAX_DEGREE = {torch.float32: 18, torch.float64: 30}
+#: CPU cost of one multiply-add in the dense coefficient GEMM relative to one in a batch of tiny ``b x b`` products
+#: (measured ~1/15 on one thread: the tiny products are bound by per-matrix overhead)
+_GEMM_COST = 1.0 / 15
 
 
-def _skew_eig(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``m = U diag(-i lam) U^H`` for real skew-symmetric blocks ``m`` ``(..., b, b)``: the eigen-decomposition of the
-    Hermitian ``i m`` (``lam`` real ``(..., b)``, ``U`` unitary, complex). Over one flat batch axis: inductor
-    (torch 2.15) may hand a fallback op a permuted layout of a many-axis batch (see :func:`_matrix_exp`)."""
-    b = m.shape[-1]
-    flat = m.reshape(-1, b, b)
-    herm = torch.complex(torch.zeros_like(flat), flat)
-    if flat.shape[0] > EIGH_CHUNK and not torch.compiler.is_compiling():
-        # cuSOLVER's batched eigh fails on very large batches (an internal error at ~1e5 blocks, a 242 GiB
-        # workspace request at ~4.5e5 on an H100): solve fixed-size chunks instead
-        parts = [torch.linalg.eigh(c) for c in herm.split(EIGH_CHUNK)]
-        lam, u = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-    else:
-        lam, u = torch.linalg.eigh(herm)
-    return lam.view(*m.shape[:-1]), u.view(*m.shape[:-2], b, b)
+@functools.cache
+def _taylor_radius(degree: int, dtype: torch.dtype) -> float:
+    """The largest ``theta`` at which the degree-``degree`` Taylor remainder of exp, ``sum_{k > d} theta^k / k!``,
+    stays below :data:`_TAYLOR_TOL` (bisection on the bound ``theta^(d+1) / (d+1)! / (1 - theta / (d+2))``)."""
+    tol, lo, hi = _TAYLOR_TOL[dtype], 0.0, float(degree + 2)
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        bound = math.exp((degree + 1) * math.log(mid) - math.lgamma(degree + 2)) / (1 - mid / (degree + 2))
+        lo, hi = (mid, hi) if bound <= tol else (lo, mid)
+    return lo
 
 
-class _ExpOfGeneratorSum(torch.autograd.Function):
-    """``matrix_exp(sum_i x_i A_i)`` that keeps only ``coords`` and the generators for backward.
+@dataclass
+class _ExpPlan:
+    """How :func:`_lattice_exp` computes one table (:func:`_exp_plan`)."""
 
-    The backward rebuilds the generator sums ``M`` (a cheap contraction) instead of keeping them, and takes the
-    adjoint Frechet derivative of exp in ``M``'s eigenbasis (Daleckii-Krein): ``M`` is real skew-symmetric, so
-    ``M = U diag(d) U^H`` with ``d = -i lam`` (:func:`_skew_eig`, one small ``eigh`` per block) and the gradient
-    is ``U (conj(Phi) o (U^H G U)) U^H`` with ``Phi_jk = (e^{d_j} - e^{d_k}) / (d_j - d_k)``, written as
-    ``exp(-i (lam_j + lam_k) / 2) sinc((lam_j - lam_k) / 2)`` -- finite and exact for equal eigenvalues too (zero
-    generators, odd block sizes). It equals PyTorch's ``matrix_exp`` backward (the upper-right block of
-    ``exp([[M^T, G], [0, M^T]])``) at about half the cost: that exponentiates ``2b x 2b`` blocks with the
-    squarings of ``||M||``, where ``eigh`` does not grow with the norm. (An ``eigh`` forward as well measured no
-    faster than ``matrix_exp``'s ``b x b`` forward; keeping ``U`` for the backward would hold a complex
-    rotation-table-sized tensor through the step.)
-    """
+    degree: int
+    #: per token (in ``order``), its squarings, descending
+    squarings: list[int]
+    #: tokens sorted by squarings, most first
+    order: torch.Tensor
+    #: the generators' scale ``scale / 2^max(squarings)`` and each sorted token's coordinates ``(L, N)`` at its own scale
+    gen_scale: float
+    coords: torch.Tensor
 
-    @staticmethod
-    def forward(ctx, coords: torch.Tensor, generators: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.save_for_backward(coords, generators)
-        return _matrix_exp(_generator_sum(coords, generators))
 
-    @staticmethod
-    @autocast_off_in_backward
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        coords, generators = ctx.saved_tensors
-        if not ctx.needs_input_grad[1]:
-            return None, None
-        lam, u = _skew_eig(_generator_sum(coords, generators))
-        gap = lam.unsqueeze(-1) - lam.unsqueeze(-2)
-        mean = (lam.unsqueeze(-1) + lam.unsqueeze(-2)) / 2
-        phi_conj = torch.polar(torch.sinc(gap / (2 * math.pi)), mean)  # conj(Phi): sinc(x) = sin(pi x) / (pi x)
-        grad_u = u.mH @ grad.to(u.dtype) @ u
-        grad_sum = (u @ (phi_conj * grad_u) @ u.mH).real  # (*lead, L, m, b, b)
-        # d/dA_i of sum_l x_li A_i: contract the token axis with the coordinates
-        grad_gen = torch.tensordot(coords, grad_sum.movedim(-4, 0), dims=([0], [0]))  # (N, *lead, m, b, b)
-        return None, grad_gen
+def _exp_plan(coords: torch.Tensor, generators: torch.Tensor) -> _ExpPlan:
+    """The degree and each token's squarings for :func:`_lattice_exp`.
+
+    A token's ``||M||_2 <= ||M||_F / sqrt 2`` (a real skew-symmetric block's eigenvalues come in pairs ``+-i w``), with
+    ``||M||_F^2 = x^T Gram x`` per block; ``s_t`` squarings bring it within the degree's Taylor radius. The degree
+    minimises the work model: ``T(d)`` GEMM columns against ``sum_t s_t(d)`` per-token ``b x b`` products (forward,
+    recomputation and backward counted) and the word recursion, among the degrees that need no more squarings than
+    the highest (each squaring doubles the rounding error already in the table)."""
+    n, b, num_tokens = generators.shape[0], generators.shape[-1], coords.shape[0]
+    flat = generators.flatten(1, -3)
+    gram = torch.einsum("igab,jgab->gij", flat, flat)  # (blocks, N, N)
+    frob2 = torch.einsum("li,gij,lj->lg", coords, gram.to(coords.dtype), coords).amax(1) if num_tokens else coords.new_zeros(0)
+    rho = (frob2.clamp_min(0) / 2).sqrt().double().cpu()  # one transfer: the plan is made on the host
+    scale = float(coords.abs().max()) if num_tokens else 1.0
+    if not (bool(torch.isfinite(rho).all()) and math.isfinite(scale)):
+        raise ValueError("LieRE: the generator sums are not finite; the generators or coordinates overflowed")
+    scale = scale or 1.0
+    dtype = generators.dtype
+    top = _MAX_DEGREE[dtype]
+
+    def squarings(degree: int) -> torch.Tensor:
+        return torch.ceil(torch.log2(rho / _taylor_radius(degree, dtype))).clamp_min(0).nan_to_num(0.0)
+
+    fewest = int(squarings(top).max()) if num_tokens else 0
+    best = None
+    for degree in range(2, top + 1):
+        s = squarings(degree)
+        if num_tokens and int(s.max()) > fewest:
+            continue
+        levels, _ = _monomials(n, degree)
+        terms = sum(len(lv) for lv in levels)
+        words = n * sum(len(lv) for lv in levels[:-1])
+        cost = 3 * _GEMM_COST * terms * num_tokens * b * b + 4 * float(s.sum()) * b**3 + 4 * words * b**3
+        if best is None or cost < best[0]:
+            best = (cost, degree, s)
+    _, degree, s = best
+    s_sorted, order = torch.sort(s, descending=True, stable=True)
+    steps = s_sorted.long().tolist()
+    top_s = steps[0] if steps else 0
+    # token t at scale 2^-s_t with the generators at scale / 2^top_s: x_t * 2^(top_s - s_t) / scale
+    per_token = torch.exp2(top_s - s_sorted).to(device=coords.device, dtype=coords.dtype) / scale
+    order = order.to(coords.device)
+    return _ExpPlan(degree, steps, order, scale / 2**top_s, coords.index_select(0, order) * per_token[:, None])
+
+
+def _word_sums(gens: torch.Tensor, degree: int) -> list[torch.Tensor]:
+    """Per level ``k``, the word sums ``W_a`` (``|a| = k``) of generators ``gens`` ``(N, P, b, b)``: ``(P, n_k, b, b)``."""
+    n, p, b = gens.shape[0], gens.shape[1], gens.shape[-1]
+    levels, ups = _monomials(n, degree)
+    out = [torch.eye(b, dtype=gens.dtype, device=gens.device).expand(p, 1, b, b)]
+    for k in range(1, degree + 1):
+        prev = out[-1].reshape(p, -1, b)
+        cur = gens.new_zeros(p, len(levels[k]), b, b)
+        for i in range(n):
+            # every word of level k - 1 times A_i on the right: one (n_{k-1} b x b) @ (b x b) product per block
+            cur.index_add_(1, ups[k][i].to(gens.device), torch.bmm(prev, gens[i]).view(p, -1, b, b))
+        out.append(cur)
+    return out
+
+
+def _word_sums_backward(gens: torch.Tensor, levels: list[torch.Tensor], grads: list[torch.Tensor], degree: int) -> torch.Tensor:
+    """Gradient of :func:`_word_sums` w.r.t. ``gens`` given each level's gradient ``grads`` (same shapes as ``levels``)."""
+    n, p, b = gens.shape[0], gens.shape[1], gens.shape[-1]
+    _, ups = _monomials(n, degree)
+    g_gens = torch.zeros_like(gens)
+    g_cur = grads[degree]
+    for k in range(degree, 0, -1):
+        prev = levels[k - 1].reshape(p, -1, b)
+        g_prev = grads[k - 1].clone(memory_format=torch.contiguous_format) if k > 1 else None  # level 0 is the identity: nothing to pass on
+        for i in range(n):
+            g_y = g_cur.index_select(1, ups[k][i].to(gens.device)).reshape(p, -1, b)
+            g_gens[i] += torch.bmm(prev.transpose(1, 2), g_y)  # sum over the words of W^T dY
+            if g_prev is not None:
+                g_prev.view(p, -1, b).baddbmm_(g_y, gens[i].transpose(1, 2))
+        g_cur = g_prev
+    return g_gens
+
+
+def _monomial_coefficients(coords: torch.Tensor, degree: int) -> torch.Tensor:
+    """``x^a / |a|!`` per token and exponent, levels in order: ``(L, T)``."""
+    levels, _ = _monomials(coords.shape[1], degree)
+    exps = torch.tensor([al for lv in levels for al in lv], device=coords.device)  # (T, N)
+    fact = torch.tensor([float(math.factorial(k)) for k, lv in enumerate(levels) for _ in lv], dtype=coords.dtype,
+                        device=coords.device)
+    # x_i^0 .. x_i^degree by cumulative products (a power with a tensor exponent is far slower), gathered per exponent
+    powers = torch.cat([torch.ones_like(coords[:, None, :]), coords[:, None, :].expand(-1, degree, -1).cumprod(1)], dim=1)
+    coef = powers.gather(1, exps[None].expand(coords.shape[0], -1, -1)).prod(-1)  # (L, T)
+    return coef / fact
+
+
+def _exp_words(coords: torch.Tensor, generators: torch.Tensor) -> tuple[_ExpPlan, torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    """The plan, scaled generators ``(N, P, b, b)`` (``P`` = blocks), their word sums per level and the coefficients
+    ``(L, T)`` of the sorted tokens: what forward and backward both need."""
+    plan = _exp_plan(coords, generators)
+    n, b = generators.shape[0], generators.shape[-1]
+    gens = generators.reshape(n, -1, b, b) * plan.gen_scale
+    return plan, gens, _word_sums(gens, plan.degree), _monomial_coefficients(plan.coords, plan.degree)
+
+
+def _steps(squarings: list[int]) -> list[int]:
+    """Per squaring ``j``, how many (sorted) tokens take it: those with ``s_t > j``."""
+    top = squarings[0] if squarings else 0
+    return [sum(1 for s in squarings if s > j) for j in range(top)]
+
+
+def _lattice_exp(coords: torch.Tensor, generators: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``exp(sum_i x_i A_i)`` per token and block: ``(L, N)``, ``(N, *lead, m, b, b)`` -> ``(*lead, L, m, b, b)``; and
+    the scaled exponentials ``exp(M_t / 2^s_t)`` of the sorted tokens ``(L, P, b, b)``, which the backward starts from."""
+    with torch.autocast(device_type=coords.device.type, enabled=False):
+        plan, gens, levels, coef = _exp_words(coords, generators)
+        b, p, num_tokens = gens.shape[-1], gens.shape[1], coords.shape[0]
+        words = gens.new_empty(coef.shape[1], p, b, b)  # (T, P, b, b): token-independent columns of the GEMM
+        for lv, dst in zip(levels, words.split([lv.shape[1] for lv in levels])):
+            dst.copy_(lv.transpose(0, 1))
+        scaled = (coef @ words.view(coef.shape[1], -1)).view(num_tokens, p, b, b)
+        lead, m = generators.shape[1:-3], generators.shape[-3]
+        out = scaled.new_empty(*lead, num_tokens, m, b, b)
+        by_token = out.view(-1, num_tokens, m, b, b).transpose(0, 1)  # (L, lead, m, b, b) view of the output
+        # sorted rows [n_j, n_{j-1}) take j squarings: write each range once it has them
+        steps, cur, done = _steps(plan.squarings), scaled, num_tokens
+        for j in range(len(steps) + 1):
+            count = steps[j] if j < len(steps) else 0
+            by_token.index_copy_(0, plan.order[count:done], cur[count:done].view(-1, *by_token.shape[1:]))
+            if count:
+                head = cur[:count].reshape(-1, b, b)
+                cur, done = torch.bmm(head, head).view(count, p, b, b), count
+        return out, scaled
+
+
+def _lattice_exp_backward(coords: torch.Tensor, generators: torch.Tensor, scaled: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """Gradient of :func:`_lattice_exp` w.r.t. the generators, from its ``scaled`` exponentials: the squarings' adjoints,
+    then the GEMM's and the word recursion's."""
+    with torch.autocast(device_type=coords.device.type, enabled=False):
+        plan, gens, levels, coef = _exp_words(coords, generators)
+        num_tokens, p, b = scaled.shape[0], scaled.shape[1], scaled.shape[-1]
+        g = grad.to(scaled.dtype).reshape(-1, num_tokens, generators.shape[-3], b, b)
+        final = g.transpose(0, 1).index_select(0, plan.order).reshape(num_tokens, p, b, b)  # sorted, token-major
+        # R = E^(2^s) = E_{s-1} E_{s-1}, E_{j+1} = E_j E_j: the adjoint of each squaring, dE_j = dR E_j^T + E_j^T dR, is a
+        # linear map in E_j's powers, which commute, so the maps can be applied in forward order: no chain is kept
+        # rows [n_j, n_{j-1}) are done after the adjoints of their j squarings; each step writes only the rows still
+        # going (a new, shorter tensor), and a finished range is copied once into `final` for ONE GEMM at the end
+        steps = _steps(plan.squarings)
+        e, g_cur, done = scaled, final, num_tokens
+        for j, count in enumerate(steps):
+            if g_cur is not final:
+                final[count:done] = g_cur[count:done]
+            ej = e[:count].reshape(-1, b, b)
+            et = ej.transpose(1, 2)
+            gj = g_cur[:count].reshape(-1, b, b)
+            g_cur, done = torch.bmm(gj, et).view(count, p, b, b), count
+            g_cur.view(-1, b, b).baddbmm_(et, gj)
+            if j + 1 < len(steps):
+                nxt = e[: steps[j + 1]].reshape(-1, b, b)
+                e = torch.bmm(nxt, nxt).view(steps[j + 1], p, b, b)
+        if g_cur is not final:
+            final[:done] = g_cur
+        g_words = coef.transpose(0, 1) @ final.view(num_tokens, -1)  # (T, P*b*b)
+        g_words = g_words.view(-1, p, b, b).transpose(0, 1)  # (P, T, b, b), a view
+        g_levels = list(g_words.split([lv.shape[1] for lv in levels], dim=1))
+        g_gens = _word_sums_backward(gens, levels, g_levels, plan.degree) * plan.gen_scale
+        return g_gens.view(generators.shape)
+
+
+@torch.library.custom_op("vispe::liere_rotations", mutates_args=())
+def _liere_rotations(coords: torch.Tensor, generators: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # an opaque op to torch.compile: the plan (degree, squarings) depends on the generators' norms
+    return _lattice_exp(coords, generators)
+
+
+@_liere_rotations.register_fake
+def _(coords: torch.Tensor, generators: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    *_, m, b, _ = generators.shape
+    out = generators.new_empty(*generators.shape[1:-3], coords.shape[0], m, b, b)
+    return out, generators.new_empty(coords.shape[0], out.numel() // (coords.shape[0] * b * b), b, b)
+
+
+@torch.library.custom_op("vispe::liere_rotations_backward", mutates_args=())
+def _liere_rotations_backward(coords: torch.Tensor, generators: torch.Tensor, scaled: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    return _lattice_exp_backward(coords, generators, scaled, grad)
+
+
+@_liere_rotations_backward.register_fake
+def _(coords: torch.Tensor, generators: torch.Tensor, scaled: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(generators)
+
+
+def _liere_rotations_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs, output[1])
+    ctx.mark_non_differentiable(output[1])
+
+
+def _liere_rotations_grad(ctx, grad: torch.Tensor, _grad_scaled: torch.Tensor | None):
+    coords, generators, scaled = ctx.saved_tensors
+    return None, _liere_rotations_backward(coords, generators, scaled, grad.contiguous())
+
+
+_liere_rotations.register_autograd(_liere_rotations_grad, setup_context=_liere_rotations_setup)
 
 
 def rotations_from_generators(coords: torch.Tensor, generators: torch.Tensor) -> torch.Tensor:
@@ -199,7 +390,7 @@ def rotations_from_generators(coords: torch.Tensor, generators: torch.Tensor) ->
     dtype = torch.promote_types(generators.dtype, torch.float32)
     with torch.autocast(device_type=generators.device.type, enabled=False):
         g = generators.to(dtype)
-        return _ExpOfGeneratorSum.apply(coords.to(device=g.device, dtype=dtype), g)
+        return _liere_rotations(coords.to(device=g.device, dtype=dtype).contiguous(), g.contiguous())[0]
 
 
 def liere_coordinates(
@@ -239,9 +430,14 @@ class LieREState:
     per_layer: bool
     token_index: Optional[torch.Tensor] = None
 
+    def __post_init__(self) -> None:
+        # one view per layer from ONE unbind: its backward stacks the layers' gradients once, where indexing would
+        # zero-fill and add a whole table per layer
+        self._layers = self.rotations.unbind(0)
+
     def for_layer(self, layer: int) -> torch.Tensor:
         """One layer's rotations ``(H', S + N, m, b, b)``."""
-        return self.rotations[layer if self.per_layer else 0]
+        return self._layers[layer if self.per_layer else 0]
 
 
 class LieREBase(RotaryEncoding):
