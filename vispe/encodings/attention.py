@@ -417,16 +417,22 @@ class _BlockedBiasAttention(torch.autograd.Function):
                 p.exp_()
             else:
                 _masked_softmax_(p, _mask_rows(attn_mask, ctx.is_causal, lq, lk, start, stop, q.device))
-            dv += torch.matmul(p.transpose(-1, -2), do_b[..., :dh]).sum_to_size(dv.shape)
+            _add_matmul_(dv, p.transpose(-1, -2), do_b[..., :dh])
             dp = torch.matmul(do_b, vt)
             ds = p.mul_(dp if lse is not None else dp.sub_(delta[:, :, start:stop]))  # dS = P * (dP - delta)
             del dp
             dq[:, :, start:stop] = torch.matmul(ds, ks)
-            dk += torch.matmul(ds.transpose(-1, -2), q_b[..., :dh]).sum_to_size(dk.shape)  # q_b carries s
+            _add_matmul_(dk, ds.transpose(-1, -2), q_b[..., :dh])  # q_b carries s
             if any_grad and bias.requires_grad:
                 _accumulate_term_grads(bias, ds, d_leaves, d_grads)
         grads = _term_input_grads(leaves, derived, d_grads, len(inputs))
         return (None, None, None, None, None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *grads)
+
+
+def _add_matmul_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` in place for ``(B, H, m, k) @ (B, H, k, n)`` into a contiguous ``(B, H, m, n)``: one batched
+    GEMM that accumulates into ``acc`` (no block-sized product, no extra pass to add it)."""
+    acc.view(-1, *acc.shape[-2:]).baddbmm_(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]))
 
 
 def _fused_blocks_backward(spec, s, rows, q, k, v, out, lse, dout, d_leaves, n_inputs):
