@@ -151,13 +151,13 @@ def _irpe_term(b, h, i, j, *tensors, parts: tuple[tuple[str, str], ...], center:
                 term = take_columns(x, bucket)  # (B|1, H, rows, L): one index_select on the table's columns
             elif bucket.shape[0] == 1 and not torch.compiler.is_compiling():
                 # eager, buckets shared by the batch: the term reads z flattened per (sample, head) at
-                # ``row * nb + bucket``, one int32 index_select for every sample and head at once (backward: one
-                # index_add); compiled graphs keep the gather below (inductor's code for it measured faster)
+                # ``row * nb + bucket`` (the row: the query for the key side, the key for the query side), one int32
+                # index_select for every sample and head at once straight from z (backward: one index_add into dz);
+                # compiled graphs keep the gather below (inductor's code for it measured faster)
                 nb = x.shape[-1]
-                zr = x.index_select(2, i.reshape(-1)) if side == "k" else x  # the rows whose buckets are read
-                at = (torch.arange(zr.shape[2], device=bucket.device).view(-1, 1) if side == "k" else j.reshape(1, -1)) * nb
-                flat = take_columns(zr.reshape(-1, zr.shape[2] * nb), (bucket + at).int())  # (1, B * H, rows, L)
-                term = flat.view(zr.shape[0], zr.shape[1], *flat.shape[2:])
+                at = (i.reshape(-1, 1) if side == "k" else j.reshape(1, -1)) * nb
+                flat = take_columns(x.reshape(-1, x.shape[2] * nb), (bucket + at).int())  # (1, B * H, rows, L)
+                term = flat.view(x.shape[0], x.shape[1], *flat.shape[2:])
             else:
                 # per-sample buckets: the rows' projections, then one gather along the bucket axis (backward: one scatter-add)
                 if side == "k":
