@@ -17,28 +17,24 @@ training one.
 
 Prefix tokens (cls, registers) get zero bias to and from every token: they sit at distance 0 from every patch.
 
-How the term is built (shared with FIRE): :mod:`vispe.encodings.lattice_bias`. ALiBi's term factors into a
-per-offset distance (shared by the heads) times a per-head slope, so attention reads one distance per pair and
-scales it by the ``H`` slopes (a broadcast multiply) instead of gathering ``H`` table entries per pair.
+How the term is built (shared with FIRE): :mod:`vispe.encodings.lattice_bias`.
 """
 from __future__ import annotations
 
-import functools
 import math
-from dataclasses import dataclass
 from typing import ClassVar, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from .._checks import Choice, check_choice
-from .base import IndexedBias, register_encoding
+from .base import register_encoding
 from .coordinates import policy_axis_scale
 from .grid import PositionGrid
-from .lattice_bias import LatticeOffsetBias, PairBiasState, _lattice_offset_rows, _pair_term, pair_distance
+from .lattice_bias import LatticeOffsetBias, pair_distance
 from .resolution import ResolutionContract
 
-__all__ = ["ALIBI_DISTANCES", "Alibi2d", "Alibi3d", "AlibiState", "alibi_slopes"]
+__all__ = ["ALIBI_DISTANCES", "Alibi2d", "Alibi3d", "alibi_slopes"]
 
 ALIBI_DISTANCES = ("euclidean", "manhattan")
 
@@ -56,25 +52,6 @@ def alibi_slopes(num_heads: int) -> list[float]:
     slopes = [2.0 ** (-8.0 * h / p) for h in range(1, p + 1)]
     slopes += [2.0 ** (-4.0 * h / p) for h in range(1, 2 * (num_heads - p), 2)]
     return slopes
-
-
-@dataclass
-class AlibiState(PairBiasState):
-    """:class:`~vispe.encodings.lattice_bias.PairBiasState` plus the distance of each offset, ``(1, U + 1)`` (last
-    column zero: prefix pairs), which attention reads once per pair for every head."""
-
-    distances: torch.Tensor | None = None
-
-    def select(self, index: torch.Tensor) -> "AlibiState":
-        return AlibiState(self.pairs.select(index), self.values, self.distances)
-
-
-def _alibi_term(b: torch.Tensor, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor, distances: torch.Tensor,
-                neg_slopes: torch.Tensor, codes: torch.Tensor, center: int, num_offsets: int) -> torch.Tensor:
-    """``-m_h * distance(i, j)`` by index: the pair's distance (one gather for all heads) times each head's slope."""
-    row = torch.zeros_like(h) if h.dim() == 0 else h  # score_mod reads the table's one row (a block: every column)
-    dist = _pair_term(b, row, i, j, distances, codes, center, num_offsets)  # (B|1, 1, rows, L), or 0-d
-    return dist * neg_slopes[h]
 
 
 class _Alibi(LatticeOffsetBias):
@@ -105,35 +82,13 @@ class _Alibi(LatticeOffsetBias):
         self.distance = distance
         self.extrapolation = extrapolation
 
-    def offset_distances(self, grid: PositionGrid, offsets: torch.Tensor) -> torch.Tensor:
-        """The distance of each offset ``(U, ndim)`` of ``grid``, float32 ``(1, U + 1)``, last column zero (prefix pairs)."""
+    def tables(self, grid: PositionGrid, offsets: torch.Tensor) -> torch.Tensor:
         scale = policy_axis_scale(self.resolution_policy, grid.shape, self.grid_size)
         if scale is not None:
             offsets = offsets * torch.tensor(scale, device=offsets.device)
-        return F.pad(pair_distance(offsets, self.distance)[:, 0], (0, 1))[None]
-
-    def _neg_slopes(self, device: torch.device | str | None) -> torch.Tensor:
-        return -torch.tensor(self.slopes, dtype=torch.float32, device=device)
-
-    def tables(self, grid: PositionGrid, offsets: torch.Tensor) -> torch.Tensor:
-        # the same product as attention's per-pair one (distance times negated slope): equal to the last bit
-        return (self.offset_distances(grid, offsets) * self._neg_slopes(offsets.device)[:, None])[None]  # (1, H, U + 1)
-
-    def prepare(self, grid: PositionGrid, device: torch.device | None = None) -> AlibiState:
-        state = super().prepare(grid, device)
-        dist = self.cached(("distances", grid.shape, str(device)), lambda: self.offset_distances(grid, _lattice_offset_rows(grid, device)))
-        return AlibiState(state.pairs, state.values, dist)
-
-    def indexed_bias(self, q, k, *, layer: int, state: PairBiasState, scale: float) -> IndexedBias:
-        """``-m_h * distance[code[i] - code[j] + center]``: one distance per pair, scaled per head (prefix pairs: 0)."""
-        if not isinstance(state, AlibiState):  # a state built without the distances: the generic table gather
-            return super().indexed_bias(q, k, layer=layer, state=state, scale=scale)
-        self._layer_values(layer, state, k.shape[-2])  # checks the token count and the layer
-        pairs = state.pairs
-        return IndexedBias(
-            functools.partial(_alibi_term, center=pairs.center, num_offsets=pairs.num_offsets),
-            (state.distances, self._neg_slopes(q.device), pairs.codes), per_sample=pairs.per_sample,
-        )
+        dist = pair_distance(offsets, self.distance)[:, 0]  # (U,)
+        slopes = torch.tensor(self.slopes, dtype=torch.float32, device=offsets.device)
+        return F.pad(-slopes[:, None] * dist[None, :], (0, 1))[None]  # (1, H, U + 1)
 
     def extra_repr(self) -> str:
         return (
