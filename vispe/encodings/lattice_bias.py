@@ -101,9 +101,31 @@ class LatticePairCodes:
         """Offset ids of the pairs ``(i, j)`` of sample ``b`` (index tensors that broadcast)."""
         if self.codes.shape[0] == 1:  # shared by the batch: one index instead of two
             ci, cj = self.codes[0][i], self.codes[0][j]
+            if ci.device.type == "cpu" and not torch.compiler.is_compiling():
+                ids = self._block_ids(ci, cj)
+                if ids is not None:
+                    return ids
         else:
             ci, cj = self.codes[b, i], self.codes[b, j]
         return torch.where((ci < 0) | (cj < 0), self.num_offsets, ci - cj + self.center)
+
+    def _block_ids(self, ci: torch.Tensor, cj: torch.Tensor) -> torch.Tensor | None:
+        """:meth:`pair_ids` from codes that each vary along one axis (a block's ``(..., rows, 1)`` and ``(..., 1, L)``)
+        in one pass: the difference, then the few prefix rows and columns filled in place (a ``where`` over the
+        broadcast prefix test is ~7x slower on CPU at 1,025 tokens). ``None`` for other layouts. Eager CPU only: it
+        reads which tokens are prefix tokens."""
+        ids = (ci + self.center) - cj
+        for c in (ci, cj):
+            axes = [ids.dim() - c.dim() + a for a, n in enumerate(c.shape) if n > 1]
+            if len(axes) > 1:
+                return None
+            prefix = (c.reshape(-1) < 0).nonzero().view(-1)
+            if prefix.numel():
+                if axes:
+                    ids.index_fill_(axes[0], prefix, self.num_offsets)
+                else:
+                    ids.fill_(self.num_offsets)
+        return ids
 
     def select(self, index: torch.Tensor) -> "LatticePairCodes":
         """The codes of each sample's present tokens ``index`` ``(B, n)`` (rows of the full sequence)."""
