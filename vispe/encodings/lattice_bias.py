@@ -214,6 +214,22 @@ def _pair_term(b: torch.Tensor, h: torch.Tensor, i: torch.Tensor, j: torch.Tenso
     return take_columns(table, LatticePairCodes(codes, center, num_offsets).pair_ids(b, i, j))
 
 
+def _pair_term_grad(ds: torch.Tensor, start: int, stop: int, tensors, grads, *, center: int, num_offsets: int) -> None:
+    """The gradient of :func:`_pair_term` for query rows ``start:stop`` (the :class:`IndexedBias` ``accumulate_grad``
+    rule): each pair's logit gradient ``ds`` summed onto the table column of its offset, one ``index_add``."""
+    table, codes = tensors
+    g = grads[0]
+    if g is None:
+        return
+    dev = ds.device
+    b = torch.arange(codes.shape[0], device=dev).view(-1, 1, 1, 1)
+    i = torch.arange(start, stop, device=dev).view(1, 1, -1, 1)
+    j = torch.arange(ds.shape[-1], device=dev).view(1, 1, 1, -1)
+    ids = LatticePairCodes(codes, center, num_offsets).pair_ids(b, i, j)  # (B|1, 1, rows, L)
+    d = ds.sum(0) if ids.shape[0] == 1 else ds.transpose(0, 1)  # (H, [B,] rows, L), in ids' order
+    g.index_add_(1, ids.reshape(-1), d.reshape(g.shape[0], -1).to(g.dtype))
+
+
 def take_columns(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """``table[:, ids[:, 0]]`` as ``(B|1, H, rows, L)`` for a ``(H, C)`` table and ids ``(B|1, 1, rows, L)``: every head at
     once through ``index_select`` on the columns, whose backward is one ``index_add`` (advanced indexing's backward,
@@ -309,4 +325,5 @@ class LatticeOffsetBias(AttentionBiasEncoding):
         return IndexedBias(
             functools.partial(_pair_term, center=pairs.center, num_offsets=pairs.num_offsets),
             (values, pairs.codes), per_sample=pairs.per_sample,
+            accumulate_grad=functools.partial(_pair_term_grad, center=pairs.center, num_offsets=pairs.num_offsets),
         )
