@@ -279,6 +279,12 @@ class IndexedBias:
     #: FlexAttention ``kernel_options`` for this term (e.g. smaller tiles for a ``score_mod`` that reads several
     #: tables: the default tiles can need more shared memory than the GPU has); merged over ``FLEX_KERNEL_OPTIONS``
     flex_kernel_options: dict[str, Any] | None = None
+    #: optional ``accumulate_grad(ds, start, stop, tensors, grads)``: adds the gradient of the block term of query rows
+    #: ``start:stop`` (``ds``: the logits' gradient ``(B, H, rows, Lk)``) in place to ``grads`` (zeros, one per
+    #: ``prepare`` output; ``None`` where none is wanted), without autograd. The blocked backward calls it per block
+    #: instead of differentiating ``fn``, whose gradient is a new full-size tensor per block (e.g. iRPE's
+    #: ``(B, H, L, buckets)`` projection, zero-filled and summed once per block)
+    accumulate_grad: Callable[..., None] | None = None
 
     def tensors(self, inputs: Sequence[torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
         inputs = self.inputs if inputs is None else inputs
@@ -385,6 +391,9 @@ class _BlockedBiasAttention(torch.autograd.Function):
         # the term's own leaves: gradients per block land here, then go back through prepare once
         d_leaves = [t.detach().requires_grad_(t.requires_grad) for t in derived]
         d_grads: list[torch.Tensor | None] = [None] * len(derived)
+        direct = any_grad and spec.accumulate_grad is not None  # the term's gradient by its own rule, no autograd
+        if direct:
+            d_grads = [torch.zeros_like(t, memory_format=torch.contiguous_format) if t.requires_grad else None for t in derived]
         if lse is not None and not any_grad:
             return _fused_blocks_backward(spec, s, rows[1], q, k, v, out, lse, dout.contiguous(), d_leaves, len(inputs))
         dt = torch.promote_types(q.dtype, torch.float32)  # bf16/fp16 inputs: recompute in float32
@@ -408,25 +417,46 @@ class _BlockedBiasAttention(torch.autograd.Function):
         dv = torch.zeros(v.shape, dtype=dt, device=v.device)
         for start in range(0, lq, rows[0]):
             stop = min(lq, start + rows[0])
-            with torch.enable_grad():
+            with torch.set_grad_enabled(not direct):
                 bias = spec.rows(d_leaves, bsz, heads, start, stop, lk, q.device)
             q_b, do_b = qs[:, :, start:stop], dof[:, :, start:stop]
-            p = torch.matmul(q_b, kt)
-            p.add_(bias.detach())
+            if _own_block(bias, (bsz, heads, stop - start, lk), dt, d_leaves):
+                p = bias  # a per-sample term's fresh block: the logits accumulate into it, one temporary fewer
+                _add_matmul_(p, q_b, kt)
+            else:
+                p = torch.matmul(q_b, kt)
+                p.add_(bias.detach())
             if lse is not None:  # P = exp(logits - lse): the forward's normaliser, no max/sum passes
                 p.exp_()
             else:
                 _masked_softmax_(p, _mask_rows(attn_mask, ctx.is_causal, lq, lk, start, stop, q.device))
-            dv += torch.matmul(p.transpose(-1, -2), do_b[..., :dh]).sum_to_size(dv.shape)
+            _add_matmul_(dv, p.transpose(-1, -2), do_b[..., :dh])
             dp = torch.matmul(do_b, vt)
             ds = p.mul_(dp if lse is not None else dp.sub_(delta[:, :, start:stop]))  # dS = P * (dP - delta)
             del dp
             dq[:, :, start:stop] = torch.matmul(ds, ks)
-            dk += torch.matmul(ds.transpose(-1, -2), q_b[..., :dh]).sum_to_size(dk.shape)  # q_b carries s
-            if any_grad and bias.requires_grad:
+            _add_matmul_(dk, ds.transpose(-1, -2), q_b[..., :dh])  # q_b carries s
+            if direct:
+                spec.accumulate_grad(ds, start, stop, d_leaves, d_grads)
+            elif any_grad and bias.requires_grad:
                 _accumulate_term_grads(bias, ds, d_leaves, d_grads)
         grads = _term_input_grads(leaves, derived, d_grads, len(inputs))
         return (None, None, None, None, None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *grads)
+
+
+def _own_block(bias: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, leaves: Sequence[torch.Tensor]) -> bool:
+    """Whether the backward may overwrite a block's term: a full ``(B, H, rows, Lk)`` contiguous block of the
+    recompute dtype, outside autograd, sharing memory with none of the term's inputs (``fn`` built it afresh)."""
+    if bias.requires_grad or tuple(bias.shape) != shape or bias.dtype != dtype or not bias.is_contiguous():
+        return False
+    ptr = bias.untyped_storage().data_ptr()
+    return all(t.untyped_storage().data_ptr() != ptr for t in leaves)
+
+
+def _add_matmul_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` in place for ``(B, H, m, k) @ (B, H, k, n)`` into a contiguous ``(B, H, m, n)``: one batched
+    GEMM that accumulates into ``acc`` (no block-sized product, no extra pass to add it)."""
+    acc.view(-1, *acc.shape[-2:]).baddbmm_(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]))
 
 
 def _fused_blocks_backward(spec, s, rows, q, k, v, out, lse, dout, d_leaves, n_inputs):
@@ -607,5 +637,8 @@ def attend_indexed_bias(
     rows = _row_blocks(q, k, spec.per_sample, block_rows)
     if training and dropout_p == 0.0 and not torch.compiler.is_compiling():
         fused_rows = _row_blocks(q, k, spec.per_sample, block_rows, FUSED_BLOCK_ELEMENTS)
+        # a per-sample term's block doubles as the logits' buffer in the recompute backward (two (B, H, rows, Lk)
+        # temporaries instead of three), so the same memory holds 1.5x the rows: fewer, faster block matmuls
+        rows = _row_blocks(q, k, spec.per_sample, block_rows, BLOCK_ELEMENTS * 3 // 2 if spec.per_sample else BLOCK_ELEMENTS)
         return _BlockedBiasAttention.apply(spec, scale, (rows, fused_rows), attn_mask, is_causal, q, k, v, *spec.inputs)
     return _blocked_traceable(q, k, v, spec, attn_mask, dropout_p, is_causal, scale, rows)

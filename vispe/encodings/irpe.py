@@ -151,13 +151,11 @@ def _irpe_term(b, h, i, j, *tensors, parts: tuple[tuple[str, str], ...], center:
                 term = take_columns(x, bucket)  # (B|1, H, rows, L): one index_select on the table's columns
             elif bucket.shape[0] == 1 and not torch.compiler.is_compiling():
                 # eager, buckets shared by the batch: the term reads z flattened per (sample, head) at
-                # ``row * nb + bucket``, one int32 index_select for every sample and head at once (backward: one
-                # index_add); compiled graphs keep the gather below (inductor's code for it measured faster)
-                nb = x.shape[-1]
-                zr = x.index_select(2, i.reshape(-1)) if side == "k" else x  # the rows whose buckets are read
-                at = (torch.arange(zr.shape[2], device=bucket.device).view(-1, 1) if side == "k" else j.reshape(1, -1)) * nb
-                flat = take_columns(zr.reshape(-1, zr.shape[2] * nb), (bucket + at).int())  # (1, B * H, rows, L)
-                term = flat.view(zr.shape[0], zr.shape[1], *flat.shape[2:])
+                # ``row * nb + bucket``, one int32 index_select for every sample and head at once straight from z
+                # (backward: one index_add into dz); compiled graphs keep the gather below (inductor's code for it
+                # measured faster)
+                flat = take_columns(x.reshape(-1, x.shape[2] * x.shape[-1]), _flat_bucket(bucket, side, i, j, x.shape[-1]).int())
+                term = flat.view(x.shape[0], x.shape[1], *flat.shape[2:])  # (B, H, rows, L)
             else:
                 # per-sample buckets: the rows' projections, then one gather along the bucket axis (backward: one scatter-add)
                 if side == "k":
@@ -169,6 +167,40 @@ def _irpe_term(b, h, i, j, *tensors, parts: tuple[tuple[str, str], ...], center:
                     term = torch.gather(zr, -1, bt.expand(zr.shape[0], zr.shape[1], -1, -1)).transpose(-1, -2)
             out = term if out is None else out + term
     return out
+
+
+def _flat_bucket(bucket: torch.Tensor, side: str, i: torch.Tensor, j: torch.Tensor, nb: int) -> torch.Tensor:
+    """Where a pair's contextual term sits in ``z`` flattened per (sample, head) ``(L * nb)``: ``row * nb + bucket``,
+    the row being the query for the key side and the key for the query side."""
+    return bucket + (i if side == "k" else j) * nb
+
+
+def _irpe_term_grad(ds, start, stop, tensors, grads, *, parts: tuple[tuple[str, str], ...], center: int, num_offsets: int):
+    """The gradient of :func:`_irpe_term` for query rows ``start:stop``, added in place to ``grads`` (the
+    :attr:`IndexedBias.accumulate_grad` rule): each pair's logit gradient ``ds`` lands on the table entry (bias mode)
+    or the ``z`` entry (contextual) that its term read, by one ``index_add`` per part and table."""
+    codes, lut, *per_part = tensors
+    pairs = LatticePairCodes(codes, center, num_offsets)
+    bsz, heads, rows, length = ds.shape
+    dev = ds.device
+    b = torch.arange(codes.shape[0], device=dev).view(-1, 1, 1, 1)
+    i = torch.arange(start, stop, device=dev).view(1, 1, -1, 1)
+    j = torch.arange(length, device=dev).view(1, 1, 1, -1)
+    for (mode, side), x, g in zip(parts, per_part, grads[2:]):
+        if g is None:
+            continue
+        row, col = (i, j) if side == "k" else (j, i)
+        ids = pairs.pair_ids(b, row, col)  # (B|1, 1, rows, L)
+        for t in range(lut.shape[0]):
+            bucket = lut[t][ids]
+            if mode == "bias":  # g: (H, nb); a shared table's rows are summed by prepare's expand
+                d = ds.sum(0) if bucket.shape[0] == 1 else ds.transpose(0, 1)  # (H, [B,] rows, L), as bucket's order
+                g.index_add_(1, bucket.reshape(-1), d.reshape(heads, -1).to(g.dtype))
+            else:  # g: (B, H, L, nb), read at row * nb + bucket per (sample, head)
+                flat = _flat_bucket(bucket, side, i, j, x.shape[-1]).expand(-1, 1, rows, length)
+                gf, dsf = g.view(bsz, heads, -1), ds.to(g.dtype)
+                for n in range(bsz):
+                    gf[n].index_add_(1, flat[n if flat.shape[0] > 1 else 0].reshape(-1), dsf[n].reshape(heads, -1))
 
 
 def _expand_ids(ids: torch.Tensor, bsz: int, heads: int, length: int) -> torch.Tensor:
@@ -403,8 +435,10 @@ class IRPE(AttentionBiasEncoding):
         # 32-row tiles: with the default tiles FlexAttention's backward for the contextual term needs 240 KiB of
         # shared memory, more than an H100 has (227 KiB); 32 x 32 tiles ran at 1.62x timm's APE ViT (ViT-S/16, 224 px)
         tiles = {k: 32 for k in ("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2")}
+        grad = functools.partial(_irpe_term_grad, parts=tuple(parts), center=state.pairs.center,
+                                 num_offsets=state.pairs.num_offsets)
         return IndexedBias(fn, tuple(inputs), prepare, per_sample=self.mode == "contextual" or state.pairs.per_sample,
-                           flex_kernel_options=tiles)
+                           flex_kernel_options=tiles, accumulate_grad=grad)
 
     def attend(self, q, k, v, *, layer=0, state=None, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
         if state is None or "v" not in self.sides or layer not in self._slot:

@@ -101,9 +101,31 @@ class LatticePairCodes:
         """Offset ids of the pairs ``(i, j)`` of sample ``b`` (index tensors that broadcast)."""
         if self.codes.shape[0] == 1:  # shared by the batch: one index instead of two
             ci, cj = self.codes[0][i], self.codes[0][j]
+            if ci.device.type == "cpu" and not torch.compiler.is_compiling():
+                ids = self._block_ids(ci, cj)
+                if ids is not None:
+                    return ids
         else:
             ci, cj = self.codes[b, i], self.codes[b, j]
         return torch.where((ci < 0) | (cj < 0), self.num_offsets, ci - cj + self.center)
+
+    def _block_ids(self, ci: torch.Tensor, cj: torch.Tensor) -> torch.Tensor | None:
+        """:meth:`pair_ids` from codes that each vary along one axis (a block's ``(..., rows, 1)`` and ``(..., 1, L)``)
+        in one pass: the difference, then the few prefix rows and columns filled in place (a ``where`` over the
+        broadcast prefix test is ~7x slower on CPU at 1,025 tokens). ``None`` for other layouts. Eager CPU only: it
+        reads which tokens are prefix tokens."""
+        ids = (ci + self.center) - cj
+        for c in (ci, cj):
+            axes = [ids.dim() - c.dim() + a for a, n in enumerate(c.shape) if n > 1]
+            if len(axes) > 1:
+                return None
+            prefix = (c.reshape(-1) < 0).nonzero().view(-1)
+            if prefix.numel():
+                if axes:
+                    ids.index_fill_(axes[0], prefix, self.num_offsets)
+                else:
+                    ids.fill_(self.num_offsets)
+        return ids
 
     def select(self, index: torch.Tensor) -> "LatticePairCodes":
         """The codes of each sample's present tokens ``index`` ``(B, n)`` (rows of the full sequence)."""
@@ -190,6 +212,22 @@ def _pair_term(b: torch.Tensor, h: torch.Tensor, i: torch.Tensor, j: torch.Tenso
     if not torch.compiler.is_compiling():
         codes = codes.int()
     return take_columns(table, LatticePairCodes(codes, center, num_offsets).pair_ids(b, i, j))
+
+
+def _pair_term_grad(ds: torch.Tensor, start: int, stop: int, tensors, grads, *, center: int, num_offsets: int) -> None:
+    """The gradient of :func:`_pair_term` for query rows ``start:stop`` (the :class:`IndexedBias` ``accumulate_grad``
+    rule): each pair's logit gradient ``ds`` summed onto the table column of its offset, one ``index_add``."""
+    table, codes = tensors
+    g = grads[0]
+    if g is None:
+        return
+    dev = ds.device
+    b = torch.arange(codes.shape[0], device=dev).view(-1, 1, 1, 1)
+    i = torch.arange(start, stop, device=dev).view(1, 1, -1, 1)
+    j = torch.arange(ds.shape[-1], device=dev).view(1, 1, 1, -1)
+    ids = LatticePairCodes(codes, center, num_offsets).pair_ids(b, i, j)  # (B|1, 1, rows, L)
+    d = ds.sum(0) if ids.shape[0] == 1 else ds.transpose(0, 1)  # (H, [B,] rows, L), in ids' order
+    g.index_add_(1, ids.reshape(-1), d.reshape(g.shape[0], -1).to(g.dtype))
 
 
 def take_columns(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -287,4 +325,5 @@ class LatticeOffsetBias(AttentionBiasEncoding):
         return IndexedBias(
             functools.partial(_pair_term, center=pairs.center, num_offsets=pairs.num_offsets),
             (values, pairs.codes), per_sample=pairs.per_sample,
+            accumulate_grad=functools.partial(_pair_term_grad, center=pairs.center, num_offsets=pairs.num_offsets),
         )
