@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .._checks import AnyOf, Choice, Ints, Real, Seq, Str
+from .attention import bias_function
 from .lattice_bias import LatticePairCodes, _lattice_offset_rows, take_columns
 from .base import AttentionBiasEncoding, IndexedBias, fold_causal_mask, merge_attn_mask, register_encoding
 from .grid import PositionGrid
@@ -131,6 +132,7 @@ def _batch_index(b: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return b if t.shape[0] > 1 else torch.zeros_like(b)
 
 
+@bias_function("irpe_term")  # named: compiled training runs the term as a custom op
 def _irpe_term(b, h, i, j, *tensors, parts: tuple[tuple[str, str], ...], center: int, num_offsets: int):
     """The iRPE logit term by index (the :class:`IndexedBias` form). ``tensors``: ``codes (1|B, L)``, ``lut (T, U + 1)``,
     then per part its tensor: bias mode a table ``(H, nb)``; contextual the projection ``z (B, H, L, nb)``.
@@ -168,6 +170,22 @@ def _irpe_term(b, h, i, j, *tensors, parts: tuple[tuple[str, str], ...], center:
                     bt = bucket.transpose(-1, -2)  # (B|1, 1, L, rows)
                     term = torch.gather(zr, -1, bt.expand(zr.shape[0], zr.shape[1], -1, -1)).transpose(-1, -2)
             out = term if out is None else out + term
+    return out
+
+
+@bias_function("irpe_prepare")  # named: compiled training runs the term as a custom op
+def _irpe_prepare(codes, lut, *xs, heads: int, kinds: tuple[str, ...], scale: float) -> list[torch.Tensor]:
+    """The tensors :func:`_irpe_term` reads from the :class:`IndexedBias` inputs: per part, bias mode its table for every
+    head; contextual mode ``z = s x table`` ``(B, H, L, nb)``."""
+    out, pos = [codes, lut], 0
+    for kind in kinds:
+        if kind == "bias":
+            out.append(xs[pos].expand(heads, -1))  # a shared table reads as every head's
+            pos += 1
+        else:
+            x, t = xs[pos], xs[pos + 1]
+            out.append(torch.matmul(x, t.to(x.dtype)) * scale)  # (B, H, L, nb)
+            pos += 2
     return out
 
 
@@ -386,19 +404,7 @@ class IRPE(AttentionBiasEncoding):
             kinds.append(self.mode)
         if not parts:
             return None
-
-        def prepare(codes, lut, *xs):
-            out, pos = [codes, lut], 0
-            for kind in kinds:
-                if kind == "bias":
-                    out.append(xs[pos].expand(heads, -1))  # a shared table reads as every head's
-                    pos += 1
-                else:
-                    x, t = xs[pos], xs[pos + 1]
-                    out.append(torch.matmul(x, t.to(x.dtype)) * scale)  # (B, H, L, nb)
-                    pos += 2
-            return out
-
+        prepare = functools.partial(_irpe_prepare, heads=heads, kinds=tuple(kinds), scale=scale)
         fn = functools.partial(_irpe_term, parts=tuple(parts), center=state.pairs.center, num_offsets=state.pairs.num_offsets)
         # 32-row tiles: with the default tiles FlexAttention's backward for the contextual term needs 240 KiB of
         # shared memory, more than an H100 has (227 KiB); 32 x 32 tiles ran at 1.62x timm's APE ViT (ViT-S/16, 224 px)

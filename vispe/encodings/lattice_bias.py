@@ -16,6 +16,7 @@ from typing import Sequence
 
 import torch
 
+from .attention import bias_function
 from .base import AttentionBiasEncoding, IndexedBias
 from .grid import PositionGrid
 
@@ -180,6 +181,7 @@ class PairBiasState:
         return PairBiasState(self.pairs.select(index), self.values)
 
 
+@bias_function("lattice_pair_term")  # named: compiled training runs the term as a custom op
 def _pair_term(b: torch.Tensor, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor, table: torch.Tensor,
                codes: torch.Tensor, center: int, num_offsets: int) -> torch.Tensor:
     """``table[h, id(i, j)]`` for a ``(H, U + 1)`` table (the :class:`IndexedBias` form of the lattice pair bias)."""
