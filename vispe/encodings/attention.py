@@ -4,8 +4,11 @@ additive logit term is rebuilt in backward instead of kept, and recompute-instea
 Attention biases are described by index (:class:`IndexedBias`: ``bias[b, h, i, j]`` from index tensors and small
 tables) and run on one of :data:`ATTENTION_BACKENDS` by :func:`attend_indexed_bias`: the dense ``attn_mask`` (the
 oracle), query blocks with the term rebuilt per block in forward and backward (memory O(L * block)), or
-FlexAttention with the term as ``score_mod`` (CUDA; CPU inference only). Under ``torch.compile`` every path is plain
-traceable ops (the blocked one as activation-checkpointed blocks).
+FlexAttention with the term as ``score_mod`` (CUDA; CPU inference only). Under ``torch.compile`` a CPU training step
+on the blocked path (float32/64, no caller mask, not causal, no dropout) calls the eager path's fused blocks and
+recompute backward as the custom ops ``vispe::indexed_bias_attention`` / ``vispe::indexed_bias_attention_backward``,
+opaque to inductor, for terms built from functions registered with :func:`bias_function`; every other compiled path
+is plain traceable ops (the blocked one as activation-checkpointed blocks).
 
 Nothing here knows about positions; the contracts in :mod:`vispe.encodings.base` call these.
 """
