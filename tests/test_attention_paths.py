@@ -307,7 +307,9 @@ def _op_arguments(name: str, options: dict):
     enc = _encoding(name, options, 1)
     grid = PositionGrid(_grid_shape(name), 1)
     g = torch.Generator().manual_seed(6)
-    q, k, v = (torch.randn(2, 2, grid.seq_len, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    # (B, L, H, D) memory seen as (B, H, L, D), as a ViT's q, k, v are: the fake kernels must not copy the layout
+    q, k, v = (torch.randn(2, grid.seq_len, 2, 8, generator=g, dtype=torch.float64).transpose(1, 2).requires_grad_()
+               for _ in range(3))
     spec = enc.indexed_bias(q, k, layer=1, state=enc.prepare(grid), scale=8**-0.5)
     key = _op_key(spec)
     assert key is not None and key == _op_key(enc.indexed_bias(q, k, layer=1, state=enc.prepare(grid), scale=8**-0.5))
@@ -315,7 +317,7 @@ def _op_arguments(name: str, options: dict):
     return q, k, v, inputs, key, 8**-0.5, 3, 5
 
 
-@pytest.mark.parametrize("name, options", [("fire", {}), ("irpe", {"mode": "contextual", "sides": "qk"})])
+@pytest.mark.parametrize("name, options", [("alibi_2d", {}), ("fire", {}), ("irpe", {"mode": "contextual", "sides": "qk"})])
 def test_custom_ops_pass_opcheck(name, options):
     """``torch.library.opcheck``: schema, fake tensors, autograd registration and AOT dispatch of both ops."""
     args = _op_arguments(name, options)

@@ -454,9 +454,9 @@ def _fused_blocks_backward(spec, s, rows, q, k, v, out, lse, dout, d_leaves):
     backward with the rebuilt block term as its mask (``dK``, ``dV`` summed over blocks)."""
     bsz, heads, lq, _ = q.shape
     lk = k.shape[-2]
-    dq = torch.empty_like(q)
-    dk = torch.zeros_like(k)
-    dv = torch.zeros_like(v)
+    dq = q.new_empty(q.shape)
+    dk = k.new_zeros(k.shape)
+    dv = v.new_zeros(v.shape)
     for start in range(0, lq, rows):
         stop = min(lq, start + rows)
         mask = spec.rows(d_leaves, bsz, heads, start, stop, lk, q.device).to(q.dtype)
@@ -629,12 +629,15 @@ def _indexed_bias_attention_backward_op(
     with _autograd_inside_op():
         dq, dk, dv, grads = _blocked_backward(_spec_of(key, inputs), scale, (rows, fused_rows), None, False, q, k, v, out,
                                               lse, dout, inputs, want)
-    return dq, dk, dv, [torch.zeros_like(t) if g is None else g for t, g, w in zip(inputs, grads, want) if w]
+    # contiguous, as the fake kernel says: inside a compiled graph q, k, v (and so a gradient shaped like them) can be
+    # laid out differently at trace time and at run time
+    return (dq.contiguous(), dk.contiguous(), dv.contiguous(),
+            [t.new_zeros(t.shape) if g is None else g.contiguous() for t, g, w in zip(inputs, grads, want) if w])
 
 
 @_indexed_bias_attention_backward_op.register_fake
 def _(dout, q, k, v, out, lse, inputs, want, key, scale, rows, fused_rows):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), [torch.empty_like(t) for t, w in zip(inputs, want) if w]
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), [t.new_empty(t.shape) for t, w in zip(inputs, want) if w]
 
 
 def _indexed_bias_attention_setup(ctx, inputs, output):
