@@ -575,7 +575,7 @@ def _op_key(spec: IndexedBias) -> str | None:
     return repr((fn, prepare, bool(spec.per_sample)))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _callables_of(key: str) -> tuple[Callable[..., Any], Callable[..., Any] | None, bool]:
     import ast
 
@@ -637,7 +637,8 @@ def _indexed_bias_attention_backward_op(
 
 @_indexed_bias_attention_backward_op.register_fake
 def _(dout, q, k, v, out, lse, inputs, want, key, scale, rows, fused_rows):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), [t.new_empty(t.shape) for t, w in zip(inputs, want) if w]
+    grads = [t.new_empty(t.shape) for t, w in zip(inputs, want) if w]
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), grads
 
 
 def _indexed_bias_attention_setup(ctx, inputs, output):
