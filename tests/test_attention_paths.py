@@ -213,3 +213,114 @@ def test_irpe_hands_its_flex_tiles_to_flex_attention(monkeypatch):
     with torch.no_grad():
         enc.attend(q, q, q, layer=0, state=enc.prepare(grid, q.device))
     assert seen["options"]["BLOCK_M1"] == 32 and seen["options"]["BLOCK_N2"] == 32 and seen["options"]["num_warps"] == 4
+
+
+# ---- the compiled CPU training path: the blocked fused kernels as custom ops ---------------------------------------
+COMPILED_VARIANTS = [
+    ("alibi_2d", {}, False),
+    ("fire", {}, False),
+    ("fire", {}, True),  # per-sample pair codes after patch dropout
+    ("irpe", {}, False),  # contextual, key side: the term reads s q table, rebuilt from q in backward
+    ("irpe", {"mode": "contextual", "sides": "qk", "method": "euclidean"}, False),
+    ("irpe", {"mode": "bias", "sides": "qk", "shared_head": False}, False),
+]
+
+
+class _GraphRecorder:
+    """An ``aot_eager`` backend that keeps the text of every graph dynamo hands it."""
+
+    def __init__(self):
+        self.graphs: list[str] = []
+        self._inner = torch._dynamo.lookup_backend("aot_eager")
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(str(gm.graph))
+        return self._inner(gm, example_inputs)
+
+
+@pytest.mark.parametrize("name, options, dropout", COMPILED_VARIANTS,
+                         ids=[f"{n}{o or ''}{'-patch_dropout' if d else ''}" for n, o, d in COMPILED_VARIANTS])
+def test_compiled_training_runs_the_custom_op_and_equals_the_dense_mask(name, options, dropout):
+    """``torch.compile(fullgraph=True)`` of a training step on the blocked path calls ``vispe::indexed_bias_attention``
+    (forward) and its backward op; outputs and the gradients of q, k, v and the encoding's parameters equal the dense
+    oracle's; a second step reuses the graph (the op's key is stable across calls)."""
+    enc = _encoding(name, options, 1)
+    grid = PositionGrid(_grid_shape(name), 1)
+    if dropout:
+        g = torch.Generator().manual_seed(1)
+        grid = grid.with_keep(torch.stack([torch.randperm(grid.num_patches, generator=g)[:7] for _ in range(2)]))
+    n = grid.seq_len if grid.keep is None else 1 + grid.keep.shape[1]
+    g = torch.Generator().manual_seed(2)
+    q, k, v, w = (torch.randn(2, 2, n, 8, generator=g, dtype=torch.float64) for _ in range(4))
+
+    def step(q, k, v):
+        state = enc.prepare(grid)
+        if grid.keep is not None:
+            state = enc.keep_tokens(state, grid)
+        return enc.attend(q, k, v, layer=1, state=state)
+
+    def run(fn):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        enc.zero_grad(set_to_none=True)
+        out = fn(*leaves)
+        (out * w).sum().backward()
+        return out.detach(), [t.grad for t in leaves] + [None if p.grad is None else p.grad.clone() for p in enc.parameters()]
+
+    enc.set_attention_backend("dense")
+    out_d, grads_d = run(step)
+    assert any(gd is not None and gd.abs().sum() > 0 for gd in grads_d[3:]) or not list(enc.parameters())
+    enc.set_attention_backend("blocked", block_rows=3)  # several blocks, the last one short
+    torch._dynamo.reset()
+    recorder = _GraphRecorder()
+    compiled = torch.compile(step, fullgraph=True, backend=recorder)
+    for _ in range(2):
+        out, grads = run(compiled)
+        torch.testing.assert_close(out, out_d, **TOL)
+        for i, (a, b) in enumerate(zip(grads, grads_d)):
+            if b is None:
+                assert a is None or a.abs().sum() == 0
+            else:
+                torch.testing.assert_close(a, b, **TOL, msg=lambda m, i=i: f"gradient {i}: {m}")
+    assert len(recorder.graphs) == 1 and "vispe.indexed_bias_attention" in recorder.graphs[0]
+    torch._dynamo.reset()
+
+
+def _op_arguments(name: str, options: dict):
+    """The custom op's arguments for one layer of ``name``: ``(q, k, v, inputs, key, scale, rows, fused_rows)``."""
+    from vispe.encodings.attention import _op_key
+
+    enc = _encoding(name, options, 1)
+    grid = PositionGrid(_grid_shape(name), 1)
+    g = torch.Generator().manual_seed(6)
+    # (B, L, H, D) memory seen as (B, H, L, D), as a ViT's q, k, v are: the fake kernels must not copy the layout
+    q, k, v = (torch.randn(2, grid.seq_len, 2, 8, generator=g, dtype=torch.float64).transpose(1, 2).requires_grad_()
+               for _ in range(3))
+    spec = enc.indexed_bias(q, k, layer=1, state=enc.prepare(grid), scale=8**-0.5)
+    key = _op_key(spec)
+    assert key is not None and key == _op_key(enc.indexed_bias(q, k, layer=1, state=enc.prepare(grid), scale=8**-0.5))
+    inputs = [t.detach().requires_grad_(t.is_floating_point()) for t in spec.inputs]
+    return q, k, v, inputs, key, 8**-0.5, 3, 5
+
+
+@pytest.mark.parametrize("name, options", [("alibi_2d", {}), ("fire", {}), ("irpe", {"mode": "contextual", "sides": "qk"})])
+def test_custom_ops_pass_opcheck(name, options):
+    """``torch.library.opcheck``: schema, fake tensors, autograd registration and AOT dispatch of both ops."""
+    args = _op_arguments(name, options)
+    torch.library.opcheck(torch.ops.vispe.indexed_bias_attention.default, args)
+    q, k, v, inputs, key, scale, rows, fused_rows = args
+    with torch.no_grad():
+        out, lse = torch.ops.vispe.indexed_bias_attention(q, k, v, inputs, key, scale, rows, fused_rows)
+    want = [t.is_floating_point() for t in inputs]
+    dout = torch.randn_like(out)
+    bwd = (dout, q.detach(), k.detach(), v.detach(), out, lse, [t.detach() for t in inputs], want, key, scale, rows,
+           fused_rows)
+    torch.library.opcheck(torch.ops.vispe.indexed_bias_attention_backward.default, bwd)
+
+
+def test_terms_of_unnamed_callables_keep_the_traceable_path():
+    from vispe.encodings.attention import IndexedBias, _op_key, bias_function
+
+    table = torch.zeros(2, 5)
+    assert _op_key(IndexedBias(lambda b, h, i, j, t: t[h, j], (table,))) is None
+    with pytest.raises(ValueError, match="already registered"):
+        bias_function("lattice_pair_term")(lambda b, h, i, j, t: t)

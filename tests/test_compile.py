@@ -115,6 +115,23 @@ def test_image_vit_compiles_whole(name):
     _check_eval_and_new_grid(model, x, torch.randn(1, 3, 48, 40))
 
 
+@pytest.mark.parametrize("name", ["alibi_2d", "fire", "irpe"])
+@pytest.mark.slow
+def test_blocked_bias_training_compiles_whole_as_the_custom_op(name, monkeypatch):
+    """On the blocked path (here forced to 16-row blocks; at 577+ tokens 'auto' picks it) a compiled CPU training step
+    runs each layer's attention as ``vispe::indexed_bias_attention`` and its backward op, one graph, equal to eager."""
+    from vispe.encodings import attention
+
+    calls = []
+    spec_of = attention._spec_of
+    monkeypatch.setattr(attention, "_spec_of", lambda *a: calls.append(1) or spec_of(*a))  # only the custom ops call it
+    model = _image_model(name)
+    model.pos_encoding.set_attention_backend("blocked", block_rows=16)
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    _check_train_step(model, (x,), lambda y: y.square().mean())
+    assert len(calls) == 2 * 2  # depth 2: one forward and one backward op per layer
+
+
 @pytest.mark.parametrize("name", VIDEO)
 @pytest.mark.slow
 def test_video_vit_compiles_whole(name):

@@ -4,8 +4,11 @@ additive logit term is rebuilt in backward instead of kept, and recompute-instea
 Attention biases are described by index (:class:`IndexedBias`: ``bias[b, h, i, j]`` from index tensors and small
 tables) and run on one of :data:`ATTENTION_BACKENDS` by :func:`attend_indexed_bias`: the dense ``attn_mask`` (the
 oracle), query blocks with the term rebuilt per block in forward and backward (memory O(L * block)), or
-FlexAttention with the term as ``score_mod`` (CUDA; CPU inference only). Under ``torch.compile`` every path is plain
-traceable ops (the blocked one as activation-checkpointed blocks).
+FlexAttention with the term as ``score_mod`` (CUDA; CPU inference only). Under ``torch.compile`` a CPU training step
+on the blocked path (float32/64, no caller mask, not causal, no dropout) calls the eager path's fused blocks and
+recompute backward as the custom ops ``vispe::indexed_bias_attention`` / ``vispe::indexed_bias_attention_backward``,
+opaque to inductor, for terms built from functions registered with :func:`bias_function`; every other compiled path
+is plain traceable ops (the blocked one as activation-checkpointed blocks).
 
 Nothing here knows about positions; the contracts in :mod:`vispe.encodings.base` call these.
 """
@@ -30,6 +33,7 @@ __all__ = [
     "ATTENTION_BACKENDS",
     "IndexedBias",
     "attend_indexed_bias",
+    "bias_function",
     "resolve_attention_backend",
 ]
 
@@ -336,6 +340,100 @@ def _cpu_flash_blocks(q: torch.Tensor, attn_mask: torch.Tensor | None, is_causal
     return q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and attn_mask is None and not is_causal
 
 
+def _blocked_forward(spec: IndexedBias, scale: float, rows: tuple[int, int], attn_mask, is_causal: bool, q, k, v,
+                     inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The blocked forward (no grad): the output and, on the fused CPU flash kernels (:func:`_cpu_flash_blocks`), each
+    row's log-sum-exp (else ``None``). ``rows``: block rows of the generic and of the fused kernels."""
+    bsz, heads, lq, _ = q.shape
+    lk = k.shape[-2]
+    fused = _cpu_flash_blocks(q, attn_mask, is_causal)
+    step = rows[1] if fused else rows[0]
+    outs, lses = [], []
+    with torch.no_grad():
+        tensors = spec.tensors(inputs)
+        for start in range(0, lq, step):
+            stop = min(lq, start + step)
+            mask = merge_attn_mask(_mask_rows(attn_mask, is_causal, lq, lk, start, stop, q.device),
+                                   spec.rows(tensors, bsz, heads, start, stop, lk, q.device), q.dtype)
+            if fused:
+                out_b, lse_b = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    q[:, :, start:stop], k, v, 0.0, False, attn_mask=mask, scale=scale)
+                lses.append(lse_b)
+            else:
+                out_b = F.scaled_dot_product_attention(q[:, :, start:stop], k, v, attn_mask=mask, scale=scale)
+            outs.append(out_b)
+            del mask  # one block's term alive at a time
+        out = torch.cat(outs, dim=-2) if len(outs) > 1 else outs[0]
+        lse = (torch.cat(lses, dim=-1) if len(lses) > 1 else lses[0]) if fused else None
+    return out, lse
+
+
+def _blocked_backward(spec: IndexedBias, s: float, rows: tuple[int, int], attn_mask, is_causal: bool, q, k, v, out,
+                      lse, dout, inputs: Sequence[torch.Tensor], want: Sequence[bool]):
+    """The blocked backward: ``(dq, dk, dv, [gradient of each input or None])``; ``want`` says which inputs need one."""
+    bsz, heads, lq, _ = q.shape
+    lk = k.shape[-2]
+    leaves = [t.detach().requires_grad_(w and t.is_floating_point()) for t, w in zip(inputs, want)]
+    any_grad = any(t.requires_grad for t in leaves)
+    with torch.enable_grad():
+        derived = spec.tensors(leaves)
+    # the term's own leaves: gradients per block land here, then go back through prepare once
+    d_leaves = [t.detach().requires_grad_(t.requires_grad) for t in derived]
+    d_grads: list[torch.Tensor | None] = [None] * len(derived)
+    direct = any_grad and spec.accumulate_grad is not None  # the term's gradient by its own rule, no autograd
+    if direct:
+        d_grads = [torch.zeros_like(t, memory_format=torch.contiguous_format) if t.requires_grad else None for t in derived]
+    if lse is not None and not any_grad:
+        return (*_fused_blocks_backward(spec, s, rows[1], q, k, v, out, lse, dout.contiguous(), d_leaves),
+                [None] * len(inputs))
+    dt = torch.promote_types(q.dtype, torch.float32)  # bf16/fp16 inputs: recompute in float32
+    # contiguous once: q, k, v are views of the qkv projection, and a per-block matmul against a strided k^T
+    # would copy it in every block
+    dh = q.shape[-1]
+    qs = (q.to(dt) * s).contiguous()
+    ks, kt = k.to(dt) * s, k.to(dt).transpose(-1, -2).contiguous()
+    vt = v.to(dt).transpose(-1, -2).contiguous()
+    dof = dout.to(dt).contiguous()
+    delta = (dof * out.to(dt)).sum(-1, keepdim=True)  # rowsum(dO * O)
+    if lse is not None:
+        # one extra column folds the row constants into the matmuls: [q s, -lse] [k, 1]^T = q k^T s - lse and
+        # [dO, -delta] [v, 1]^T = dP - delta, two passes over each block fewer
+        qs = torch.cat([qs, -lse.to(dt).unsqueeze(-1)], -1)
+        kt = torch.cat([kt, kt.new_ones(*kt.shape[:-2], 1, lk)], -2)
+        dof = torch.cat([dof, -delta], -1)
+        vt = torch.cat([vt, vt.new_ones(*vt.shape[:-2], 1, lk)], -2)
+    dq = torch.empty(q.shape, dtype=dt, device=q.device)
+    dk = torch.zeros(k.shape, dtype=dt, device=k.device)
+    dv = torch.zeros(v.shape, dtype=dt, device=v.device)
+    for start in range(0, lq, rows[0]):
+        stop = min(lq, start + rows[0])
+        with torch.set_grad_enabled(not direct):
+            bias = spec.rows(d_leaves, bsz, heads, start, stop, lk, q.device)
+        q_b, do_b = qs[:, :, start:stop], dof[:, :, start:stop]
+        if _own_block(bias, (bsz, heads, stop - start, lk), dt, d_leaves):
+            p = bias  # a per-sample term's fresh block: the logits accumulate into it, one temporary fewer
+            _add_matmul_(p, q_b, kt)
+        else:
+            p = torch.matmul(q_b, kt)
+            p.add_(bias.detach())
+        if lse is not None:  # P = exp(logits - lse): the forward's normaliser, no max/sum passes
+            p.exp_()
+        else:
+            _masked_softmax_(p, _mask_rows(attn_mask, is_causal, lq, lk, start, stop, q.device))
+        _add_matmul_(dv, p.transpose(-1, -2), do_b[..., :dh])
+        dp = torch.matmul(do_b, vt)
+        ds = p.mul_(dp if lse is not None else dp.sub_(delta[:, :, start:stop]))  # dS = P * (dP - delta)
+        del dp
+        dq[:, :, start:stop] = torch.matmul(ds, ks)
+        _add_matmul_(dk, ds.transpose(-1, -2), q_b[..., :dh])  # q_b carries s
+        if direct:
+            spec.accumulate_grad(ds, start, stop, d_leaves, d_grads)
+        elif any_grad and bias.requires_grad:
+            _accumulate_term_grads(bias, ds, d_leaves, d_grads)
+    grads = _term_input_grads(leaves, derived, d_grads, len(inputs))
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), grads
+
+
 class _BlockedBiasAttention(torch.autograd.Function):
     """``softmax(q k^T s + bias + mask) v`` one block of query rows at a time, the block's term built from the
     :class:`IndexedBias` in forward (SDPA's fused kernel, no grad) and again in backward: nothing of size
@@ -346,31 +444,12 @@ class _BlockedBiasAttention(torch.autograd.Function):
     On CPU without a caller's mask (:func:`_cpu_flash_blocks`) the forward keeps each row's log-sum-exp, so the
     backward recomputes ``P = exp(q k^T s + bias - lse)`` in three passes instead of a softmax's six; when no
     gradient reaches the term (ALiBi: no parameters) each block's backward is PyTorch's fused CPU flash-attention
-    backward with the rebuilt block term as its mask."""
+    backward with the rebuilt block term as its mask. Compiled graphs run the same forward and backward as the
+    custom ops ``vispe::indexed_bias_attention`` and ``vispe::indexed_bias_attention_backward``."""
 
     @staticmethod
     def forward(ctx, spec, scale, rows, attn_mask, is_causal, q, k, v, *inputs):  # type: ignore[override]
-        bsz, heads, lq, _ = q.shape
-        lk = k.shape[-2]
-        fused = _cpu_flash_blocks(q, attn_mask, is_causal)
-        step = rows[1] if fused else rows[0]
-        outs, lses = [], []
-        with torch.no_grad():
-            tensors = spec.tensors(inputs)
-            for start in range(0, lq, step):
-                stop = min(lq, start + step)
-                mask = merge_attn_mask(_mask_rows(attn_mask, is_causal, lq, lk, start, stop, q.device),
-                                       spec.rows(tensors, bsz, heads, start, stop, lk, q.device), q.dtype)
-                if fused:
-                    out_b, lse_b = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                        q[:, :, start:stop], k, v, 0.0, False, attn_mask=mask, scale=scale)
-                    lses.append(lse_b)
-                else:
-                    out_b = F.scaled_dot_product_attention(q[:, :, start:stop], k, v, attn_mask=mask, scale=scale)
-                outs.append(out_b)
-                del mask  # one block's term alive at a time
-            out = torch.cat(outs, dim=-2) if len(outs) > 1 else outs[0]
-            lse = (torch.cat(lses, dim=-1) if len(lses) > 1 else lses[0]) if fused else None
+        out, lse = _blocked_forward(spec, scale, rows, attn_mask, is_causal, q, k, v, inputs)
         ctx.spec, ctx.scale, ctx.rows, ctx.is_causal = spec, scale, rows, is_causal
         ctx.save_for_backward(q, k, v, out, lse, attn_mask, *inputs)
         return out
@@ -380,68 +459,9 @@ class _BlockedBiasAttention(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dout):  # type: ignore[override]
         q, k, v, out, lse, attn_mask, *inputs = ctx.saved_tensors
-        spec, s, rows = ctx.spec, ctx.scale, ctx.rows
-        bsz, heads, lq, _ = q.shape
-        lk = k.shape[-2]
-        want = ctx.needs_input_grad[8:]
-        leaves = [t.detach().requires_grad_(w and t.is_floating_point()) for t, w in zip(inputs, want)]
-        any_grad = any(t.requires_grad for t in leaves)
-        with torch.enable_grad():
-            derived = spec.tensors(leaves)
-        # the term's own leaves: gradients per block land here, then go back through prepare once
-        d_leaves = [t.detach().requires_grad_(t.requires_grad) for t in derived]
-        d_grads: list[torch.Tensor | None] = [None] * len(derived)
-        direct = any_grad and spec.accumulate_grad is not None  # the term's gradient by its own rule, no autograd
-        if direct:
-            d_grads = [torch.zeros_like(t, memory_format=torch.contiguous_format) if t.requires_grad else None for t in derived]
-        if lse is not None and not any_grad:
-            return _fused_blocks_backward(spec, s, rows[1], q, k, v, out, lse, dout.contiguous(), d_leaves, len(inputs))
-        dt = torch.promote_types(q.dtype, torch.float32)  # bf16/fp16 inputs: recompute in float32
-        # contiguous once: q, k, v are views of the qkv projection, and a per-block matmul against a strided k^T
-        # would copy it in every block
-        dh = q.shape[-1]
-        qs = (q.to(dt) * s).contiguous()
-        ks, kt = k.to(dt) * s, k.to(dt).transpose(-1, -2).contiguous()
-        vt = v.to(dt).transpose(-1, -2).contiguous()
-        dof = dout.to(dt).contiguous()
-        delta = (dof * out.to(dt)).sum(-1, keepdim=True)  # rowsum(dO * O)
-        if lse is not None:
-            # one extra column folds the row constants into the matmuls: [q s, -lse] [k, 1]^T = q k^T s - lse and
-            # [dO, -delta] [v, 1]^T = dP - delta, two passes over each block fewer
-            qs = torch.cat([qs, -lse.to(dt).unsqueeze(-1)], -1)
-            kt = torch.cat([kt, kt.new_ones(*kt.shape[:-2], 1, lk)], -2)
-            dof = torch.cat([dof, -delta], -1)
-            vt = torch.cat([vt, vt.new_ones(*vt.shape[:-2], 1, lk)], -2)
-        dq = torch.empty(q.shape, dtype=dt, device=q.device)
-        dk = torch.zeros(k.shape, dtype=dt, device=k.device)
-        dv = torch.zeros(v.shape, dtype=dt, device=v.device)
-        for start in range(0, lq, rows[0]):
-            stop = min(lq, start + rows[0])
-            with torch.set_grad_enabled(not direct):
-                bias = spec.rows(d_leaves, bsz, heads, start, stop, lk, q.device)
-            q_b, do_b = qs[:, :, start:stop], dof[:, :, start:stop]
-            if _own_block(bias, (bsz, heads, stop - start, lk), dt, d_leaves):
-                p = bias  # a per-sample term's fresh block: the logits accumulate into it, one temporary fewer
-                _add_matmul_(p, q_b, kt)
-            else:
-                p = torch.matmul(q_b, kt)
-                p.add_(bias.detach())
-            if lse is not None:  # P = exp(logits - lse): the forward's normaliser, no max/sum passes
-                p.exp_()
-            else:
-                _masked_softmax_(p, _mask_rows(attn_mask, ctx.is_causal, lq, lk, start, stop, q.device))
-            _add_matmul_(dv, p.transpose(-1, -2), do_b[..., :dh])
-            dp = torch.matmul(do_b, vt)
-            ds = p.mul_(dp if lse is not None else dp.sub_(delta[:, :, start:stop]))  # dS = P * (dP - delta)
-            del dp
-            dq[:, :, start:stop] = torch.matmul(ds, ks)
-            _add_matmul_(dk, ds.transpose(-1, -2), q_b[..., :dh])  # q_b carries s
-            if direct:
-                spec.accumulate_grad(ds, start, stop, d_leaves, d_grads)
-            elif any_grad and bias.requires_grad:
-                _accumulate_term_grads(bias, ds, d_leaves, d_grads)
-        grads = _term_input_grads(leaves, derived, d_grads, len(inputs))
-        return (None, None, None, None, None, dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *grads)
+        dq, dk, dv, grads = _blocked_backward(ctx.spec, ctx.scale, ctx.rows, attn_mask, ctx.is_causal, q, k, v, out, lse,
+                                              dout, inputs, ctx.needs_input_grad[8:])
+        return (None, None, None, None, None, dq, dk, dv, *grads)
 
 
 def _own_block(bias: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, leaves: Sequence[torch.Tensor]) -> bool:
@@ -459,14 +479,14 @@ def _add_matmul_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     acc.view(-1, *acc.shape[-2:]).baddbmm_(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]))
 
 
-def _fused_blocks_backward(spec, s, rows, q, k, v, out, lse, dout, d_leaves, n_inputs):
+def _fused_blocks_backward(spec, s, rows, q, k, v, out, lse, dout, d_leaves):
     """The blocked backward when no gradient reaches the term: per block, PyTorch's fused CPU flash-attention
     backward with the rebuilt block term as its mask (``dK``, ``dV`` summed over blocks)."""
     bsz, heads, lq, _ = q.shape
     lk = k.shape[-2]
-    dq = torch.empty_like(q)
-    dk = torch.zeros_like(k)
-    dv = torch.zeros_like(v)
+    dq = q.new_empty(q.shape)
+    dk = k.new_zeros(k.shape)
+    dv = v.new_zeros(v.shape)
     for start in range(0, lq, rows):
         stop = min(lq, start + rows)
         mask = spec.rows(d_leaves, bsz, heads, start, stop, lk, q.device).to(q.dtype)
@@ -477,7 +497,7 @@ def _fused_blocks_backward(spec, s, rows, q, k, v, out, lse, dout, d_leaves, n_i
         dk += dk_b
         dv += dv_b
         del mask, dq_b, dk_b, dv_b  # one block's term alive at a time
-    return (None, None, None, None, None, dq, dk, dv, *([None] * n_inputs))
+    return dq, dk, dv
 
 
 def _accumulate_term_grads(bias: torch.Tensor, ds: torch.Tensor, d_leaves: list[torch.Tensor],
@@ -531,6 +551,144 @@ def _blocked_traceable(q, k, v, spec: IndexedBias, attn_mask, dropout_p, is_caus
         args = (q[:, :, start:stop], k, v, start, stop, *tensors)
         outs.append(checkpoint(block, *args, use_reentrant=False) if grad else block(*args))
     return torch.cat(outs, dim=-2) if len(outs) > 1 else outs[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# The blocked fused path as custom ops, so compiled graphs call it as one opaque kernel
+# ---------------------------------------------------------------------------------------------
+#: the functions an :class:`IndexedBias` may name to run as a custom op in compiled graphs, by name
+_BIAS_FUNCTIONS: dict[str, Callable[..., Any]] = {}
+
+
+def bias_function(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Register a module-level ``fn`` or ``prepare`` of an :class:`IndexedBias` under a stable ``name``.
+
+    A compiled training graph runs a term built from registered functions (themselves or ``functools.partial`` of them
+    with literal keywords: ints, floats, strings, tuples) as the custom op ``vispe::indexed_bias_attention``, which
+    finds them again by name; a term with any other callable keeps the traceable blocked path."""
+
+    def register(func: Callable[..., Any]) -> Callable[..., Any]:
+        if _BIAS_FUNCTIONS.get(name, func) is not func:
+            raise ValueError(f"bias function name {name!r} is already registered for {_BIAS_FUNCTIONS[name]!r}")
+        _BIAS_FUNCTIONS[name] = func
+        func._vispe_bias_function = name  # type: ignore[attr-defined]
+        return func
+
+    return register
+
+
+def _is_literal(x: Any) -> bool:
+    # SymInt / SymFloat (dynamic shapes) are no literals: such a term keeps the traceable path
+    if isinstance(x, tuple):
+        return all(_is_literal(y) for y in x)
+    return x is None or isinstance(x, (bool, int, float, str))
+
+
+def _callable_key(f: Callable[..., Any] | None) -> tuple | None:
+    """``(name, keywords)`` of a registered function or of a keyword-only partial of one; ``None`` if it is neither."""
+    if f is None:
+        return ("", ())
+    func, keywords = (f.func, f.keywords) if isinstance(f, functools.partial) and not f.args else (f, {})
+    name = getattr(func, "_vispe_bias_function", None)
+    if name is None:
+        return None
+    items = tuple(sorted(keywords.items()))
+    return (name, items) if _is_literal(items) else None
+
+
+def _op_key(spec: IndexedBias) -> str | None:
+    """The term's callables and options as a string the custom op can take (and rebuild them from), stable across
+    calls so a compiled graph is not recompiled per step; ``None`` when they cannot be named (lambdas, closures)."""
+    fn, prepare = _callable_key(spec.fn), _callable_key(spec.prepare)
+    if fn is None or prepare is None or not fn[0]:
+        return None
+    # an unnamed gradient rule is dropped: the op's backward then takes the term's gradient by autograd (same values)
+    grad = _callable_key(spec.accumulate_grad) or ("", ())
+    return repr((fn, prepare, bool(spec.per_sample), grad))
+
+
+@functools.cache
+def _callables_of(key: str) -> tuple[Callable[..., Any], Callable[..., Any] | None, bool, Callable[..., Any] | None]:
+    import ast
+
+    fn, prepare, per_sample, grad = ast.literal_eval(key)
+
+    def build(name: str, items: tuple) -> Callable[..., Any] | None:
+        if not name:
+            return None
+        return functools.partial(_BIAS_FUNCTIONS[name], **dict(items)) if items else _BIAS_FUNCTIONS[name]
+
+    return build(*fn), build(*prepare), per_sample, build(*grad)
+
+
+def _spec_of(key: str, inputs: Sequence[torch.Tensor]) -> IndexedBias:
+    fn, prepare, per_sample, grad = _callables_of(key)
+    return IndexedBias(fn, tuple(inputs), prepare, per_sample=per_sample, accumulate_grad=grad)
+
+
+@torch.library.custom_op("vispe::indexed_bias_attention", mutates_args=())
+def _indexed_bias_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: list[torch.Tensor], key: str,
+                               scale: float, rows: int, fused_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The blocked forward on the fused CPU flash kernels: the output and each row's log-sum-exp."""
+    out, lse = _blocked_forward(_spec_of(key, inputs), scale, (rows, fused_rows), None, False, q, k, v, inputs)
+    return out.contiguous(), lse.contiguous()
+
+
+@_indexed_bias_attention_op.register_fake
+def _(q, k, v, inputs, key, scale, rows, fused_rows):
+    return q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(q.shape[:-1])
+
+
+@contextmanager
+def _autograd_inside_op() -> Iterator[None]:
+    """Autograd back on inside a custom op's kernel: the dispatcher runs kernels below autograd (and compiled graphs
+    below ADInplaceOrView too), but the term's gradient is ``dS`` pushed through ``fn`` and ``prepare`` by autograd."""
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for key in (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.AutogradOther,
+                torch._C.DispatchKey.AutogradNestedTensor, torch._C.DispatchKey.ADInplaceOrView):
+        exclude = exclude.remove(key)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude), torch.enable_grad():
+        yield
+
+
+@torch.library.custom_op("vispe::indexed_bias_attention_backward", mutates_args=())
+def _indexed_bias_attention_backward_op(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    inputs: list[torch.Tensor], want: list[bool], key: str, scale: float, rows: int, fused_rows: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """The blocked recompute backward: ``dq, dk, dv`` and the gradients of the inputs ``want`` names (zeros where the
+    term does not reach one)."""
+    with _autograd_inside_op():
+        dq, dk, dv, grads = _blocked_backward(_spec_of(key, inputs), scale, (rows, fused_rows), None, False, q, k, v, out,
+                                              lse, dout, inputs, want)
+    # contiguous, as the fake kernel says: inside a compiled graph q, k, v (and so a gradient shaped like them) can be
+    # laid out differently at trace time and at run time
+    return (dq.contiguous(), dk.contiguous(), dv.contiguous(),
+            [t.new_zeros(t.shape) if g is None else g.contiguous() for t, g, w in zip(inputs, grads, want) if w])
+
+
+@_indexed_bias_attention_backward_op.register_fake
+def _(dout, q, k, v, out, lse, inputs, want, key, scale, rows, fused_rows):
+    grads = [t.new_empty(t.shape) for t, w in zip(inputs, want) if w]
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), grads
+
+
+def _indexed_bias_attention_setup(ctx, inputs, output):
+    q, k, v, ins, key, scale, rows, fused_rows = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, *ins)
+    ctx.want = [t.requires_grad and t.is_floating_point() for t in ins]
+    ctx.options = (key, scale, rows, fused_rows)
+
+
+def _indexed_bias_attention_grad(ctx, dout, dlse):
+    q, k, v, out, lse, *ins = ctx.saved_tensors
+    dq, dk, dv, got = torch.ops.vispe.indexed_bias_attention_backward(dout, q, k, v, out, lse, ins, ctx.want, *ctx.options)
+    it = iter(got)
+    return dq, dk, dv, [next(it) if w else None for w in ctx.want], None, None, None, None
+
+
+_indexed_bias_attention_op.register_autograd(_indexed_bias_attention_grad, setup_context=_indexed_bias_attention_setup)
 
 
 _COMPILED_FLEX: Any = None
@@ -609,6 +767,15 @@ def resolve_attention_backend(backend: str, q: torch.Tensor, k: torch.Tensor, sp
     return "dense" if q.shape[-2] <= rows else "blocked"
 
 
+def _training_rows(q: torch.Tensor, k: torch.Tensor, spec: IndexedBias, block_rows: int | None) -> tuple[int, int]:
+    """Query rows per block of the blocked training path: (recompute backward, fused forward / backward). A per-sample
+    term's block doubles as the logits' buffer in the recompute backward (two ``(B, H, rows, Lk)`` temporaries
+    instead of three), so the same memory holds 1.5x the rows: fewer, faster block matmuls."""
+    recompute = BLOCK_ELEMENTS * 3 // 2 if spec.per_sample else BLOCK_ELEMENTS
+    return (_row_blocks(q, k, spec.per_sample, block_rows, recompute),
+            _row_blocks(q, k, spec.per_sample, block_rows, FUSED_BLOCK_ELEMENTS))
+
+
 def attend_indexed_bias(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -636,9 +803,12 @@ def attend_indexed_bias(
         return sdpa(q, k, v, merge_attn_mask(attn_mask, spec.dense(bsz, heads, lq, lk, q.device), q.dtype), dropout_p, is_causal, scale)
     rows = _row_blocks(q, k, spec.per_sample, block_rows)
     if training and dropout_p == 0.0 and not torch.compiler.is_compiling():
-        fused_rows = _row_blocks(q, k, spec.per_sample, block_rows, FUSED_BLOCK_ELEMENTS)
-        # a per-sample term's block doubles as the logits' buffer in the recompute backward (two (B, H, rows, Lk)
-        # temporaries instead of three), so the same memory holds 1.5x the rows: fewer, faster block matmuls
-        rows = _row_blocks(q, k, spec.per_sample, block_rows, BLOCK_ELEMENTS * 3 // 2 if spec.per_sample else BLOCK_ELEMENTS)
-        return _BlockedBiasAttention.apply(spec, scale, (rows, fused_rows), attn_mask, is_causal, q, k, v, *spec.inputs)
+        return _BlockedBiasAttention.apply(spec, scale, _training_rows(q, k, spec, block_rows), attn_mask, is_causal, q, k, v,
+                                           *spec.inputs)
+    if training and dropout_p == 0.0 and _cpu_flash_blocks(q, attn_mask, is_causal):
+        # a compiled training step: the same fused forward and recompute backward, as one opaque op per layer
+        key = _op_key(spec)
+        if key is not None:
+            return torch.ops.vispe.indexed_bias_attention(q, k, v, list(spec.inputs), key, scale,
+                                                          *_training_rows(q, k, spec, block_rows))[0]
     return _blocked_traceable(q, k, v, spec, attn_mask, dropout_p, is_causal, scale, rows)

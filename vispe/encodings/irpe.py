@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .._checks import AnyOf, Choice, Ints, Real, Seq, Str
+from .attention import bias_function
 from .lattice_bias import LatticePairCodes, _lattice_offset_rows, take_columns
 from .base import AttentionBiasEncoding, IndexedBias, fold_causal_mask, merge_attn_mask, register_encoding
 from .grid import PositionGrid
@@ -131,6 +132,7 @@ def _batch_index(b: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return b if t.shape[0] > 1 else torch.zeros_like(b)
 
 
+@bias_function("irpe_term")  # named: compiled training runs the term as a custom op
 def _irpe_term(b, h, i, j, *tensors, parts: tuple[tuple[str, str], ...], center: int, num_offsets: int):
     """The iRPE logit term by index (the :class:`IndexedBias` form). ``tensors``: ``codes (1|B, L)``, ``lut (T, U + 1)``,
     then per part its tensor: bias mode a table ``(H, nb)``; contextual the projection ``z (B, H, L, nb)``.
@@ -175,6 +177,7 @@ def _flat_bucket(bucket: torch.Tensor, side: str, i: torch.Tensor, j: torch.Tens
     return bucket + (i if side == "k" else j) * nb
 
 
+@bias_function("irpe_term_grad")  # named: the custom op of compiled training keeps the rule
 def _irpe_term_grad(ds, start, stop, tensors, grads, *, parts: tuple[tuple[str, str], ...], center: int, num_offsets: int):
     """The gradient of :func:`_irpe_term` for query rows ``start:stop``, added in place to ``grads`` (the
     :attr:`IndexedBias.accumulate_grad` rule): each pair's logit gradient ``ds`` lands on the table entry (bias mode)
@@ -201,6 +204,22 @@ def _irpe_term_grad(ds, start, stop, tensors, grads, *, parts: tuple[tuple[str, 
                 gf, dsf = g.view(bsz, heads, -1), ds.to(g.dtype)
                 for n in range(bsz):
                     gf[n].index_add_(1, flat[n if flat.shape[0] > 1 else 0].reshape(-1), dsf[n].reshape(heads, -1))
+
+
+@bias_function("irpe_prepare")  # named: compiled training runs the term as a custom op
+def _irpe_prepare(codes, lut, *xs, heads: int, kinds: tuple[str, ...], scale: float) -> list[torch.Tensor]:
+    """The tensors :func:`_irpe_term` reads from the :class:`IndexedBias` inputs: per part, bias mode its table for every
+    head; contextual mode ``z = s x table`` ``(B, H, L, nb)``."""
+    out, pos = [codes, lut], 0
+    for kind in kinds:
+        if kind == "bias":
+            out.append(xs[pos].expand(heads, -1))  # a shared table reads as every head's
+            pos += 1
+        else:
+            x, t = xs[pos], xs[pos + 1]
+            out.append(torch.matmul(x, t.to(x.dtype)) * scale)  # (B, H, L, nb)
+            pos += 2
+    return out
 
 
 def _expand_ids(ids: torch.Tensor, bsz: int, heads: int, length: int) -> torch.Tensor:
@@ -418,19 +437,7 @@ class IRPE(AttentionBiasEncoding):
             kinds.append(self.mode)
         if not parts:
             return None
-
-        def prepare(codes, lut, *xs):
-            out, pos = [codes, lut], 0
-            for kind in kinds:
-                if kind == "bias":
-                    out.append(xs[pos].expand(heads, -1))  # a shared table reads as every head's
-                    pos += 1
-                else:
-                    x, t = xs[pos], xs[pos + 1]
-                    out.append(torch.matmul(x, t.to(x.dtype)) * scale)  # (B, H, L, nb)
-                    pos += 2
-            return out
-
+        prepare = functools.partial(_irpe_prepare, heads=heads, kinds=tuple(kinds), scale=scale)
         fn = functools.partial(_irpe_term, parts=tuple(parts), center=state.pairs.center, num_offsets=state.pairs.num_offsets)
         # 32-row tiles: with the default tiles FlexAttention's backward for the contextual term needs 240 KiB of
         # shared memory, more than an H100 has (227 KiB); 32 x 32 tiles ran at 1.62x timm's APE ViT (ViT-S/16, 224 px)

@@ -16,6 +16,7 @@ from typing import Sequence
 
 import torch
 
+from .attention import bias_function
 from .base import AttentionBiasEncoding, IndexedBias
 from .grid import PositionGrid
 
@@ -202,6 +203,7 @@ class PairBiasState:
         return PairBiasState(self.pairs.select(index), self.values)
 
 
+@bias_function("lattice_pair_term")  # named: compiled training runs the term as a custom op
 def _pair_term(b: torch.Tensor, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor, table: torch.Tensor,
                codes: torch.Tensor, center: int, num_offsets: int) -> torch.Tensor:
     """``table[h, id(i, j)]`` for a ``(H, U + 1)`` table (the :class:`IndexedBias` form of the lattice pair bias)."""
@@ -214,6 +216,7 @@ def _pair_term(b: torch.Tensor, h: torch.Tensor, i: torch.Tensor, j: torch.Tenso
     return take_columns(table, LatticePairCodes(codes, center, num_offsets).pair_ids(b, i, j))
 
 
+@bias_function("lattice_pair_term_grad")  # named: the custom op of compiled training keeps the rule
 def _pair_term_grad(ds: torch.Tensor, start: int, stop: int, tensors, grads, *, center: int, num_offsets: int) -> None:
     """The gradient of :func:`_pair_term` for query rows ``start:stop`` (the :class:`IndexedBias` ``accumulate_grad``
     rule): each pair's logit gradient ``ds`` summed onto the table column of its offset, one ``index_add``."""
