@@ -47,7 +47,8 @@ def test_attention_encodings_train_a_step_under_float16_autocast(name):
 # What an encoding does under bf16 autocast (forward inside, backward outside, as the plugin runs them) is checked for
 # every registered encoding in tests/test_encoding_contracts.py; what the CLI adds is the plugin and the task's wiring,
 # the same for every encoding of a mechanism. So each task trains one encoding per mechanism (the first registered),
-# plus every encoding with its own auxiliary loss, which the task adds to the loss under autocast.
+# plus every encoding with its own auxiliary loss, which the task adds to the loss under autocast, and every
+# multimodal scheme that draws its positions while training (per batch, in the task's step).
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -61,7 +62,8 @@ def _per_mechanism(names: list[str]) -> list[str]:
         record = get_record(name)
         own_aux = record.mechanism != "composed" and \
             getattr(get_encoding_class(name), "auxiliary_loss", None) is not PositionalEncoding.auxiliary_loss
-        if record.mechanism not in seen or own_aux:
+        draws = getattr(record.scheme, "train_draws", False)
+        if record.mechanism not in seen or own_aux or draws:
             out.append(name)
             seen.add(record.mechanism)
     return out
