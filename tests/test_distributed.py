@@ -12,6 +12,7 @@ import torch
 import torch.multiprocessing as mp
 
 import vispe  # noqa: F401
+from vispe.distributed import end_spawned_worker
 from vispe.encodings import list_encodings
 from vispe.positions import NUM_COORDS
 
@@ -128,6 +129,7 @@ def _worker(rank, world, init_file, cases, out_dir, mode, mixed):
             torch.save(results, os.path.join(out_dir, f"{mode}.pt"))
     finally:
         dist.destroy_process_group()
+    end_spawned_worker()
 
 
 def _distributed_step(family, name, mode, x, y, world):
@@ -286,6 +288,7 @@ def _compile_worker(rank, world, init_file, names, out_dir):
             torch.save(graphs, os.path.join(out_dir, "compile.pt"))
     finally:
         dist.destroy_process_group()
+    end_spawned_worker()
 
 
 #: the grid sequence of the compile check: each size twice, then back to the first

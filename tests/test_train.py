@@ -220,7 +220,7 @@ def test_ckpt_path_last_without_a_checkpoint_is_a_clear_error(tmp_path):
 @pytest.mark.slow
 def test_config_error_is_one_sentence_without_traceback(tmp_path, how):
     """A misspelled encoding (in YAML or on the command line): exit 2, the sentence naming it, no traceback;
-    `--debug` shows the traceback."""
+    `--debug` shows the traceback (checked once: the flag's handling does not depend on where the typo is)."""
     if how == "yaml":
         (tmp_path / "typo.yaml").write_text("model:\n  init_args:\n    pos_encoding: rope_axail\n")
         extra = ["-c", str(tmp_path / "typo.yaml")]
@@ -231,8 +231,9 @@ def test_config_error_is_one_sentence_without_traceback(tmp_path, how):
     assert r.returncode == 2, r.stderr[-2000:]
     assert "unknown positional encoding 'rope_axail'; choose one of" in r.stderr and "Traceback" not in r.stderr
     assert len([line for line in r.stderr.splitlines() if "rope_axail" in line]) == 1
-    r = _run([*cmd, "--debug"])
-    assert r.returncode != 0 and "Traceback" in r.stderr
+    if how == "flag":
+        r = _run([*cmd, "--debug"])
+        assert r.returncode != 0 and "Traceback" in r.stderr
 
 
 @pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])

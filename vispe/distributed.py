@@ -21,11 +21,27 @@ in backward); SeqPE trains under FSDP2 with ``contrastive_weight=0``, and under 
 """
 from __future__ import annotations
 
-from typing import Any
+import os
+import sys
+from typing import Any, NoReturn
 
 import torch.nn as nn
 
-__all__ = ["configure_sharding", "shard_model", "sync_batchnorm", "transformer_blocks"]
+__all__ = ["configure_sharding", "end_spawned_worker", "shard_model", "sync_batchnorm", "transformer_blocks"]
+
+
+def end_spawned_worker() -> NoReturn:
+    """End a ``torch.multiprocessing.spawn`` worker that has destroyed its process group and written its results, with
+    exit status 0 and without the interpreter's finalization.
+
+    ``destroy_process_group`` leaves the gloo backend alive while DDP, FSDP2 or a device mesh still reference it, and
+    its C++ threads may drop the last reference to a Python-owned tensor after the interpreter has begun to finalize;
+    Python < 3.14 then ends that thread with ``pthread_exit``, whose unwinding through C++ aborts the process
+    ("terminate called without an active exception") after its work is done. Skipping finalization leaves nothing
+    for such a thread to race with. Call it on the success path only: an exception should still reach ``spawn``."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:

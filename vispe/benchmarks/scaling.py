@@ -135,6 +135,9 @@ def _worker(rank: int, world: int, init_file: str, strategy: str, args: dict[str
             Path(out).write_text(json.dumps(gathered))
     finally:
         dist.destroy_process_group()
+    from vispe.distributed import end_spawned_worker
+
+    end_spawned_worker()  # the rows are written: no interpreter finalization racing gloo's threads
 
 
 
