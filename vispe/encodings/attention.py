@@ -409,27 +409,29 @@ def _blocked_backward(spec: IndexedBias, s: float, rows: tuple[int, int], attn_m
         stop = min(lq, start + rows[0])
         with torch.set_grad_enabled(not direct):
             bias = spec.rows(d_leaves, bsz, heads, start, stop, lk, q.device)
-        q_b, do_b = qs[:, :, start:stop], dof[:, :, start:stop]
-        if _own_block(bias, (bsz, heads, stop - start, lk), dt, d_leaves):
-            p = bias  # a per-sample term's fresh block: the logits accumulate into it, one temporary fewer
-            _add_matmul_(p, q_b, kt)
-        else:
-            p = torch.matmul(q_b, kt)
-            p.add_(bias.detach())
-        if lse is not None:  # P = exp(logits - lse): the forward's normaliser, no max/sum passes
-            p.exp_()
-        else:
-            _masked_softmax_(p, _mask_rows(attn_mask, is_causal, lq, lk, start, stop, q.device))
-        _add_matmul_(dv, p.transpose(-1, -2), do_b[..., :dh])
-        dp = torch.matmul(do_b, vt)
-        ds = p.mul_(dp if lse is not None else dp.sub_(delta[:, :, start:stop]))  # dS = P * (dP - delta)
-        del dp
-        dq[:, :, start:stop] = torch.matmul(ds, ks)
-        _add_matmul_(dk, ds.transpose(-1, -2), q_b[..., :dh])  # q_b carries s
-        if direct:
-            spec.accumulate_grad(ds, start, stop, d_leaves, d_grads)
-        elif any_grad and bias.requires_grad:
-            _accumulate_term_grads(bias, ds, d_leaves, d_grads)
+        # no autograd for the arithmetic: inside the custom op of a compiled graph grad mode is on
+        with torch.no_grad():
+            q_b, do_b = qs[:, :, start:stop], dof[:, :, start:stop]
+            if _own_block(bias, (bsz, heads, stop - start, lk), dt, d_leaves):
+                p = bias  # a per-sample term's fresh block: the logits accumulate into it, one temporary fewer
+                _add_matmul_(p, q_b, kt)
+            else:
+                p = torch.matmul(q_b, kt)
+                p.add_(bias.detach())
+            if lse is not None:  # P = exp(logits - lse): the forward's normaliser, no max/sum passes
+                p.exp_()
+            else:
+                _masked_softmax_(p, _mask_rows(attn_mask, is_causal, lq, lk, start, stop, q.device))
+            _add_matmul_(dv, p.transpose(-1, -2), do_b[..., :dh])
+            dp = torch.matmul(do_b, vt)
+            ds = p.mul_(dp if lse is not None else dp.sub_(delta[:, :, start:stop]))  # dS = P * (dP - delta)
+            del dp
+            dq[:, :, start:stop] = torch.matmul(ds, ks)
+            _add_matmul_(dk, ds.transpose(-1, -2), q_b[..., :dh])  # q_b carries s
+            if direct:
+                spec.accumulate_grad(ds, start, stop, d_leaves, d_grads)
+            elif any_grad and bias.requires_grad:
+                _accumulate_term_grads(bias, ds, d_leaves, d_grads)
     grads = _term_input_grads(leaves, derived, d_grads, len(inputs))
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), grads
 
