@@ -109,9 +109,7 @@ class SphericalRope(RotaryEncoding):
         extrapolation: str | None = None,
     ) -> None:
         super().__init__()
-        name = self.registry_name
-        if head_dim < 3:
-            raise ValueError(f"{name} rotates channel triplets and needs head_dim >= 3, got head_dim={head_dim}")
+        name = self.registry_name  # head_dim >= 3 (whole triplets) is option_checks' rule, checked before __init__
         self.extrapolation = extrapolation
         gs = tuple(int(g) for g in grid_size)
         if len(gs) != 2 or min(gs) < 1:
