@@ -383,3 +383,38 @@ def test_bad_plans_are_refused_naming_the_part(tmp_path, body, match):
         main(["speed", "--plan", "nope"])
     with pytest.raises(ValueError, match="--dry-run shrinks a --plan"):
         main(["speed", "--dry-run"])
+
+
+def test_compare_prints_before_to_after_of_each_encoding_and_report_rebuilds_it(tmp_path, capsys):
+    """``--compare BEFORE.json``: per encoding and mode, each token count's train time x and memory x read
+    ``before -> after`` from the two runs' rows (``-`` where the earlier run has none; error rows are not numbers);
+    ``--report`` rebuilds the same table from the saved run without measuring anything."""
+    before = {"meta": {}, "results": [
+        {"model": "vispe:learned", "family": "vispe", "mode": "eager", "precision": "fp32", "tokens": 65,
+         "train_ratio": 1.5, "train_mem_ratio": 1.25, "error": None},
+        {"model": "vispe:rope_axial", "family": "vispe", "mode": "eager", "precision": "fp32", "tokens": 65,
+         "train_ratio": 9.0, "train_mem_ratio": 9.0, "error": "RuntimeError: broke"},
+    ]}
+    (tmp_path / "before.json").write_text(json.dumps(before))
+    argv = ["speed", "--models", "vit_s4_32", "--depth", "1", "--batch-size", "1", "--iters", "1", "--warmup", "0",
+            "--timm-refs", "ape", "--encodings", "learned,rope_axial", "--bench", "train,memory",
+            "--out-dir", str(tmp_path), "--tag", "after", "--compare", str(tmp_path / "before.json")]
+    assert main(argv) == 0
+    rows = {r["model"]: r for r in json.loads((tmp_path / "after.json").read_text())["results"]}
+    table = (tmp_path / "after-compare.md").read_text()
+    learned, axial = rows["vispe:learned"], rows["vispe:rope_axial"]
+    assert learned["tokens"] == 65  # 8 x 8 patches + cls
+    assert (f"| `learned` | eager | 1.50 → {learned['train_ratio']:.2f} | 1.25 → {learned['train_mem_ratio']:.2f} |"
+            in table)
+    assert f"| `rope_axial` | eager | - → {axial['train_ratio']:.2f} | - → {axial['train_mem_ratio']:.2f} |" in table
+    assert "ape" not in table.split("\n", 2)[2]  # the reference is 1.00 by definition: no row
+    capsys.readouterr()
+    assert main(["speed", "--compare", str(tmp_path / "before.json"), "--report", str(tmp_path / "after.json")]) == 0
+    assert capsys.readouterr().out.strip() == table.strip()
+    with pytest.raises(ValueError, match=r"--report RESULTS.json compares a saved run: give --compare BEFORE.json too"):
+        main(["speed", "--report", str(tmp_path / "after.json")])
+    (tmp_path / "other.json").write_text('{"rows": []}')
+    with pytest.raises(ValueError, match=r"--compare '.*other.json' is not a 'vispe bench speed' JSON"):
+        main(["speed", "--compare", str(tmp_path / "other.json")])  # refused before any model is built
+    with pytest.raises(ValueError, match=r"--compare '.*missing.json': no such file"):
+        main(["speed", "--compare", str(tmp_path / "missing.json")])

@@ -487,6 +487,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CPU only: split the encodings over this many worker processes run side by side (each with --threads "
                    "threads and its own timm reference models, so every ratio is still taken in one process); one merged "
                    "JSON / Markdown. Use at most the idle cores (e.g. a growth table of every encoding on a many-core host)")
+    p.add_argument("--compare", default=None, metavar="BEFORE.json",
+                   help="also print (and write as <tag>-compare.md) a before -> after table of train time x and peak memory x "
+                   "per token count against this earlier run's JSON (e.g. the growth table before a change)")
+    p.add_argument("--report", default=None, metavar="RESULTS.json",
+                   help="run nothing: with --compare, the before -> after table of this saved run against BEFORE.json")
     p.add_argument("--clock", default=None, choices=("cpu", "wall"),
                    help="headline timer: 'cpu' = process CPU time (default on CPU: robust when other jobs share the cores), "
                    "'wall' = wall clock (default on CUDA); both are written to the JSON")
@@ -660,6 +665,13 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     args = build_parser().parse_args(argv)
+    if args.report is not None:
+        if not args.compare:
+            raise ValueError("--report RESULTS.json compares a saved run: give --compare BEFORE.json too")
+        print(_comparison(args.compare, _read_results(args.report, "--report")))
+        return 0
+    if args.compare:
+        _read_results(args.compare, "--compare")  # a bad file fails now, not after the run
     t_start = time.perf_counter()
     load_start = tuple(round(v, 2) for v in os.getloadavg())
     configs, modes, benches, refs, user_specs, specs_for = _checked_choices(args)
@@ -790,7 +802,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     if skipped:
         print(f"parts not run (time budget): {', '.join(skipped)}")
     print(f"wrote {out / (args.tag + '.json')} and {out / (args.tag + '.md')}")
+    _write_comparison(args, rows, out)
     return 0
+
+def _read_results(path: str, option: str) -> list[dict[str, Any]]:
+    """The result rows of a saved ``vispe bench speed`` JSON; a missing or foreign file is a clear error."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"{option} {path!r}: no such file (give the JSON a 'vispe bench speed' run wrote)")
+    try:
+        data = json.loads(p.read_text())
+        rows = data["results"]
+        assert isinstance(rows, list)
+    except (ValueError, KeyError, TypeError, AssertionError):
+        raise ValueError(f"{option} {path!r} is not a 'vispe bench speed' JSON (no 'results' list)") from None
+    return rows
+
+
+def _comparison(before: str, after_rows: list[dict[str, Any]]) -> str:
+    from .speed_report import growth_comparison
+
+    return (f"Train time x and peak memory x of the reference, before ({before}) -> after:\n\n"
+            + growth_comparison(_read_results(before, "--compare"), after_rows))
+
+
+def _write_comparison(args: argparse.Namespace, rows: list[dict[str, Any]], out: Path) -> None:
+    if not args.compare:
+        return
+    text = _comparison(args.compare, rows)
+    write_text_atomic(out / f"{args.tag}-compare.md", text + "\n")
+    print("\n" + text)
+    print(f"wrote {out / (args.tag + '-compare.md')}")
+
 
 def _job_chunks(labels: Sequence[str], keep: Sequence[str], jobs: int) -> list[list[str]]:
     """``labels`` dealt round-robin over ``jobs`` workers (each worker's share costs about the same), every worker
@@ -825,7 +868,8 @@ def run_jobs(args: argparse.Namespace, argv: list[str], configs: list[str], refs
     for k, chunk in enumerate(chunks):
         worker_refs = refs if k == 0 else [r for r in refs if r in ref_names]
         cmd = [sys.executable, "-m", "vispe.cli", "bench", "speed", *argv, "--encodings", ",".join(chunk),
-               "--timm-refs", ",".join(worker_refs), "--jobs", "1", "--out-dir", str(work), "--tag", f"job{k}", "--plot", ""]
+               "--timm-refs", ",".join(worker_refs), "--jobs", "1", "--out-dir", str(work), "--tag", f"job{k}", "--plot", "",
+               "--compare", ""]  # the comparison is of the merged rows
         log_file = open(work / f"job{k}.log", "w")
         procs.append((k, subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT), log_file))
         log(f"[job {k}] {len(chunk)} encodings: {','.join(chunk)} (log {work / f'job{k}.log'})")
@@ -873,6 +917,7 @@ def run_jobs(args: argparse.Namespace, argv: list[str], configs: list[str], refs
     if failed:
         print(f"workers that failed: {failed} (logs in {work})", file=sys.stderr)
     print(f"wrote {out / (args.tag + '.json')} and {out / (args.tag + '.md')}")
+    _write_comparison(args, rows, out)
     return 0 if not failed else 1
 
 

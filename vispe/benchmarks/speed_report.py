@@ -153,6 +153,37 @@ def growth_verdicts(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def growth_comparison(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> str:
+    """A Markdown before -> after table of two runs' vispe rows: one row per model, mode and precision; per token count
+    the train time x and peak memory x (ratios to each run's own reference). A cell reads ``before -> after``, or
+    ``- -> after`` where the earlier run has no such row (a new encoding, or one it did not measure)."""
+
+    def usable(rows: list[dict[str, Any]]) -> dict[tuple, dict[str, Any]]:
+        return {(r["model"], r["mode"], r.get("precision", "fp32"), r.get("tokens")): r
+                for r in rows if r.get("family") == "vispe" and not r.get("error")}
+
+    old, new = usable(before), usable(after)
+    tokens = sorted({k[3] for k in new if k[3] is not None})
+    lines = ["| encoding | mode | " + " | ".join(f"{t} tok time x" for t in tokens) + " | "
+             + " | ".join(f"{t} tok mem x" for t in tokens) + " |",
+             "|---|---|" + "---:|" * (2 * len(tokens))]
+
+    def cell(key: tuple, field: str) -> str:
+        a = new.get(key, {}).get(field)
+        if a is None:
+            return "-"
+        b = old.get(key, {}).get(field)
+        return f"{'-' if b is None else f'{b:.2f}'} → {a:.2f}"
+
+    order = {m: n for n, m in enumerate(dict.fromkeys(k[0] for k in new))}  # the run's model order, eager first
+    for model, mode, prec in sorted(dict.fromkeys(k[:3] for k in new), key=lambda k: (order[k[0]], k[1] != "eager", k[2])):
+        label = model.split(":", 1)[-1] + ("" if prec == "fp32" else f" ({prec})")
+        cells = [cell((model, mode, prec, t), "train_ratio") for t in tokens]
+        cells += [cell((model, mode, prec, t), "train_mem_ratio") for t in tokens]
+        lines.append(f"| `{label}` | {mode} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def plot_growth(rows: list[dict[str, Any]], path: str, meta: dict[str, Any]) -> None:
     """Train time x and peak train memory x (vs the reference of the same size) against tokens: one line per
     encoding and mode (eager solid, compiled dashed)."""
