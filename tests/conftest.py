@@ -6,6 +6,7 @@ workers would oversubscribe them; each worker takes its share of the cores inste
 """
 from __future__ import annotations
 
+import collections
 import os
 
 
@@ -36,17 +37,15 @@ def pytest_configure(config) -> None:
 #: README's ``--dist loadgroup`` their tests are shared out one by one. Every other file runs whole on one worker
 #: (``xdist_group`` = its path), so its module fixtures and warm caches (dynamo, imports) are built once.
 SPREAD_FILES = ("test_docs_commands.py", "test_distributed.py", "test_resolution_benchmark.py")
-#: The files that take most of the suite's time (2-core machine, 2026-11-26), started first so that no worker is left
-#: with a long file at the end while the other idles; files not named here follow in collection order.
-LONG_FILES = ("test_docs_commands.py", "test_compile.py", "test_train.py", "test_distributed.py",
-              "test_bad_input_files.py", "test_resolution_benchmark.py", "test_recipes.py", "test_mixed_precision.py")
 
 
 def pytest_collection_modifyitems(config, items) -> None:
     import pytest
 
-    rank = {name: n for n, name in enumerate(LONG_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))  # stable: each file keeps its order
+    # files with the most `slow` tests first (stable: each file keeps its order), so that no worker is left with a
+    # long file at the end while the other idles
+    slow = collections.Counter(item.path for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow[item.path])
     for item in items:
         if item.path.name not in SPREAD_FILES:
             item.add_marker(pytest.mark.xdist_group(item.path.name))

@@ -186,3 +186,25 @@ def test_bf16_autocast_step():
 def test_bad_options_are_refused_at_construction(options, needle):
     with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace(")", r"\)")):
         _pope((3, 4), **options)
+
+
+def test_attention_runs_on_the_fused_kernel_and_equals_the_materialised_softmax():
+    """q/k are 2d wide and v d wide after the map: PoPE's attention still runs on SDPA's flash kernel (the math fallback,
+    which keeps (L, L) probabilities, is switched off here) and equals softmax(q k^T d^-1/2) v with its gradients."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    enc = _pope((4, 5), heads=2, head_dim=8, prefix=1)
+    with torch.no_grad():
+        enc.bias.uniform_(-2 * math.pi, 0.0)
+    grid = PositionGrid((4, 5), 1)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 21, 8, generator=g, requires_grad=True) for _ in range(3))
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        out = enc.attend(q, k, v, layer=0, state=enc.prepare(grid))
+    assert out.shape == v.shape
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v, enc.bias))
+    qr, kr = enc.rotate_qk(q, k, enc.prepare(grid), 0)
+    want = torch.softmax(qr @ kr.transpose(-1, -2) / math.sqrt(8), dim=-1) @ v
+    torch.testing.assert_close(out, want, atol=2e-6, rtol=1e-5)
+    for got, ref in zip(grads, torch.autograd.grad(want.square().sum(), (q, k, v, enc.bias))):
+        torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
