@@ -324,3 +324,25 @@ def test_terms_of_unnamed_callables_keep_the_traceable_path():
     assert _op_key(IndexedBias(lambda b, h, i, j, t: t[h, j], (table,))) is None
     with pytest.raises(ValueError, match="already registered"):
         bias_function("lattice_pair_term")(lambda b, h, i, j, t: t)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sdpa_with_qk_wider_than_v_stays_on_the_fused_kernel(causal):
+    """q/k wider than v (PoPE): vispe's sdpa runs on the flash kernel alone (the math fallback, which keeps (L, L)
+    probabilities, is off) and equals softmax(q k^T s) v, gradients included."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from vispe.encodings.attention import sdpa
+
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, 3, 9, 16, generator=g, requires_grad=True) for _ in range(2))
+    v = torch.randn(2, 3, 9, 8, generator=g, requires_grad=True)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        out = sdpa(q, k, v, is_causal=causal, scale=8 ** -0.5)
+    logits = q @ k.transpose(-1, -2) * 8 ** -0.5
+    if causal:
+        logits = logits.masked_fill(torch.ones(9, 9, dtype=torch.bool).triu(1), float("-inf"))
+    want = torch.softmax(logits, -1) @ v
+    torch.testing.assert_close(out, want, atol=2e-6, rtol=1e-5)
+    for got, ref in zip(torch.autograd.grad(out.square().sum(), (q, k, v)), torch.autograd.grad(want.square().sum(), (q, k, v))):
+        torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)

@@ -47,11 +47,19 @@ def sdpa(
     is_causal: bool = False,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """SDPA that also accepts an additive bias together with ``is_causal``."""
+    """SDPA that also accepts an additive bias together with ``is_causal``, and q/k wider than v (PoPE's 2d-wide
+    magnitude-and-phase q/k): v gets zero channels up to their width, because PyTorch's fused kernels (flash, on CPU
+    and CUDA) take equal widths only and SDPA's fallback keeps the ``(L, L)`` probabilities for backward; the output's
+    extra channels are zeros and are dropped."""
     if attn_mask is not None and is_causal:
         attn_mask, is_causal = fold_causal_mask(q, k, attn_mask), False
     if attn_mask is not None and attn_mask.dtype != torch.bool and attn_mask.dtype != q.dtype:
         attn_mask = attn_mask.to(q.dtype)
+    width = v.shape[-1]
+    if q.shape[-1] > width and q.shape[-1] == k.shape[-1]:
+        out = F.scaled_dot_product_attention(q, k, F.pad(v, (0, q.shape[-1] - width)), attn_mask=attn_mask,
+                                             dropout_p=dropout_p, is_causal=is_causal, scale=scale)
+        return out[..., :width]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
 
 

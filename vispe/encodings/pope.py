@@ -134,17 +134,9 @@ class PoPE(RopeAxial):
     def attend(self, q, k, v, *, layer=0, state=None, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
         # the logits are sums over the head's d channels: keep d^-1/2, not the 2d-wide q/k's default
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        if state is None or layer in self.layer_schedule.nope_layers:
-            return super().attend(q, k, v, layer=layer, state=state, attn_mask=attn_mask, dropout_p=dropout_p,
-                                  is_causal=is_causal, scale=scale)
-        # q/k become 2d wide, v stays d: PyTorch's fused attention kernels (flash, on CPU and CUDA) take only equal
-        # widths, and SDPA's fallback materialises the (L, L) probabilities (2.2x a ViT-S step's memory at 1,025
-        # tokens). Zero channels on v keep the fused kernel; the output's extra channels are zeros, dropped.
-        width = v.shape[-1]
-        pad = 2 * self.channels - width
-        out = super().attend(q, k, F.pad(v, (0, pad)) if pad > 0 else v, layer=layer, state=state, attn_mask=attn_mask,
-                             dropout_p=dropout_p, is_causal=is_causal, scale=scale)
-        return out[..., :width] if pad > 0 else out
+        # rotated q/k are 2d wide, v d wide: vispe's sdpa keeps them on the fused kernel (see sdpa)
+        return super().attend(q, k, v, layer=layer, state=state, attn_mask=attn_mask, dropout_p=dropout_p,
+                              is_causal=is_causal, scale=scale)
 
     def no_weight_decay(self) -> set[str]:
         return {"bias"}
