@@ -268,6 +268,10 @@ BLOCK_ELEMENTS = 1 << 19
 #: at 1,024 tokens lies elsewhere. The recompute backward, whose temporaries are several ``(B, H, rows, Lk)``
 #: tensors, keeps :data:`BLOCK_ELEMENTS`.
 FUSED_BLOCK_ELEMENTS = 1 << 23
+#: :data:`FUSED_BLOCK_ELEMENTS` inside a compiled training step (the custom ops): there the block's term is allocated on
+#: top of the tensors inductor keeps for backward, at the step's peak, so blocks are half as large (16 MiB): ALiBi-2D's
+#: compiled peak at 1,025 tokens falls from 1.11x to 1.07x timm's, at no time cost the CPU benchmark resolves.
+COMPILED_FUSED_BLOCK_ELEMENTS = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -777,13 +781,14 @@ def resolve_attention_backend(backend: str, q: torch.Tensor, k: torch.Tensor, sp
     return "dense" if q.shape[-2] <= rows else "blocked"
 
 
-def _training_rows(q: torch.Tensor, k: torch.Tensor, spec: IndexedBias, block_rows: int | None) -> tuple[int, int]:
+def _training_rows(q: torch.Tensor, k: torch.Tensor, spec: IndexedBias, block_rows: int | None,
+                   fused_elements: int = FUSED_BLOCK_ELEMENTS) -> tuple[int, int]:
     """Query rows per block of the blocked training path: (recompute backward, fused forward / backward). A per-sample
     term's block doubles as the logits' buffer in the recompute backward (two ``(B, H, rows, Lk)`` temporaries
     instead of three), so the same memory holds 1.5x the rows: fewer, faster block matmuls."""
     recompute = BLOCK_ELEMENTS * 3 // 2 if spec.per_sample else BLOCK_ELEMENTS
     return (_row_blocks(q, k, spec.per_sample, block_rows, recompute),
-            _row_blocks(q, k, spec.per_sample, block_rows, FUSED_BLOCK_ELEMENTS))
+            _row_blocks(q, k, spec.per_sample, block_rows, fused_elements))
 
 
 def attend_indexed_bias(
@@ -819,6 +824,6 @@ def attend_indexed_bias(
         # a compiled training step: the same fused forward and recompute backward, as one opaque op per layer
         key = _op_key(spec)
         if key is not None:
-            return torch.ops.vispe.indexed_bias_attention(q, k, v, list(spec.inputs), key, scale,
-                                                          *_training_rows(q, k, spec, block_rows))[0]
+            return torch.ops.vispe.indexed_bias_attention(
+                q, k, v, list(spec.inputs), key, scale, *_training_rows(q, k, spec, block_rows, COMPILED_FUSED_BLOCK_ELEMENTS))[0]
     return _blocked_traceable(q, k, v, spec, attn_mask, dropout_p, is_causal, scale, rows)
