@@ -16,6 +16,7 @@ import timm
 import torch
 
 import vispe
+from bias_checks import attention_inputs
 from vispe.encodings import EncodingContext, PositionGrid, create_encoding, get_encoding_class
 from vispe.encodings.alibi import alibi_slopes
 from vispe.encodings.lattice_bias import lattice_offsets
@@ -246,13 +247,8 @@ ORACLE = [
 @pytest.mark.parametrize("spec, shape", ORACLE)
 def test_attention_equals_explicit_softmax_reference(spec, shape, dropout):
     enc = _randomised(spec, shape, heads=2).double().train()
-    grid = PositionGrid(shape, 1)
-    if dropout:
-        g = torch.Generator().manual_seed(1)
-        grid = grid.with_keep(torch.stack([torch.randperm(grid.num_patches, generator=g)[:5] for _ in range(2)]))
-    n = grid.seq_len if grid.keep is None else 1 + grid.keep.shape[1]
-    g = torch.Generator().manual_seed(2)
-    q, k, v, w = (torch.randn(2, 2, n, 8, generator=g, dtype=torch.float64) for _ in range(4))
+    grid, (q, k, v, w) = attention_inputs(PositionGrid(shape, 1), dropout, 5)
+    n = q.shape[-2]
     scale = 8 ** -0.5
     results = []
     for path in ("sdpa", "explicit"):

@@ -13,6 +13,7 @@ import timm
 import torch
 
 import vispe
+from bias_checks import attention_inputs
 from vispe.encodings import EncodingContext, PositionGrid, create_encoding, get_encoding_class
 from vispe.encodings.lattice_bias import LatticePairCodes, lattice_offsets
 from vispe.encodings.attention import _blocked_traceable, resolve_attention_backend
@@ -65,13 +66,7 @@ def _run(enc, grid, q, k, v, w, path: str, mask=None, causal=False):
 @pytest.mark.parametrize("name, options", VARIANTS, ids=[f"{n}{o or ''}" for n, o in VARIANTS])
 def test_blocked_paths_equal_the_dense_mask(name, options, dropout, prefix):
     enc = _encoding(name, options, prefix)
-    grid = PositionGrid(_grid_shape(name), prefix)
-    if dropout:
-        g = torch.Generator().manual_seed(1)
-        grid = grid.with_keep(torch.stack([torch.randperm(grid.num_patches, generator=g)[:7] for _ in range(2)]))
-    n = grid.seq_len if grid.keep is None else prefix + grid.keep.shape[1]
-    g = torch.Generator().manual_seed(2)
-    q, k, v, w = (torch.randn(2, 2, n, 8, generator=g, dtype=torch.float64) for _ in range(4))
+    grid, (q, k, v, w) = attention_inputs(PositionGrid(_grid_shape(name), prefix), dropout, 7)
     out_d, grads_d = _run(enc, grid, q, k, v, w, "dense")
     assert any(gd is not None and gd.abs().sum() > 0 for gd in grads_d[3:]) or not list(enc.parameters())
     for path in ("blocked", "traceable"):
@@ -245,13 +240,7 @@ def test_compiled_training_runs_the_custom_op_and_equals_the_dense_mask(name, op
     (forward) and its backward op; outputs and the gradients of q, k, v and the encoding's parameters equal the dense
     oracle's; a second step reuses the graph (the op's key is stable across calls)."""
     enc = _encoding(name, options, 1)
-    grid = PositionGrid(_grid_shape(name), 1)
-    if dropout:
-        g = torch.Generator().manual_seed(1)
-        grid = grid.with_keep(torch.stack([torch.randperm(grid.num_patches, generator=g)[:7] for _ in range(2)]))
-    n = grid.seq_len if grid.keep is None else 1 + grid.keep.shape[1]
-    g = torch.Generator().manual_seed(2)
-    q, k, v, w = (torch.randn(2, 2, n, 8, generator=g, dtype=torch.float64) for _ in range(4))
+    grid, (q, k, v, w) = attention_inputs(PositionGrid(_grid_shape(name), 1), dropout, 7)
 
     def step(q, k, v):
         state = enc.prepare(grid)

@@ -807,15 +807,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _read_results(path: str, option: str) -> list[dict[str, Any]]:
     """The result rows of a saved ``vispe bench speed`` JSON; a missing or foreign file is a clear error."""
-    p = Path(path)
-    if not p.is_file():
+    from vispe.files import read_json
+
+    if not Path(path).is_file():
         raise ValueError(f"{option} {path!r}: no such file (give the JSON a 'vispe bench speed' run wrote)")
-    try:
-        data = json.loads(p.read_text())
-        rows = data["results"]
-        assert isinstance(rows, list)
-    except (ValueError, KeyError, TypeError, AssertionError):
-        raise ValueError(f"{option} {path!r} is not a 'vispe bench speed' JSON (no 'results' list)") from None
+    data = read_json(path, "'vispe bench speed' JSON")  # bad JSON: the file, line and column
+    rows = data.get("results") if isinstance(data, dict) else None
+    if not isinstance(rows, list):
+        raise ValueError(f"{option} {path!r} is not a 'vispe bench speed' JSON (no 'results' list)")
     return rows
 
 
