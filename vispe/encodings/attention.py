@@ -262,12 +262,14 @@ ATTENTION_BACKENDS = ("auto", "dense", "blocked", "flex")
 #: ViT-S training step's activations at 1,024 tokens (and near the CPU's cache).
 BLOCK_ELEMENTS = 1 << 19
 #: Elements of one block's term where a block runs on PyTorch's fused CPU flash-attention kernels (forward, and the
-#: backward when no gradient reaches the term): 32 MiB, one block for a 6-head term up to ~1,180 tokens. Their cost
-#: per call is high (they set up ``dK`` / ``dV`` accumulators of the whole key length), so fewer, larger blocks are
-#: faster; the block is transient (built, used, freed; never kept for backward), and a ViT-S training step's peak
-#: at 1,024 tokens lies elsewhere. The recompute backward, whose temporaries are several ``(B, H, rows, Lk)``
-#: tensors, keeps :data:`BLOCK_ELEMENTS`.
-FUSED_BLOCK_ELEMENTS = 1 << 23
+#: backward when no gradient reaches the term): 31 MiB of float32, one block for a 6-head term up to ~1,150 tokens.
+#: Their cost per call is high (they set up ``dK`` / ``dV`` accumulators of the whole key length), so fewer, larger
+#: blocks are faster; the block is transient (built, used, freed; never kept for backward), and a ViT-S training
+#: step's peak at 1,024 tokens lies elsewhere. Kept under 32 MiB, glibc's ceiling for reusing freed heap memory: a
+#: larger block is mapped afresh on every call and its pages faulted in (~0.4 ms per MiB on the benchmark's CPU,
+#: +13 ms per block of iRPE's per-sample term at 1,024 tokens). The recompute backward, whose temporaries are
+#: several ``(B, H, rows, Lk)`` tensors, keeps :data:`BLOCK_ELEMENTS`.
+FUSED_BLOCK_ELEMENTS = 31 << 18
 #: :data:`FUSED_BLOCK_ELEMENTS` inside a compiled training step (the custom ops): there the block's term is allocated on
 #: top of the tensors inductor keeps for backward, at the step's peak, so blocks are half as large (16 MiB): ALiBi-2D's
 #: compiled peak at 1,025 tokens falls from 1.11x to 1.07x timm's, at no time cost the CPU benchmark resolves.

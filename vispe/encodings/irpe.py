@@ -132,6 +132,15 @@ def _batch_index(b: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return b if t.shape[0] > 1 else torch.zeros_like(b)
 
 
+def _bucket_of(lut_row: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``lut_row[ids]``: the buckets of a block's pair ids. In eager an ``index_select`` on the flattened ids (~4x
+    faster on CPU than advanced indexing for a 1,024-token block); compiled graphs and FlexAttention's one pair at a
+    time keep the indexing inductor lowers."""
+    if ids.dim() == 0 or torch.compiler.is_compiling():
+        return lut_row[ids]
+    return lut_row.index_select(0, ids.reshape(-1)).view(ids.shape)
+
+
 @bias_function("irpe_term")  # named: compiled training runs the term as a custom op
 def _irpe_term(b, h, i, j, *tensors, parts: tuple[tuple[str, str], ...], center: int, num_offsets: int):
     """The iRPE logit term by index (the :class:`IndexedBias` form). ``tensors``: ``codes (1|B, L)``, ``lut (T, U + 1)``,
@@ -146,7 +155,7 @@ def _irpe_term(b, h, i, j, *tensors, parts: tuple[tuple[str, str], ...], center:
         row, col = (i, j) if side == "k" else (j, i)
         ids = pairs.pair_ids(bc, row, col)
         for t in range(lut.shape[0]):
-            bucket = lut[t][ids]
+            bucket = _bucket_of(lut[t], ids)
             if not block:
                 term = x[h, bucket] if mode == "bias" else x[_batch_index(b, x), h, row, bucket]
             elif mode == "bias":
@@ -195,7 +204,7 @@ def _irpe_term_grad(ds, start, stop, tensors, grads, *, parts: tuple[tuple[str, 
         row, col = (i, j) if side == "k" else (j, i)
         ids = pairs.pair_ids(b, row, col)  # (B|1, 1, rows, L)
         for t in range(lut.shape[0]):
-            bucket = lut[t][ids]
+            bucket = _bucket_of(lut[t], ids)
             if mode == "bias":  # g: (H, nb); a shared table's rows are summed by prepare's expand
                 d = ds.sum(0) if bucket.shape[0] == 1 else ds.transpose(0, 1)  # (H, [B,] rows, L), as bucket's order
                 g.index_add_(1, bucket.reshape(-1), d.reshape(heads, -1).to(g.dtype))
