@@ -70,6 +70,33 @@ def _same_row(grid):
     return rows[:, None] == rows[None, :]
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_rotation_and_its_gradient_equal_the_matrices_eager_and_compiled(compiled):
+    """The written-out rotation (and its backward, the transposed rotation) against autograd through the 3x3 matrices,
+    with patch dropout's per-sample tables and the channel after the triplets."""
+    torch.manual_seed(1)
+    enc = _sph((3, 4), head_dim=16, prefix=1)
+    grid = PositionGrid((3, 4), 1)
+    kept = grid.with_keep(torch.tensor([[1, 2, 4, 7, 11], [0, 3, 5, 8, 10]]))  # 5 of 12 patches per sample
+    state = enc.keep_tokens(enc.prepare(grid), kept)
+    rot = enc.rotations(grid)[kept.sequence_index()]  # (B, 1 + 5, 5, 3, 3): cls first
+    q, k = torch.randn(2, 2, 2, 6, 16, dtype=torch.float32).unbind(0)
+    gq, gk = torch.randn(2, 2, 2, 6, 16).unbind(0)
+
+    def oracle(x):
+        turned = torch.einsum("bntij,bhntj->bhnti", rot, x[..., :15].unflatten(-1, (5, 3))).flatten(-2)
+        return torch.cat([turned, x[..., 15:]], -1)
+
+    fn = torch.compile(enc.rotate_qk, fullgraph=True) if compiled else enc.rotate_qk
+    q1, k1 = q.clone().requires_grad_(), k.clone().requires_grad_()
+    qr, kr = fn(q1, k1, state)
+    ((qr * gq).sum() + (kr * gk).sum()).backward()
+    q2, k2 = q.clone().requires_grad_(), k.clone().requires_grad_()
+    ((oracle(q2) * gq).sum() + (oracle(k2) * gk).sum()).backward()
+    assert torch.allclose(qr, oracle(q), atol=1e-5) and torch.allclose(kr, oracle(k), atol=1e-5)
+    assert torch.allclose(q1.grad, q2.grad, atol=1e-5) and torch.allclose(k1.grad, k2.grad, atol=1e-5)
+
+
 @pytest.mark.parametrize("shift", [(2, 0), (1, 0)])
 def test_logits_are_invariant_to_shifts_along_y(shift):
     """R(p_i)^T R(p_j) = Yaw(-w x_i) Roll(w (y_j - y_i)) Yaw(w x_j): moving both tokens along y changes nothing."""
