@@ -21,12 +21,13 @@ after the triplets passing unrotated (the paper sizes heads to a multiple of 3, 
 'interpolate'`` (``rescale``) keeps every grid on ``[-pi, pi]``.
 
 Computation: per grid, each token's ``3 x 3`` rotations become five per-channel coefficient rows
-(:func:`shift_coefficients`), so the rotation of ``x`` is five products of ``x`` with shifted slices of itself, each
-over whole contiguous rows (the paper's fast implementation applies the two Euler rotations one after the other as
-per-pair phases; on interleaved triplets those are stride-3 views). The backward is the same with the transposed
-rotations; nothing of ``x`` is kept. Tables in float32, cached per grid, narrowed per sample by patch dropout like
-every rotary table; :meth:`SphericalRope.rotations` gives the rotations as matrices. (One layer's q at 1,024 tokens,
-batch 2, one CPU thread: 2.4 ms forward, 4.8 ms forward + backward; 4.2 / 12.7 ms as two pairwise rotary passes.)
+(:func:`shift_coefficients`), so the rotation of ``x`` is five products of ``x`` with shifted copies of itself, run
+over each head's rows flattened into one contiguous array (the paper's fast implementation applies the two Euler
+rotations one after the other as per-pair phases; on interleaved triplets those are stride-3 views). The backward is
+the same with the transposed rotations; nothing of ``x`` is kept. Tables in float32, cached per grid, narrowed per
+sample by patch dropout like every rotary table; :meth:`SphericalRope.rotations` gives the rotations as matrices.
+(One layer's q at 1,025 tokens, batch 2, one CPU thread: 2.3 ms forward, 5.0 ms forward + backward; 4-6 ms and
+12-14 ms as two pairwise rotary passes.)
 """
 from __future__ import annotations
 
@@ -66,13 +67,19 @@ def _euler_matrices(cy: torch.Tensor, sy: torch.Tensor, cr: torch.Tensor, sr: to
     return torch.stack(rows, -2)
 
 
-def shift_coefficients(rot: torch.Tensor) -> torch.Tensor:
-    """Per-channel coefficients ``(5, ..., 3 T)`` of triplet rotations ``rot`` ``(..., T, 3, 3)``: the rotated channel
-    ``m`` (of triplet ``m // 3``) is ``sum_k C[k, ..., m] x[m + k - 2]``, i.e. ``C[k]`` holds ``rot[i, i + k - 2]``
-    (zero past the triplet's ends). Applying a rotation is then five products of ``x`` with shifted slices of itself,
-    each over whole contiguous rows."""
+def shift_coefficients(rot: torch.Tensor, width: int | None = None) -> torch.Tensor:
+    """Per-channel coefficients ``(5, ..., width)`` of triplet rotations ``rot`` ``(..., T, 3, 3)`` on rows of ``width``
+    channels (default ``3 T``; the channels past the triplets pass unchanged): the rotated channel ``m`` is
+    ``sum_k C[k, ..., m] x[m + k - 2]``, i.e. ``C[k]`` holds ``rot[i, i + k - 2]`` for channel ``i`` of a triplet (zero
+    past the triplet's ends). Applying the rotations is then five products of ``x`` with shifted copies of itself."""
+    t = rot.shape[-3]
     padded = torch.nn.functional.pad(rot, (2, 2))  # (..., T, 3, 7): column j + 2 holds rot[:, j]
-    return torch.stack([torch.diagonal(padded, offset=k, dim1=-2, dim2=-1).flatten(-2) for k in range(5)])
+    coef = torch.stack([torch.diagonal(padded, offset=k, dim1=-2, dim2=-1).flatten(-2) for k in range(5)])
+    extra = (width if width is not None else 3 * t) - 3 * t
+    if extra:
+        coef = torch.nn.functional.pad(coef, (0, extra))
+        coef[2, ..., 3 * t:] = 1.0
+    return coef
 
 
 def triplet_frequencies(triplets: int, theta: float) -> torch.Tensor:
@@ -94,31 +101,30 @@ def spherical_coordinates(grid: PositionGrid, train_grid: Sequence[int], policy:
 
 
 def _apply_shifted(x: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
-    """The triplet rotations with :func:`shift_coefficients` ``coef`` ``(5, ..., L, 3 T)`` on ``x`` ``(..., L, D)``, in
-    float32 (``x``'s dtype out); the channels after the triplets pass."""
-    n = coef.shape[-1]
-    xf = x.float()
+    """The rotations with :func:`shift_coefficients` ``coef`` ``(5, ..., L, D)`` on ``x`` ``(..., L, D)``, in float32
+    (``x``'s dtype out). Each row's shifted reads stay in its own triplets (the coefficients are zero past them), so
+    the products run over ``x`` flattened to ``(..., L * D)``: contiguous, vectorised on CPU (on the interleaved
+    channels, stride-3 views, they ran ~4x slower; row by row, each a loop of 64)."""
+    xf = x.float().contiguous()
+    lead, flat = xf.shape[:-2], xf.shape[-2] * xf.shape[-1]
+    xv = xf.view(*lead, flat)
+    cv = coef.reshape(*coef.shape[:-2], flat)
     shifts = ((0, -2), (1, -1), (3, 1), (4, 2))  # (coefficient row, channel shift)
     if torch.compiler.is_compiling():  # the same sum without writes into views (inductor fuses it into one kernel)
-        rot = coef[2] * xf[..., :n]
+        out = cv[2] * xv
         for k, d in shifts:
             if d > 0:
-                rot = rot + torch.nn.functional.pad(coef[k][..., : n - d] * xf[..., d:n], (0, d))
+                out = out + torch.nn.functional.pad(cv[k][..., : flat - d] * xv[..., d:], (0, d))
             else:
-                rot = rot + torch.nn.functional.pad(coef[k][..., -d:] * xf[..., : n + d], (-d, 0))
-        out = rot if n == x.shape[-1] else torch.cat([rot, xf[..., n:]], dim=-1)
-        return out.to(x.dtype)
-    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-    o = out[..., :n]
-    torch.mul(coef[2], xf[..., :n], out=o)
-    for k, d in shifts:  # each a contiguous run of the row: vectorised (stride-3 channel views ran ~4x slower on CPU)
-        if d > 0:
-            o[..., : n - d].addcmul_(coef[k][..., : n - d], xf[..., d:n])
-        else:
-            o[..., -d:].addcmul_(coef[k][..., -d:], xf[..., : n + d])
-    if n < x.shape[-1]:
-        out[..., n:] = xf[..., n:]
-    return out.to(x.dtype)
+                out = out + torch.nn.functional.pad(cv[k][..., -d:] * xv[..., : flat + d], (-d, 0))
+    else:
+        out = torch.mul(cv[2], xv)
+        for k, d in shifts:
+            if d > 0:
+                out[..., : flat - d].addcmul_(cv[k][..., : flat - d], xv[..., d:])
+            else:
+                out[..., -d:].addcmul_(cv[k][..., -d:], xv[..., : flat + d])
+    return out.view(xf.shape).to(x.dtype)
 
 
 class _TripletRotation(torch.autograd.Function):
@@ -141,8 +147,8 @@ class _TripletRotation(torch.autograd.Function):
 
 @dataclass
 class SphericalRopeState:
-    """Per-grid :func:`shift_coefficients` of the rotations and of their transposes, ``(2, 5, S + N, 3 T)``
-    (``(2, 5, B, 1, n, 3 T)`` after patch dropout); prefix rows the identity's."""
+    """Per-grid :func:`shift_coefficients` of the rotations and of their transposes, ``(2, 5, S + N, head_dim)``
+    (``(2, 5, B, 1, n, head_dim)`` after patch dropout); prefix rows the identity's."""
 
     coefficients: torch.Tensor
 
@@ -206,7 +212,8 @@ class SphericalRope(RotaryEncoding):
         dev_type = torch.device(device).type if device is not None else "cpu"
         with torch.autocast(device_type=dev_type, enabled=False):
             rot = self.rotations(grid, device)  # float32, from the float32 angles
-            return SphericalRopeState(torch.stack([shift_coefficients(rot), shift_coefficients(rot.transpose(-1, -2))]))
+            return SphericalRopeState(torch.stack([shift_coefficients(rot, self.head_dim),
+                                                    shift_coefficients(rot.transpose(-1, -2), self.head_dim)]))
 
     def keep_tokens(self, state: SphericalRopeState | LayerThetaState, grid: PositionGrid) -> SphericalRopeState | LayerThetaState:
         if isinstance(state, LayerThetaState):
