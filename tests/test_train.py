@@ -102,7 +102,7 @@ def test_plain_python_fit_trains_and_checkpoints(uninterrupted):
 
 
 @pytest.mark.slow
-def test_sigkill_then_resume_matches_uninterrupted(uninterrupted, tmp_path):
+def test_sigkill_then_resume_matches_uninterrupted(uninterrupted, tmp_path, capsys):
     """`vispe fit` killed by SIGKILL at the start of epoch 3, then `--ckpt_path last` -> identical result."""
     (tmp_path / "killer.py").write_text(textwrap.dedent("""
         import os, signal
@@ -127,8 +127,8 @@ def test_sigkill_then_resume_matches_uninterrupted(uninterrupted, tmp_path):
     assert partial["epoch"] == 1 and partial["global_step"] == 8  # the checkpoint written before the kill
     assert not [p for p in (out / "rope_mixed" / "version_0" / "checkpoints").iterdir() if p.name.endswith(".tmp")]
 
-    resumed = _run([sys.executable, "train/fit.py", *common, "--ckpt_path", "last"])
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rc, err = _vispe(["fit", *common, "--ckpt_path", "last"], capsys)  # the resume: a new Trainer from the checkpoint
+    assert rc == 0, err[-3000:]
     a, b = _ckpt(uninterrupted), _ckpt(out)
     assert b["global_step"] == a["global_step"] == 12
     for k, v in a["state_dict"].items():
@@ -165,7 +165,7 @@ class KillAtStep(Callback):
 
 
 @pytest.mark.slow
-def test_sigkill_mid_epoch_then_resume_matches_uninterrupted(tmp_path):
+def test_sigkill_mid_epoch_then_resume_matches_uninterrupted(tmp_path, capsys):
     """Killed mid-epoch between two checkpoints (validation + last.ckpt every 2 of the epoch's 4 steps; killed as
     step 8 starts, after the step-6 checkpoint and one more step), resumed with `--ckpt_path last`: the same
     weights and validation metrics as the uninterrupted run -- data order, sampler position, RNG streams,
@@ -175,8 +175,8 @@ def test_sigkill_mid_epoch_then_resume_matches_uninterrupted(tmp_path):
     common = ["-c", str(SMOKE), "--trainer.max_epochs", "3", "--trainer.val_check_interval", "2",
               "--trainer.enable_progress_bar", "false"]
     straight, out = tmp_path / "straight", tmp_path / "runs"
-    r = _run([sys.executable, "train/fit.py", *common, "--trainer.logger.init_args.save_dir", str(straight)])
-    assert r.returncode == 0, r.stderr[-3000:]
+    rc, err = _vispe(["fit", *common, "--trainer.logger.init_args.save_dir", str(straight)], capsys)
+    assert rc == 0, err[-3000:]
     env = _env()
     env["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{env['PYTHONPATH']}"
     killed = subprocess.run([str(BIN / "vispe"), "fit", *common, "--trainer.logger.init_args.save_dir", str(out),
@@ -184,9 +184,8 @@ def test_sigkill_mid_epoch_then_resume_matches_uninterrupted(tmp_path):
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     partial = _ckpt(out)
     assert partial["epoch"] == 1 and partial["global_step"] == 6  # mid-epoch: 2 of epoch 1's 4 steps done
-    resumed = _run([sys.executable, "train/fit.py", *common, "--trainer.logger.init_args.save_dir", str(out),
-                    "--ckpt_path", "last"])
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rc, err = _vispe(["fit", *common, "--trainer.logger.init_args.save_dir", str(out), "--ckpt_path", "last"], capsys)
+    assert rc == 0, err[-3000:]
     a, b = _ckpt(straight), _ckpt(out)
     assert b["global_step"] == a["global_step"] == 12
     for k, v in a["state_dict"].items():
