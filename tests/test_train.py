@@ -36,6 +36,20 @@ def _run(cmd: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
 
 
+def _vispe(args: list[str], capsys) -> tuple[int, str]:
+    """``vispe ARGS`` in this process (no interpreter and Lightning import per run): its exit code and stderr. The
+    console script's wiring and real processes are checked by the runs above that start ``vispe`` / ``train/fit.py``."""
+    from vispe.cli import main as vispe_main
+
+    threads = torch.get_num_threads()  # the recipe's `threads: 1` pins this process's torch threads
+    capsys.readouterr()
+    try:
+        rc = vispe_main(args)
+    finally:
+        torch.set_num_threads(threads)
+    return rc, capsys.readouterr().err
+
+
 def _ckpt(save_dir: Path, name: str = "rope_mixed") -> dict:
     path = find_last_checkpoint(save_dir / name)
     assert path is not None, f"no last.ckpt under {save_dir / name}"
@@ -88,7 +102,7 @@ def test_plain_python_fit_trains_and_checkpoints(uninterrupted):
 
 
 @pytest.mark.slow
-def test_sigkill_then_resume_matches_uninterrupted(uninterrupted, tmp_path):
+def test_sigkill_then_resume_matches_uninterrupted(uninterrupted, tmp_path, capsys):
     """`vispe fit` killed by SIGKILL at the start of epoch 3, then `--ckpt_path last` -> identical result."""
     (tmp_path / "killer.py").write_text(textwrap.dedent("""
         import os, signal
@@ -113,8 +127,8 @@ def test_sigkill_then_resume_matches_uninterrupted(uninterrupted, tmp_path):
     assert partial["epoch"] == 1 and partial["global_step"] == 8  # the checkpoint written before the kill
     assert not [p for p in (out / "rope_mixed" / "version_0" / "checkpoints").iterdir() if p.name.endswith(".tmp")]
 
-    resumed = _run([sys.executable, "train/fit.py", *common, "--ckpt_path", "last"])
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rc, err = _vispe(["fit", *common, "--ckpt_path", "last"], capsys)  # the resume: a new Trainer from the checkpoint
+    assert rc == 0, err[-3000:]
     a, b = _ckpt(uninterrupted), _ckpt(out)
     assert b["global_step"] == a["global_step"] == 12
     for k, v in a["state_dict"].items():
@@ -126,14 +140,14 @@ def test_sigkill_then_resume_matches_uninterrupted(uninterrupted, tmp_path):
 
 
 @pytest.mark.slow  # needs the uninterrupted training run (the fixture) like the other resume tests
-def test_resuming_a_finished_run_says_so_and_writes_nothing(uninterrupted, tmp_path):
+def test_resuming_a_finished_run_says_so_and_writes_nothing(uninterrupted, tmp_path, capsys):
     out = tmp_path / "runs"
     shutil.copytree(uninterrupted, out)
     before = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.rglob("*") if p.is_file()}
-    r = _run([sys.executable, "train/fit.py", "-c", str(SMOKE), "--trainer.max_epochs", "3", "--trainer.logger.init_args.save_dir",
-              str(out), "--trainer.enable_progress_bar", "false", "--ckpt_path", "last"])
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "is a finished run (epoch 3 of max_epochs=3); nothing to resume and nothing written" in r.stderr
+    rc, err = _vispe(["fit", "-c", str(SMOKE), "--trainer.max_epochs", "3", "--trainer.logger.init_args.save_dir", str(out),
+                      "--trainer.enable_progress_bar", "false", "--ckpt_path", "last"], capsys)
+    assert rc == 0, err[-3000:]
+    assert "is a finished run (epoch 3 of max_epochs=3); nothing to resume and nothing written" in err
     after = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.rglob("*") if p.is_file()}
     assert after == before
 
@@ -151,7 +165,7 @@ class KillAtStep(Callback):
 
 
 @pytest.mark.slow
-def test_sigkill_mid_epoch_then_resume_matches_uninterrupted(tmp_path):
+def test_sigkill_mid_epoch_then_resume_matches_uninterrupted(tmp_path, capsys):
     """Killed mid-epoch between two checkpoints (validation + last.ckpt every 2 of the epoch's 4 steps; killed as
     step 8 starts, after the step-6 checkpoint and one more step), resumed with `--ckpt_path last`: the same
     weights and validation metrics as the uninterrupted run -- data order, sampler position, RNG streams,
@@ -161,8 +175,8 @@ def test_sigkill_mid_epoch_then_resume_matches_uninterrupted(tmp_path):
     common = ["-c", str(SMOKE), "--trainer.max_epochs", "3", "--trainer.val_check_interval", "2",
               "--trainer.enable_progress_bar", "false"]
     straight, out = tmp_path / "straight", tmp_path / "runs"
-    r = _run([sys.executable, "train/fit.py", *common, "--trainer.logger.init_args.save_dir", str(straight)])
-    assert r.returncode == 0, r.stderr[-3000:]
+    rc, err = _vispe(["fit", *common, "--trainer.logger.init_args.save_dir", str(straight)], capsys)
+    assert rc == 0, err[-3000:]
     env = _env()
     env["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{env['PYTHONPATH']}"
     killed = subprocess.run([str(BIN / "vispe"), "fit", *common, "--trainer.logger.init_args.save_dir", str(out),
@@ -170,9 +184,8 @@ def test_sigkill_mid_epoch_then_resume_matches_uninterrupted(tmp_path):
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     partial = _ckpt(out)
     assert partial["epoch"] == 1 and partial["global_step"] == 6  # mid-epoch: 2 of epoch 1's 4 steps done
-    resumed = _run([sys.executable, "train/fit.py", *common, "--trainer.logger.init_args.save_dir", str(out),
-                    "--ckpt_path", "last"])
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rc, err = _vispe(["fit", *common, "--trainer.logger.init_args.save_dir", str(out), "--ckpt_path", "last"], capsys)
+    assert rc == 0, err[-3000:]
     a, b = _ckpt(straight), _ckpt(out)
     assert b["global_step"] == a["global_step"] == 12
     for k, v in a["state_dict"].items():
@@ -190,18 +203,18 @@ def test_sigkill_mid_epoch_then_resume_matches_uninterrupted(tmp_path):
 
 
 @pytest.mark.slow
-def test_last_ckpt_is_the_final_step_and_reruns_get_their_own_version(tmp_path):
+def test_last_ckpt_is_the_final_step_and_reruns_get_their_own_version(tmp_path, capsys):
     """`max_steps: 7` with validation every 2 steps: Lightning's own last save is step 6; ours is step 7. A second
     run into the same folder writes version_1 and leaves version_0's checkpoint as it was."""
-    common = ["-c", str(SMOKE), "--trainer.max_epochs", "10", "--trainer.val_check_interval", "2",
+    common = ["fit", "-c", str(SMOKE), "--trainer.max_epochs", "10", "--trainer.val_check_interval", "2",
               "--trainer.enable_progress_bar", "false", "--trainer.logger.init_args.save_dir", str(tmp_path)]
-    r = _run([sys.executable, "train/fit.py", *common, "--trainer.max_steps", "7"])
-    assert r.returncode == 0, r.stderr[-3000:]
+    rc, err = _vispe([*common, "--trainer.max_steps", "7"], capsys)
+    assert rc == 0, err[-3000:]
     first = tmp_path / "rope_mixed" / "version_0" / "checkpoints" / "last.ckpt"
     assert torch.load(first, map_location="cpu", weights_only=False)["global_step"] == 7
     before = first.read_bytes()
-    r = _run([sys.executable, "train/fit.py", *common, "--trainer.max_steps", "5"])
-    assert r.returncode == 0, r.stderr[-3000:]
+    rc, err = _vispe([*common, "--trainer.max_steps", "5"], capsys)
+    assert rc == 0, err[-3000:]
     second = tmp_path / "rope_mixed" / "version_1" / "checkpoints" / "last.ckpt"
     assert torch.load(second, map_location="cpu", weights_only=False)["global_step"] == 5
     assert first.read_bytes() == before
@@ -209,31 +222,31 @@ def test_last_ckpt_is_the_final_step_and_reruns_get_their_own_version(tmp_path):
 
 
 @pytest.mark.slow
-def test_ckpt_path_last_without_a_checkpoint_is_a_clear_error(tmp_path):
-    r = _run([sys.executable, "train/fit.py", "-c", str(SMOKE), "--trainer.logger.init_args.save_dir", str(tmp_path),
-              "--ckpt_path", "last"])
-    assert r.returncode == 2
-    assert "--ckpt_path last: no last.ckpt under" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+def test_ckpt_path_last_without_a_checkpoint_is_a_clear_error(tmp_path, capsys):
+    rc, err = _vispe(["fit", "-c", str(SMOKE), "--trainer.logger.init_args.save_dir", str(tmp_path), "--ckpt_path", "last"], capsys)
+    assert rc == 2
+    assert "--ckpt_path last: no last.ckpt under" in err and "Traceback" not in err, err[-2000:]
 
 
 @pytest.mark.parametrize("how", ["yaml", "flag"])
 @pytest.mark.slow
-def test_config_error_is_one_sentence_without_traceback(tmp_path, how):
+def test_config_error_is_one_sentence_without_traceback(tmp_path, how, capsys):
     """A misspelled encoding (in YAML or on the command line): exit 2, the sentence naming it, no traceback;
-    `--debug` shows the traceback (checked once: the flag's handling does not depend on where the typo is)."""
+    `--debug` lets the error through, so the interpreter prints its traceback (checked once: the flag's handling does
+    not depend on where the typo is)."""
     if how == "yaml":
         (tmp_path / "typo.yaml").write_text("model:\n  init_args:\n    pos_encoding: rope_axail\n")
         extra = ["-c", str(tmp_path / "typo.yaml")]
     else:
         extra = ["--model.init_args.pos_encoding", "rope_axail"]
-    cmd = [str(BIN / "vispe"), "fit", "-c", str(SMOKE), "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"), *extra]
-    r = _run(cmd)
-    assert r.returncode == 2, r.stderr[-2000:]
-    assert "unknown positional encoding 'rope_axail'; choose one of" in r.stderr and "Traceback" not in r.stderr
-    assert len([line for line in r.stderr.splitlines() if "rope_axail" in line]) == 1
+    cmd = ["fit", "-c", str(SMOKE), "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"), *extra]
+    rc, err = _vispe(cmd, capsys)
+    assert rc == 2, err[-2000:]
+    assert "unknown positional encoding 'rope_axail'; choose one of" in err and "Traceback" not in err
+    assert len([line for line in err.splitlines() if "rope_axail" in line]) == 1
     if how == "flag":
-        r = _run([*cmd, "--debug"])
-        assert r.returncode != 0 and "Traceback" in r.stderr
+        with pytest.raises(ValueError, match="unknown positional encoding 'rope_axail'"):
+            _vispe([*cmd, "--debug"], capsys)
 
 
 @pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])

@@ -37,6 +37,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import inspect
 import os
@@ -252,6 +253,39 @@ class _AcceptedLinksInstantiator(_InstantiatorFn):
         return super().__call__(class_type, *args, applied_instantiation_links=links, **kwargs)
 
 
+@contextlib.contextmanager
+def _subclass_scans_made_once() -> Any:
+    """Within one command, each jsonargparse listing of a class's imported subclasses is made once.
+
+    jsonargparse resolves a bare name given to a class-typed option (``model: vispe_vit_tiny_patch4_32`` against
+    ``Backbone = nn.Module | str``) by walking every imported subclass of the class, and does so about 50 times per
+    command: seconds of a ``vispe fit`` start with timm and Lightning imported, more with transformers. A listing is
+    reused while no module has been imported since it was made (a new import can add subclasses).
+    """
+    from jsonargparse import _typehints
+
+    scan = getattr(_typehints, "get_all_subclass_paths", None)
+    if scan is None:  # another jsonargparse layout: no shortcut
+        yield
+        return
+    made: dict[Any, list[str]] = {}
+
+    def listing(cls: Any, include_abstract: bool = False, closed_types: bool = True) -> list[str]:
+        try:
+            key = (cls, include_abstract, closed_types, len(sys.modules))
+            if key not in made:
+                made[key] = scan(cls, include_abstract=include_abstract, closed_types=closed_types)
+        except TypeError:  # an unhashable type hint
+            return scan(cls, include_abstract=include_abstract, closed_types=closed_types)
+        return list(made[key])
+
+    _typehints.get_all_subclass_paths = listing
+    try:
+        yield
+    finally:
+        _typehints.get_all_subclass_paths = scan
+
+
 class VispeCLI(LightningCLI):
     """LightningCLI with launcher mapping, data -> model argument links and vispe defaults."""
 
@@ -268,7 +302,8 @@ class VispeCLI(LightningCLI):
             parser_kwargs[sub] = {"allow_abbrev": False, "exit_on_error": False, **dict(parser_kwargs.get(sub) or {})}
         kwargs["parser_kwargs"] = parser_kwargs
         kwargs.setdefault("trainer_defaults", {k: v for k, (v, _) in launcher_trainer_settings().items()})
-        super().__init__(pl.LightningModule, pl.LightningDataModule, *args, **kwargs)
+        with _subclass_scans_made_once():
+            super().__init__(pl.LightningModule, pl.LightningDataModule, *args, **kwargs)
 
     def add_arguments_to_parser(self, parser: Any) -> None:
         for data_attr, model_arg in _DATA_TO_MODEL.items():
