@@ -121,7 +121,7 @@ class IRPEState:
 
     def buckets(self, t: int, b: torch.Tensor, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
         """Table ``t``'s bucket (offset included) of the pairs ``(i, j)`` of sample ``b`` (broadcasting index tensors)."""
-        return self.lut[t][self.pairs.pair_ids(b, i, j)]
+        return _bucket_of(self.lut[t], self.pairs.pair_ids(b, i, j))
 
     def select(self, index: torch.Tensor) -> "IRPEState":
         """The codes of each sample's present tokens ``index`` ``(B, n)``."""
