@@ -8,7 +8,8 @@ FlexAttention with the term as ``score_mod`` (CUDA; CPU inference only). Under `
 on the blocked path (float32/64, no caller mask, not causal, no dropout) calls the eager path's fused blocks and
 recompute backward as the custom ops ``vispe::indexed_bias_attention`` / ``vispe::indexed_bias_attention_backward``,
 opaque to inductor, for terms built from functions registered with :func:`bias_function`; every other compiled path
-is plain traceable ops (the blocked one as activation-checkpointed blocks).
+is plain traceable ops (the blocked one as activation-checkpointed blocks). In float32 on a CPU, a term with a
+``gather`` rule runs that forward and backward in native tiles (:mod:`vispe.encodings.native`), eager and compiled.
 
 Nothing here knows about positions; the contracts in :mod:`vispe.encodings.base` call these.
 """
@@ -32,6 +33,7 @@ __all__ = [
     "save_as_recomputed",
     "ATTENTION_BACKENDS",
     "IndexedBias",
+    "OffsetIds",
     "attend_indexed_bias",
     "bias_function",
     "resolve_attention_backend",
@@ -303,6 +305,12 @@ class IndexedBias:
     #: instead of differentiating ``fn``, whose gradient is a new full-size tensor per block (e.g. iRPE's
     #: ``(B, H, L, buckets)`` projection, zero-filled and summed once per block)
     accumulate_grad: Callable[..., None] | None = None
+    #: optional ``gather(start, stop, length, tensors)``: the term of query rows ``start:stop`` against ``length``
+    #: keys as parts the native kernels read (:mod:`vispe.encodings.native`): a list of ``(n, ids, key_rows)``, each
+    #: adding ``tensors[n]`` -- a per-head table ``(H, C)`` or per-token vectors ``(B, H, L, C)`` read at the query's
+    #: row (the key's for ``key_rows``) -- at column ``ids``: an int ``(B|1, rows, length)`` tensor, or the lattice
+    #: offsets of :class:`OffsetIds`. The parts must sum to ``fn``; float32 CPU training then runs natively
+    gather: Callable[..., list[tuple[int, Any, bool]]] | None = None
 
     def tensors(self, inputs: Sequence[torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
         inputs = self.inputs if inputs is None else inputs
@@ -354,6 +362,127 @@ def _cpu_flash_blocks(q: torch.Tensor, attn_mask: torch.Tensor | None, is_causal
     return q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and attn_mask is None and not is_causal
 
 
+#: query rows of one (sample, head) per tile of the native backward: its logits and their gradient stay in cache
+NATIVE_TILE_ROWS = 64
+#: the most index entries (int32) one block of the native backward builds per term part (4 MiB)
+NATIVE_INDEX_ELEMENTS = 1 << 20
+#: fewest keys for which the native kernels replace PyTorch's fused flash kernels (forward, and the backward of a term
+#: without a gradient): one layer on this project's CPU (ViT-S/16 heads, batch 2, one thread) measured them equal at
+#: 577 keys, ~15 % faster at 1,025 and ~25 % slower at 197, where per-tile calls dominate. A term's gradient always
+#: takes them: its alternative is a recompute in PyTorch ops (20-25 % slower at every size measured)
+NATIVE_MIN_KEYS = 768
+
+
+def _native_kernels(spec: IndexedBias, q: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool) -> Any:
+    """The native term kernels (:mod:`vispe.encodings.native`) when this block path can take them: a term with a
+    ``gather`` rule, float32 CPU tensors, no caller mask, not causal; else ``None`` (PyTorch ops)."""
+    if spec.gather is None or q.device.type != "cpu" or q.dtype != torch.float32 or attn_mask is not None or is_causal:
+        return None
+    from .native import indexed_term_kernels
+
+    return indexed_term_kernels()
+
+
+@dataclass(frozen=True)
+class OffsetIds:
+    """Pair ids of a lattice term for the native kernels: ``codes_q[b, r] - codes_k[b, j] + center``, or ``fill`` when
+    either code is negative (a prefix token), then ``lut[id]`` if a lookup table is given (e.g. iRPE's bucket of each
+    offset). Keys with consecutive codes have consecutive offset ids, which the kernels use (no index array).
+    ``codes_q``: int ``(B|1, rows)`` of the block's queries; ``codes_k``: ``(B|1, L)``; ``lut``: int ``(fill + 1,)``."""
+
+    codes_q: torch.Tensor
+    codes_k: torch.Tensor
+    center: int
+    fill: int
+    lut: torch.Tensor | None = None
+
+
+def _part_strides(t: torch.Tensor) -> tuple[int, int, int] | None:
+    """(batch, head, row) strides of a part's table -- ``(H, C)`` or ``(B, H, L, C)`` -- or ``None`` if the kernels cannot
+    read it (not float32, or a strided last axis)."""
+    if t.dtype != torch.float32 or t.stride(-1) != 1 or t.dim() not in (2, 4):
+        return None
+    if t.dim() == 2:
+        return 0, t.stride(0), 0
+    return (t.stride(0) if t.shape[0] > 1 else 0), t.stride(1), t.stride(2)
+
+
+def _native_parts(spec: IndexedBias, tensors: Sequence[torch.Tensor], start: int, stop: int, length: int,
+                  grads: Sequence[torch.Tensor | None] | None = None) -> tuple | None:
+    """The block's parts as the kernels take them -- tables, gradients, ids, query codes, key codes, lookup tables, 9
+    ints per part -- or ``None`` if one cannot be read natively."""
+    none = torch.empty(0, dtype=torch.int32)
+    xs, gs, idxs, cqs, cks, luts, ints = [], [], [], [], [], [], []
+    for n, index, key_rows in spec.gather(start, stop, length, tensors):
+        x, g = tensors[n], None if grads is None else grads[n]
+        xst, gst = _part_strides(x), (0, 0, 0) if g is None else _part_strides(g)
+        if xst is None or gst is None:
+            return None
+        if isinstance(index, OffsetIds):
+            if key_rows:
+                return None
+            idxs.append(none)
+            cqs.append(index.codes_q.to(torch.int32).contiguous())
+            cks.append(index.codes_k.to(torch.int32).contiguous())
+            luts.append(none if index.lut is None else index.lut.to(torch.int32).contiguous())
+            center, fill = index.center, index.fill
+        else:
+            idxs.append(index.to(torch.int32).contiguous())
+            cqs.append(none)
+            cks.append(none)
+            luts.append(none)
+            center, fill = 0, 0
+        xs.append(x)
+        gs.append(x.new_empty(0) if g is None else g)
+        ints += [*xst, *gst, int(bool(key_rows)), int(center), int(fill)]
+    return xs, gs, idxs, cqs, cks, luts, ints
+
+
+def _term_block(spec: IndexedBias, kernels: Any, tensors: Sequence[torch.Tensor], bsz: int, heads: int, start: int, stop: int,
+                length: int, device: torch.device) -> torch.Tensor:
+    """The term of query rows ``start:stop``: natively when ``kernels`` are given and can read it, else by ``fn``."""
+    parts = _native_parts(spec, tensors, start, stop, length) if kernels is not None else None
+    if parts is None:
+        return spec.rows(tensors, bsz, heads, start, stop, length, device)
+    xs, _, *index = parts
+    out = torch.empty(bsz if spec.per_sample else 1, heads, stop - start, length, device=device)
+    kernels.gather_term(out, xs, *index, start)
+    return out
+
+
+def _native_rows(spec: IndexedBias, bsz: int, length: int) -> int:
+    """Query rows per block of the native paths: the block's ids fit :data:`NATIVE_INDEX_ELEMENTS`, whole tiles."""
+    per_row = length * (bsz if spec.per_sample else 1)
+    return max(NATIVE_TILE_ROWS, NATIVE_INDEX_ELEMENTS // per_row // NATIVE_TILE_ROWS * NATIVE_TILE_ROWS)
+
+
+def _native_forward(spec, kernels, s, q, k, v, inputs) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The forward with the native kernels (float32 CPU, no caller mask): the output and each row's log-sum-exp,
+    computed in tiles of :data:`NATIVE_TILE_ROWS` rows of one (sample, head) with the term added in cache; ``None``
+    when a part cannot be read natively."""
+    bsz, heads, lq, _ = q.shape
+    lk = k.shape[-2]
+    with torch.no_grad():
+        tensors = spec.tensors(inputs)
+        qs, kc, vc = (q * s).contiguous(), k.contiguous(), v.contiguous()
+        out = q.new_empty(bsz, heads, lq, v.shape[-1])
+        lse = q.new_empty(bsz, heads, lq)
+        rows = _native_rows(spec, bsz, lk)
+        for start in range(0, lq, rows):
+            stop = min(lq, start + rows)
+            parts = _native_parts(spec, tensors, start, stop, lk)
+            if parts is None:
+                return None
+            xs, _, *index = parts
+            out_b = q.new_empty(bsz, heads, stop - start, v.shape[-1])
+            lse_b = q.new_empty(bsz, heads, stop - start)
+            kernels.term_attention_forward(qs[:, :, start:stop].contiguous(), kc, vc, xs, *index, out_b, lse_b, start,
+                                           NATIVE_TILE_ROWS)
+            out[:, :, start:stop] = out_b
+            lse[:, :, start:stop] = lse_b
+    return out, lse
+
+
 def _blocked_forward(spec: IndexedBias, scale: float, rows: tuple[int, int], attn_mask, is_causal: bool, q, k, v,
                      inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The blocked forward (no grad): the output and, on the fused CPU flash kernels (:func:`_cpu_flash_blocks`), each
@@ -361,6 +490,11 @@ def _blocked_forward(spec: IndexedBias, scale: float, rows: tuple[int, int], att
     bsz, heads, lq, _ = q.shape
     lk = k.shape[-2]
     fused = _cpu_flash_blocks(q, attn_mask, is_causal)
+    kernels = _native_kernels(spec, q, attn_mask, is_causal)
+    if kernels is not None and lk >= NATIVE_MIN_KEYS:
+        native = _native_forward(spec, kernels, scale, q, k, v, inputs)
+        if native is not None:
+            return native
     step = rows[1] if fused else rows[0]
     outs, lses = [], []
     with torch.no_grad():
@@ -368,7 +502,7 @@ def _blocked_forward(spec: IndexedBias, scale: float, rows: tuple[int, int], att
         for start in range(0, lq, step):
             stop = min(lq, start + step)
             mask = merge_attn_mask(_mask_rows(attn_mask, is_causal, lq, lk, start, stop, q.device),
-                                   spec.rows(tensors, bsz, heads, start, stop, lk, q.device), q.dtype)
+                                   _term_block(spec, kernels, tensors, bsz, heads, start, stop, lk, q.device), q.dtype)
             if fused:
                 out_b, lse_b = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                     q[:, :, start:stop], k, v, 0.0, False, attn_mask=mask, scale=scale)
@@ -397,8 +531,13 @@ def _blocked_backward(spec: IndexedBias, s: float, rows: tuple[int, int], attn_m
     direct = any_grad and spec.accumulate_grad is not None  # the term's gradient by its own rule, no autograd
     if direct:
         d_grads = [torch.zeros_like(t, memory_format=torch.contiguous_format) if t.requires_grad else None for t in derived]
+    kernels = _native_kernels(spec, q, attn_mask, is_causal)
+    if lse is not None and kernels is not None and (any_grad or lk >= NATIVE_MIN_KEYS):
+        native = _native_backward(spec, kernels, s, q, k, v, out, lse, dout, leaves, derived, d_leaves)
+        if native is not None:
+            return native
     if lse is not None and not any_grad:
-        return (*_fused_blocks_backward(spec, s, rows[1], q, k, v, out, lse, dout.contiguous(), d_leaves),
+        return (*_fused_blocks_backward(spec, kernels, s, rows[1], q, k, v, out, lse, dout.contiguous(), d_leaves),
                 [None] * len(inputs))
     dt = torch.promote_types(q.dtype, torch.float32)  # bf16/fp16 inputs: recompute in float32
     # contiguous once: q, k, v are views of the qkv projection, and a per-block matmul against a strided k^T
@@ -495,7 +634,7 @@ def _add_matmul_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     acc.view(-1, *acc.shape[-2:]).baddbmm_(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]))
 
 
-def _fused_blocks_backward(spec, s, rows, q, k, v, out, lse, dout, d_leaves):
+def _fused_blocks_backward(spec, kernels, s, rows, q, k, v, out, lse, dout, d_leaves):
     """The blocked backward when no gradient reaches the term: per block, PyTorch's fused CPU flash-attention
     backward with the rebuilt block term as its mask (``dK``, ``dV`` summed over blocks)."""
     bsz, heads, lq, _ = q.shape
@@ -505,7 +644,7 @@ def _fused_blocks_backward(spec, s, rows, q, k, v, out, lse, dout, d_leaves):
     dv = v.new_zeros(v.shape)
     for start in range(0, lq, rows):
         stop = min(lq, start + rows)
-        mask = spec.rows(d_leaves, bsz, heads, start, stop, lk, q.device).to(q.dtype)
+        mask = _term_block(spec, kernels, d_leaves, bsz, heads, start, stop, lk, q.device).to(q.dtype)
         dq_b, dk_b, dv_b = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout[:, :, start:stop], q[:, :, start:stop], k, v, out[:, :, start:stop], lse[:, :, start:stop],
             0.0, False, attn_mask=mask, scale=s)
@@ -514,6 +653,36 @@ def _fused_blocks_backward(spec, s, rows, q, k, v, out, lse, dout, d_leaves):
         dv += dv_b
         del mask, dq_b, dk_b, dv_b  # one block's term alive at a time
     return dq, dk, dv
+
+
+def _native_backward(spec, kernels, s, q, k, v, out, lse, dout, leaves, derived, d_leaves):
+    """The recompute backward with the native kernels (float32 CPU, no caller mask): blocks of query rows whose ids fit
+    :data:`NATIVE_INDEX_ELEMENTS`, each run by ``term_attention_backward`` in tiles of :data:`NATIVE_TILE_ROWS` rows of
+    one (sample, head), the term gathered, exponentiated and its gradient added back while the tile is in cache.
+    ``None`` when a part cannot be read natively (the caller then takes PyTorch ops)."""
+    bsz, heads, lq, _ = q.shape
+    lk = k.shape[-2]
+    d_grads = [torch.zeros_like(t, memory_format=torch.contiguous_format) if t.requires_grad else None for t in derived]
+    kc, vc = k.contiguous(), v.contiguous()
+    ks = kc * s
+    delta = (dout * out).sum(-1)  # rowsum(dO * O), (B, H, L)
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dk = torch.zeros_like(kc)
+    dv = torch.zeros_like(vc)
+    rows = _native_rows(spec, bsz, lk)
+    with torch.no_grad():
+        for start in range(0, lq, rows):
+            stop = min(lq, start + rows)
+            parts = _native_parts(spec, d_leaves, start, stop, lk, d_grads)
+            if parts is None:
+                return None
+            dq_b = q.new_empty(bsz, heads, stop - start, q.shape[-1])
+            kernels.term_attention_backward(
+                (q[:, :, start:stop] * s).contiguous(), kc, ks, vc, dout[:, :, start:stop].contiguous(),
+                lse[:, :, start:stop].contiguous(), delta[:, :, start:stop].contiguous(), *parts, dq_b, dk, dv, start,
+                NATIVE_TILE_ROWS)
+            dq[:, :, start:stop] = dq_b
+    return dq, dk, dv, _term_input_grads(leaves, derived, d_grads, len(leaves))
 
 
 def _accumulate_term_grads(bias: torch.Tensor, ds: torch.Tensor, d_leaves: list[torch.Tensor],
@@ -620,26 +789,28 @@ def _op_key(spec: IndexedBias) -> str | None:
         return None
     # an unnamed gradient rule is dropped: the op's backward then takes the term's gradient by autograd (same values)
     grad = _callable_key(spec.accumulate_grad) or ("", ())
-    return repr((fn, prepare, bool(spec.per_sample), grad))
+    gather = _callable_key(spec.gather) or ("", ())  # likewise an unnamed gather: PyTorch ops
+    return repr((fn, prepare, bool(spec.per_sample), grad, gather))
 
 
 @functools.cache
-def _callables_of(key: str) -> tuple[Callable[..., Any], Callable[..., Any] | None, bool, Callable[..., Any] | None]:
+def _callables_of(key: str) -> tuple[Callable[..., Any], Callable[..., Any] | None, bool, Callable[..., Any] | None,
+                                     Callable[..., Any] | None]:
     import ast
 
-    fn, prepare, per_sample, grad = ast.literal_eval(key)
+    fn, prepare, per_sample, grad, gather = ast.literal_eval(key)
 
     def build(name: str, items: tuple) -> Callable[..., Any] | None:
         if not name:
             return None
         return functools.partial(_BIAS_FUNCTIONS[name], **dict(items)) if items else _BIAS_FUNCTIONS[name]
 
-    return build(*fn), build(*prepare), per_sample, build(*grad)
+    return build(*fn), build(*prepare), per_sample, build(*grad), build(*gather)
 
 
 def _spec_of(key: str, inputs: Sequence[torch.Tensor]) -> IndexedBias:
-    fn, prepare, per_sample, grad = _callables_of(key)
-    return IndexedBias(fn, tuple(inputs), prepare, per_sample=per_sample, accumulate_grad=grad)
+    fn, prepare, per_sample, grad, gather = _callables_of(key)
+    return IndexedBias(fn, tuple(inputs), prepare, per_sample=per_sample, accumulate_grad=grad, gather=gather)
 
 
 @torch.library.custom_op("vispe::indexed_bias_attention", mutates_args=())

@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .._checks import AnyOf, Choice, Ints, Real, Seq, Str
-from .attention import bias_function
+from .attention import OffsetIds, bias_function
 from .lattice_bias import LatticePairCodes, _lattice_offset_rows, take_columns
 from .base import AttentionBiasEncoding, IndexedBias, fold_causal_mask, merge_attn_mask, register_encoding
 from .grid import PositionGrid
@@ -213,6 +213,27 @@ def _irpe_term_grad(ds, start, stop, tensors, grads, *, parts: tuple[tuple[str, 
                 gf, dsf = g.view(bsz, heads, -1), ds.to(g.dtype)
                 for n in range(bsz):
                     gf[n].index_add_(1, flat[n if flat.shape[0] > 1 else 0].reshape(-1), dsf[n].reshape(heads, -1))
+
+
+@bias_function("irpe_term_gather")  # named: the custom op of compiled training keeps the native kernels
+def _irpe_term_gather(start, stop, length, tensors, *, parts: tuple[tuple[str, str], ...], center: int, num_offsets: int):
+    """:func:`_irpe_term` for query rows ``start:stop`` as parts the native kernels read (the :attr:`IndexedBias.gather`
+    rule): per part and table, the part's tensor at each pair's bucket -- a table ``(H, nb)``, or ``z (B, H, L, nb)``
+    at the query's row (key side) or the key's (query side)."""
+    codes, lut, *_ = tensors
+    pairs = LatticePairCodes(codes.int(), center, num_offsets)
+    dev = codes.device
+    b = torch.arange(codes.shape[0], device=dev).view(-1, 1, 1, 1)
+    i = torch.arange(start, stop, device=dev).view(1, 1, -1, 1)
+    j = torch.arange(length, device=dev).view(1, 1, 1, -1)
+    out = []
+    for n, (_, side) in enumerate(parts):
+        for t in range(lut.shape[0]):
+            if side == "k":  # the bucket of each pair's offset, looked up by the kernels from the codes
+                out.append((2 + n, OffsetIds(codes[:, start:stop], codes[:, :length], center, num_offsets, lut[t]), False))
+            else:  # read at the key's row: explicit buckets of the (key, query) pairs
+                out.append((2 + n, _bucket_of(lut[t], pairs.pair_ids(b, j, i))[:, 0], True))
+    return out
 
 
 @bias_function("irpe_prepare")  # named: compiled training runs the term as a custom op
@@ -453,8 +474,10 @@ class IRPE(AttentionBiasEncoding):
         tiles = {k: 32 for k in ("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2")}
         grad = functools.partial(_irpe_term_grad, parts=tuple(parts), center=state.pairs.center,
                                  num_offsets=state.pairs.num_offsets)
+        gather = functools.partial(_irpe_term_gather, parts=tuple(parts), center=state.pairs.center,
+                                   num_offsets=state.pairs.num_offsets)
         return IndexedBias(fn, tuple(inputs), prepare, per_sample=self.mode == "contextual" or state.pairs.per_sample,
-                           flex_kernel_options=tiles, accumulate_grad=grad)
+                           flex_kernel_options=tiles, accumulate_grad=grad, gather=gather)
 
     def attend(self, q, k, v, *, layer=0, state=None, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
         if state is None or "v" not in self.sides or layer not in self._slot:

@@ -16,7 +16,7 @@ from typing import Sequence
 
 import torch
 
-from .attention import bias_function
+from .attention import OffsetIds, bias_function
 from .base import AttentionBiasEncoding, IndexedBias
 from .grid import PositionGrid
 
@@ -233,6 +233,14 @@ def _pair_term_grad(ds: torch.Tensor, start: int, stop: int, tensors, grads, *, 
     g.index_add_(1, ids.reshape(-1), d.reshape(g.shape[0], -1).to(g.dtype))
 
 
+@bias_function("lattice_pair_term_gather")  # named: the custom op of compiled training keeps the native kernels
+def _pair_term_gather(start: int, stop: int, length: int, tensors, *, center: int, num_offsets: int):
+    """:func:`_pair_term` for query rows ``start:stop`` as the part the native kernels read (the :attr:`IndexedBias.gather`
+    rule): the table ``(H, U + 1)`` at each pair's offset id, given by the tokens' codes."""
+    table, codes = tensors
+    return [(0, OffsetIds(codes[:, start:stop], codes[:, :length], center, num_offsets), False)]
+
+
 def take_columns(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """``table[:, ids[:, 0]]`` as ``(B|1, H, rows, L)`` for a ``(H, C)`` table and ids ``(B|1, 1, rows, L)``: every head at
     once through ``index_select`` on the columns, whose backward is one ``index_add`` (advanced indexing's backward,
@@ -329,4 +337,5 @@ class LatticeOffsetBias(AttentionBiasEncoding):
             functools.partial(_pair_term, center=pairs.center, num_offsets=pairs.num_offsets),
             (values, pairs.codes), per_sample=pairs.per_sample,
             accumulate_grad=functools.partial(_pair_term_grad, center=pairs.center, num_offsets=pairs.num_offsets),
+            gather=functools.partial(_pair_term_gather, center=pairs.center, num_offsets=pairs.num_offsets),
         )

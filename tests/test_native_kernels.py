@@ -1,0 +1,184 @@
+"""The native CPU kernels of the blocked attention path (vispe/encodings/csrc/indexed_term.cpp): for every bias encoding
+(the registry's ``kind == 'bias'`` names) and the option sets that change what the term reads, a float32 training step
+on the native forward and backward equals the float64 dense ``attn_mask`` oracle -- outputs and the gradients of q, k,
+v and the encoding's parameters -- with prefix tokens and after patch dropout, over several blocks and partial tiles; the
+native path is really taken, also inside a compiled graph, and ``VISPE_NATIVE_KERNELS=0`` switches it off.
+
+The kernels are compiled on first use; where no C++ compiler is available the tests skip and say so.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import vispe
+from bias_checks import attention_inputs
+from vispe.encodings import EncodingContext, PositionGrid, create_encoding, get_encoding_class
+from vispe.encodings import attention as attention_module
+from vispe.encodings import native
+
+BIAS = vispe.list_encodings(kind="bias")
+VARIANTS = [(n, {}) for n in BIAS] + [
+    ("irpe", {"mode": "bias", "sides": "qk", "shared_head": False, "method": "cross"}),
+    ("irpe", {"mode": "contextual", "sides": "qk", "method": "euclidean"}),
+    ("fire", {"distance": "axial", "share_layers": True}),
+]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    built = native.indexed_term_kernels()
+    if built is None:
+        pytest.skip("the native kernels could not be built here (no C++ compiler?); the PyTorch-ops path is tested elsewhere")
+    return built
+
+
+@pytest.fixture
+def spy(kernels, monkeypatch):
+    """Counts the kernel calls; small tiles and blocks so a short sequence spans several of each, with partial ones."""
+    calls = {"forward": 0, "backward": 0, "gather": 0}
+
+    class Counting:
+        def term_attention_forward(self, *args):
+            calls["forward"] += 1
+            return kernels.term_attention_forward(*args)
+
+        def term_attention_backward(self, *args):
+            calls["backward"] += 1
+            return kernels.term_attention_backward(*args)
+
+        def gather_term(self, *args):
+            calls["gather"] += 1
+            return kernels.gather_term(*args)
+
+    monkeypatch.setitem(native._STATE, "module", Counting())
+    monkeypatch.setattr(attention_module, "NATIVE_TILE_ROWS", 4)
+    monkeypatch.setattr(attention_module, "NATIVE_INDEX_ELEMENTS", 64)
+    monkeypatch.setattr(attention_module, "NATIVE_MIN_KEYS", 0)  # every path native, whatever the length
+    return calls
+
+
+def _grid_shape(name: str) -> tuple[int, ...]:
+    return (3, 4) if 2 in get_encoding_class(name).grid_ndims else (2, 2, 3)
+
+
+def _encoding(name: str, options: dict, prefix: int) -> torch.nn.Module:
+    shape = _grid_shape(name)
+    ctx = EncodingContext(dim=16, num_heads=2, depth=2, grid_size=shape, num_prefix_tokens=prefix)
+    enc = create_encoding(name, ctx, **options).double().train()
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for p in enc.parameters():  # zero-initialised tables would hide a wrong gather
+            p.add_(torch.randn_like(p) * 0.3)
+    return enc
+
+
+def _step(enc, grid, tensors, dtype, backend, compiled=False):
+    enc = enc.to(dtype)
+    enc.zero_grad(set_to_none=True)
+    q, k, v, w = (t.to(dtype) for t in tensors)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    state = enc.prepare(grid)
+    if grid.keep is not None:
+        state = enc.keep_tokens(state, grid)
+    enc.set_attention_backend(backend)
+
+    def attend(q_, k_, v_):
+        return enc.attend(q_, k_, v_, layer=1, state=state)
+
+    out = (torch.compile(attend, fullgraph=True, backend="aot_eager") if compiled else attend)(*leaves)
+    (out * w).sum().backward()
+    grads = [t.grad for t in leaves] + [None if p.grad is None else p.grad.clone() for p in enc.parameters()]
+    return out.detach().double(), [None if g is None else g.double() for g in grads]
+
+
+def _assert_equal_to_oracle(got, want):
+    out, grads = got
+    out_d, grads_d = want
+    tol = dict(atol=2e-5, rtol=2e-4)  # float32 against the float64 oracle
+    torch.testing.assert_close(out, out_d, **tol)
+    for i, (a, b) in enumerate(zip(grads, grads_d)):
+        if b is None or b.abs().sum() == 0:
+            assert a is None or a.abs().sum() == 0, f"gradient {i} should be zero"
+        else:
+            torch.testing.assert_close(a, b, **tol, msg=lambda m, i=i: f"gradient {i}: {m}")
+
+
+@pytest.mark.parametrize("prefix", [0, 1, 3], ids=["no_prefix", "cls", "cls_registers"])
+@pytest.mark.parametrize("dropout", [False, True], ids=["all_tokens", "patch_dropout"])
+@pytest.mark.parametrize("name, options", VARIANTS, ids=[f"{n}{o or ''}" for n, o in VARIANTS])
+def test_native_training_step_equals_the_dense_oracle(spy, name, options, dropout, prefix):
+    enc = _encoding(name, options, prefix)
+    grid, tensors = attention_inputs(PositionGrid(_grid_shape(name), prefix), dropout, 7)
+    want = _step(enc, grid, tensors, torch.float64, "dense")
+    assert spy == {"forward": 0, "backward": 0, "gather": 0}  # float64 and the dense path stay in PyTorch ops
+    got = _step(enc, grid, tensors, torch.float32, "blocked")
+    blocks = -(-tensors[0].shape[2] // 4)  # NATIVE_INDEX_ELEMENTS = 64 over >= 13 keys: 4 rows (one tile) a block
+    assert spy["forward"] >= blocks - 1 and spy["backward"] >= blocks - 1, spy
+    _assert_equal_to_oracle(got, want)
+
+
+@pytest.mark.parametrize("name", ["fire", "irpe"])
+def test_native_path_runs_inside_a_compiled_graph(spy, name):
+    """Compiled training calls the blocked path as the custom ops vispe::indexed_bias_attention(_backward), whose
+    kernels are the native ones: same values as the oracle, kernels called."""
+    enc = _encoding(name, {}, 1)
+    grid, tensors = attention_inputs(PositionGrid(_grid_shape(name), 1), False, 7)
+    want = _step(enc, grid, tensors, torch.float64, "dense")
+    got = _step(enc, grid, tensors, torch.float32, "blocked", compiled=True)
+    assert spy["forward"] > 0 and spy["backward"] > 0, spy
+    _assert_equal_to_oracle(got, want)
+
+
+@pytest.mark.parametrize("name, backward", [("fire", True), ("irpe", True), ("alibi_2d", False)])
+def test_short_sequences_keep_the_fused_flash_kernels_unless_a_term_gradient_is_needed(spy, monkeypatch, name, backward):
+    """Below NATIVE_MIN_KEYS the forward (and the backward of a term without parameters) stays on PyTorch's fused flash
+    kernels; a learnable term's backward is native at any length."""
+    monkeypatch.setattr(attention_module, "NATIVE_MIN_KEYS", 1000)
+    enc = _encoding(name, {}, 1)
+    grid, tensors = attention_inputs(PositionGrid(_grid_shape(name), 1), False, 7)
+    want = _step(enc, grid, tensors, torch.float64, "dense")
+    got = _step(enc, grid, tensors, torch.float32, "blocked")
+    assert spy["forward"] == 0 and (spy["backward"] > 0) == backward, spy
+    _assert_equal_to_oracle(got, want)
+
+
+def test_switched_off_by_the_environment(spy, monkeypatch):
+    monkeypatch.setenv(native.NATIVE_KERNELS_ENV, "0")
+    assert native.indexed_term_kernels() is None
+    enc = _encoding("fire", {}, 1)
+    grid, tensors = attention_inputs(PositionGrid((3, 4), 1), False, 7)
+    want = _step(enc, grid, tensors, torch.float64, "dense")
+    got = _step(enc, grid, tensors, torch.float32, "blocked")
+    assert spy == {"forward": 0, "backward": 0, "gather": 0}
+    _assert_equal_to_oracle(got, want)
+
+
+def test_kernels_reject_bad_blocks_with_a_clear_error(kernels):
+    q = torch.zeros(1, 1, 4, 8)
+    k = torch.zeros(1, 1, 5, 8)
+    out, lse = torch.empty(1, 1, 4, 8), torch.empty(1, 1, 4)
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        kernels.term_attention_forward(q.double(), k, k, [], [], [], [], [], [], out, lse, 0, 4)
+    with pytest.raises(RuntimeError, match="one table, gradient, index"):
+        kernels.term_attention_forward(q, k, k, [torch.zeros(1, 3)], [], [], [], [], [], out, lse, 0, 4)
+    bad_ids = torch.zeros(1, 3, 5, dtype=torch.int32)  # 3 rows for a 4-row block
+    ints = [0, 3, 0, 0, 0, 0, 0, 0, 0]
+    none = torch.empty(0, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=r"ids: contiguous int32 \(B\|1, rows, L\)"):
+        kernels.term_attention_forward(q, k, k, [torch.zeros(1, 3)], [bad_ids], [none], [none], [none], ints, out, lse, 0, 4)
+
+
+def test_exp_and_softmax_of_the_forward_match_torch(kernels):
+    """The forward's exp polynomial and log-sum-exp over a wide logit range (no term): torch's softmax to float32
+    rounding, including rows whose logits span ~80 (weights down at exp(-80))."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 3, 37, 16, generator=g) * 3.0
+    k = torch.randn(2, 3, 41, 16, generator=g) * 3.0
+    v = torch.randn(2, 3, 41, 16, generator=g)
+    out, lse = torch.empty(2, 3, 37, 16), torch.empty(2, 3, 37)
+    kernels.term_attention_forward(q, k, v, [], [], [], [], [], [], out, lse, 0, 8)
+    logits = q.double() @ k.double().transpose(-1, -2)
+    assert logits.amax(-1).sub(logits.amin(-1)).max() > 60
+    torch.testing.assert_close(lse.double(), torch.logsumexp(logits, -1), atol=1e-4, rtol=1e-6)
+    torch.testing.assert_close(out.double(), torch.softmax(logits, -1) @ v.double(), atol=1e-5, rtol=1e-5)

@@ -1,0 +1,54 @@
+"""Native CPU kernels for attention terms read from tables by index (``csrc/indexed_term.cpp``), built on first use.
+
+The blocked attention path (:mod:`vispe.encodings.attention`) builds a bias term block by block. In PyTorch ops each
+block costs several passes over its ``(B, H, rows, L)`` logits: the pair ids, the gather from the table, the add,
+``exp``, and in backward the multiply, the batch sum and the ``index_add`` onto the table. These kernels do the
+gather (with the add and ``exp``) and the scatter (with the multiply and the batch sum) in one pass each.
+
+They are compiled for this machine the first time a float32 CPU training step needs them
+(``torch.utils.cpp_extension.load``: a C++ compiler, ~30 s once, then cached in ``TORCH_EXTENSIONS_DIR``); with no
+compiler, or with ``VISPE_NATIVE_KERNELS=0``, the same path runs in PyTorch ops (same values, slower).
+"""
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+__all__ = ["NATIVE_KERNELS_ENV", "indexed_term_kernels"]
+
+#: environment switch: ``0`` keeps the PyTorch-ops path (no compiler needed)
+NATIVE_KERNELS_ENV = "VISPE_NATIVE_KERNELS"
+_SOURCE = Path(__file__).with_name("csrc") / "indexed_term.cpp"
+_LOCK = threading.Lock()
+_STATE: dict[str, ModuleType | None] = {}
+
+
+def indexed_term_kernels() -> ModuleType | None:
+    """The compiled kernels (``gather_term``, ``scatter_term``), or ``None`` when they are switched off or cannot be
+    built (a warning says why, once per process)."""
+    if os.environ.get(NATIVE_KERNELS_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    if "module" in _STATE:
+        return _STATE["module"]
+    with _LOCK:
+        if "module" not in _STATE:
+            _STATE["module"] = _build()
+    return _STATE["module"]
+
+
+def _build() -> ModuleType | None:
+    from torch.utils.cpp_extension import load
+
+    try:
+        # -march=native: the gathers and the exp polynomial vectorise for this CPU (the module is built where it runs)
+        return load(name="vispe_indexed_term", sources=[str(_SOURCE)], extra_cflags=["-O3", "-march=native"],
+                    verbose=False)
+    except Exception as err:  # no compiler, no headers, unsupported flags: PyTorch ops instead
+        warnings.warn(
+            f"vispe: the native attention-term kernels could not be built ({type(err).__name__}: {err}); the blocked "
+            f"attention path uses PyTorch ops instead (same values, slower). Set {NATIVE_KERNELS_ENV}=0 to skip the build.",
+            RuntimeWarning, stacklevel=3)
+        return None
