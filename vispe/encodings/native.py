@@ -6,8 +6,9 @@ block costs several passes over its ``(B, H, rows, L)`` logits: the pair ids, th
 gather (with the add and ``exp``) and the scatter (with the multiply and the batch sum) in one pass each.
 
 They are compiled for this machine the first time a float32 CPU training step needs them
-(``torch.utils.cpp_extension.load``: a C++ compiler, ~30 s once, then cached in ``TORCH_EXTENSIONS_DIR``); with no
-compiler, or with ``VISPE_NATIVE_KERNELS=0``, the same path runs in PyTorch ops (same values, slower).
+(``torch.utils.cpp_extension.load``: a C++ compiler and ninja, which the ``train`` extra installs; ~35 s once, then
+cached in ``TORCH_EXTENSIONS_DIR``); without them, or with ``VISPE_NATIVE_KERNELS=0``, the same path runs in PyTorch
+ops (same values, slower).
 """
 from __future__ import annotations
 
@@ -40,13 +41,13 @@ def indexed_term_kernels() -> ModuleType | None:
 
 
 def _build() -> ModuleType | None:
-    from torch.utils.cpp_extension import load
-
     try:
+        from torch.utils.cpp_extension import load  # needs setuptools; the build needs ninja and a C++ compiler
+
         # -march=native: the gathers and the exp polynomial vectorise for this CPU (the module is built where it runs)
         return load(name="vispe_indexed_term", sources=[str(_SOURCE)], extra_cflags=["-O3", "-march=native"],
                     verbose=False)
-    except Exception as err:  # no compiler, no headers, unsupported flags: PyTorch ops instead
+    except Exception as err:  # no compiler, ninja or headers, unsupported flags: PyTorch ops instead
         warnings.warn(
             f"vispe: the native attention-term kernels could not be built ({type(err).__name__}: {err}); the blocked "
             f"attention path uses PyTorch ops instead (same values, slower). Set {NATIVE_KERNELS_ENV}=0 to skip the build.",
