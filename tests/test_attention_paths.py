@@ -13,8 +13,8 @@ import timm
 import torch
 
 import vispe
-from bias_checks import attention_inputs
-from vispe.encodings import EncodingContext, PositionGrid, create_encoding, get_encoding_class
+from bias_checks import attention_inputs, bias_encoding, bias_grid_shape
+from vispe.encodings import EncodingContext, PositionGrid, create_encoding
 from vispe.encodings.lattice_bias import LatticePairCodes, lattice_offsets
 from vispe.encodings.attention import _blocked_traceable, resolve_attention_backend
 from vispe.encodings.irpe import irpe_bucket_ids
@@ -27,21 +27,6 @@ VARIANTS = [(n, {}) for n in BIAS] + [
     ("fire", {"distance": "axial", "share_layers": True}),
 ]
 TOL = dict(atol=1e-5, rtol=1e-5)
-
-
-def _grid_shape(name: str) -> tuple[int, ...]:
-    return (3, 4) if 2 in get_encoding_class(name).grid_ndims else (2, 2, 3)
-
-
-def _encoding(name: str, options: dict, prefix: int) -> torch.nn.Module:
-    shape = _grid_shape(name)
-    ctx = EncodingContext(dim=16, num_heads=2, depth=2, grid_size=shape, num_prefix_tokens=prefix)
-    enc = create_encoding(name, ctx, **options).double().train()
-    torch.manual_seed(3)
-    with torch.no_grad():
-        for p in enc.parameters():  # zero-initialised tables would hide a wrong gather
-            p.add_(torch.randn_like(p) * 0.3)
-    return enc
 
 
 def _run(enc, grid, q, k, v, w, path: str, mask=None, causal=False):
@@ -65,8 +50,8 @@ def _run(enc, grid, q, k, v, w, path: str, mask=None, causal=False):
 @pytest.mark.parametrize("dropout", [False, True], ids=["all_tokens", "patch_dropout"])
 @pytest.mark.parametrize("name, options", VARIANTS, ids=[f"{n}{o or ''}" for n, o in VARIANTS])
 def test_blocked_paths_equal_the_dense_mask(name, options, dropout, prefix):
-    enc = _encoding(name, options, prefix)
-    grid, (q, k, v, w) = attention_inputs(PositionGrid(_grid_shape(name), prefix), dropout, 7)
+    enc = bias_encoding(name, options, prefix)
+    grid, (q, k, v, w) = attention_inputs(PositionGrid(bias_grid_shape(name), prefix), dropout, 7)
     out_d, grads_d = _run(enc, grid, q, k, v, w, "dense")
     assert any(gd is not None and gd.abs().sum() > 0 for gd in grads_d[3:]) or not list(enc.parameters())
     for path in ("blocked", "traceable"):
@@ -81,7 +66,7 @@ def test_blocked_paths_equal_the_dense_mask(name, options, dropout, prefix):
 
 @pytest.mark.parametrize("mask_kind, causal", [("bool", False), ("float", True), (None, True)])
 def test_blocked_path_with_a_callers_mask_and_causal(mask_kind, causal):
-    enc = _encoding("fire", {}, 1)
+    enc = bias_encoding("fire", {}, 1)
     grid = PositionGrid((3, 4), 1)
     g = torch.Generator().manual_seed(4)
     q, k, v, w = (torch.randn(2, 2, grid.seq_len, 8, generator=g, dtype=torch.float64) for _ in range(4))
@@ -162,8 +147,8 @@ def test_blocked_training_keeps_no_square_tensor(name):
     reason="torch 2.15 CPU inductor: FlexAttention's C++ template fails to compile a score_mod that gathers a per-query "
     "(B, H, L, buckets) tensor (cur_kvSplitSize undeclared); 'auto' never picks flex on CPU", strict=False))])
 def test_flex_attention_inference_equals_the_dense_mask(name):
-    enc = _encoding(name, {}, 1).float().eval()
-    grid = PositionGrid(_grid_shape(name), 1)
+    enc = bias_encoding(name, {}, 1).float().eval()
+    grid = PositionGrid(bias_grid_shape(name), 1)
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(2, 2, grid.seq_len, 8, generator=g) for _ in range(3))
     state = enc.prepare(grid)
@@ -239,8 +224,8 @@ def test_compiled_training_runs_the_custom_op_and_equals_the_dense_mask(name, op
     """``torch.compile(fullgraph=True)`` of a training step on the blocked path calls ``vispe::indexed_bias_attention``
     (forward) and its backward op; outputs and the gradients of q, k, v and the encoding's parameters equal the dense
     oracle's; a second step reuses the graph (the op's key is stable across calls)."""
-    enc = _encoding(name, options, 1)
-    grid, (q, k, v, w) = attention_inputs(PositionGrid(_grid_shape(name), 1), dropout, 7)
+    enc = bias_encoding(name, options, 1)
+    grid, (q, k, v, w) = attention_inputs(PositionGrid(bias_grid_shape(name), 1), dropout, 7)
 
     def step(q, k, v):
         state = enc.prepare(grid)
@@ -278,8 +263,8 @@ def _op_arguments(name: str, options: dict):
     """The custom op's arguments for one layer of ``name``: ``(q, k, v, inputs, key, scale, rows, fused_rows)``."""
     from vispe.encodings.attention import _op_key
 
-    enc = _encoding(name, options, 1)
-    grid = PositionGrid(_grid_shape(name), 1)
+    enc = bias_encoding(name, options, 1)
+    grid = PositionGrid(bias_grid_shape(name), 1)
     g = torch.Generator().manual_seed(6)
     # (B, L, H, D) memory seen as (B, H, L, D), as a ViT's q, k, v are: the fake kernels must not copy the layout
     q, k, v = (torch.randn(2, grid.seq_len, 2, 8, generator=g, dtype=torch.float64).transpose(1, 2).requires_grad_()

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import vispe
-from bias_checks import attention_inputs
-from vispe.encodings import EncodingContext, PositionGrid, create_encoding, get_encoding_class
+from bias_checks import attention_inputs, bias_encoding, bias_grid_shape
+from vispe.encodings import PositionGrid
 from vispe.encodings import attention as attention_module
 from vispe.encodings import native
 
@@ -58,21 +58,6 @@ def spy(kernels, monkeypatch):
     return calls
 
 
-def _grid_shape(name: str) -> tuple[int, ...]:
-    return (3, 4) if 2 in get_encoding_class(name).grid_ndims else (2, 2, 3)
-
-
-def _encoding(name: str, options: dict, prefix: int) -> torch.nn.Module:
-    shape = _grid_shape(name)
-    ctx = EncodingContext(dim=16, num_heads=2, depth=2, grid_size=shape, num_prefix_tokens=prefix)
-    enc = create_encoding(name, ctx, **options).double().train()
-    torch.manual_seed(3)
-    with torch.no_grad():
-        for p in enc.parameters():  # zero-initialised tables would hide a wrong gather
-            p.add_(torch.randn_like(p) * 0.3)
-    return enc
-
-
 def _step(enc, grid, tensors, dtype, backend, compiled=False):
     enc = enc.to(dtype)
     enc.zero_grad(set_to_none=True)
@@ -108,8 +93,8 @@ def _assert_equal_to_oracle(got, want):
 @pytest.mark.parametrize("dropout", [False, True], ids=["all_tokens", "patch_dropout"])
 @pytest.mark.parametrize("name, options", VARIANTS, ids=[f"{n}{o or ''}" for n, o in VARIANTS])
 def test_native_training_step_equals_the_dense_oracle(spy, name, options, dropout, prefix):
-    enc = _encoding(name, options, prefix)
-    grid, tensors = attention_inputs(PositionGrid(_grid_shape(name), prefix), dropout, 7)
+    enc = bias_encoding(name, options, prefix)
+    grid, tensors = attention_inputs(PositionGrid(bias_grid_shape(name), prefix), dropout, 7)
     want = _step(enc, grid, tensors, torch.float64, "dense")
     assert spy == {"forward": 0, "backward": 0, "gather": 0}  # float64 and the dense path stay in PyTorch ops
     got = _step(enc, grid, tensors, torch.float32, "blocked")
@@ -122,8 +107,8 @@ def test_native_training_step_equals_the_dense_oracle(spy, name, options, dropou
 def test_native_path_runs_inside_a_compiled_graph(spy, name):
     """Compiled training calls the blocked path as the custom ops vispe::indexed_bias_attention(_backward), whose
     kernels are the native ones: same values as the oracle, kernels called."""
-    enc = _encoding(name, {}, 1)
-    grid, tensors = attention_inputs(PositionGrid(_grid_shape(name), 1), False, 7)
+    enc = bias_encoding(name, {}, 1)
+    grid, tensors = attention_inputs(PositionGrid(bias_grid_shape(name), 1), False, 7)
     want = _step(enc, grid, tensors, torch.float64, "dense")
     got = _step(enc, grid, tensors, torch.float32, "blocked", compiled=True)
     assert spy["forward"] > 0 and spy["backward"] > 0, spy
@@ -135,8 +120,8 @@ def test_short_sequences_keep_the_fused_flash_kernels_unless_a_term_gradient_is_
     """Below NATIVE_MIN_KEYS the forward (and the backward of a term without parameters) stays on PyTorch's fused flash
     kernels; a learnable term's backward is native at any length."""
     monkeypatch.setattr(attention_module, "NATIVE_MIN_KEYS", 1000)
-    enc = _encoding(name, {}, 1)
-    grid, tensors = attention_inputs(PositionGrid(_grid_shape(name), 1), False, 7)
+    enc = bias_encoding(name, {}, 1)
+    grid, tensors = attention_inputs(PositionGrid(bias_grid_shape(name), 1), False, 7)
     want = _step(enc, grid, tensors, torch.float64, "dense")
     got = _step(enc, grid, tensors, torch.float32, "blocked")
     assert spy["forward"] == 0 and (spy["backward"] > 0) == backward, spy
@@ -146,7 +131,7 @@ def test_short_sequences_keep_the_fused_flash_kernels_unless_a_term_gradient_is_
 def test_switched_off_by_the_environment(spy, monkeypatch):
     monkeypatch.setenv(native.NATIVE_KERNELS_ENV, "0")
     assert native.indexed_term_kernels() is None
-    enc = _encoding("fire", {}, 1)
+    enc = bias_encoding("fire", {}, 1)
     grid, tensors = attention_inputs(PositionGrid((3, 4), 1), False, 7)
     want = _step(enc, grid, tensors, torch.float64, "dense")
     got = _step(enc, grid, tensors, torch.float32, "blocked")

@@ -527,10 +527,6 @@ def _blocked_backward(spec: IndexedBias, s: float, rows: tuple[int, int], attn_m
         derived = spec.tensors(leaves)
     # the term's own leaves: gradients per block land here, then go back through prepare once
     d_leaves = [t.detach().requires_grad_(t.requires_grad) for t in derived]
-    d_grads: list[torch.Tensor | None] = [None] * len(derived)
-    direct = any_grad and spec.accumulate_grad is not None  # the term's gradient by its own rule, no autograd
-    if direct:
-        d_grads = [torch.zeros_like(t, memory_format=torch.contiguous_format) if t.requires_grad else None for t in derived]
     kernels = _native_kernels(spec, q, attn_mask, is_causal)
     if lse is not None and kernels is not None and (any_grad or lk >= NATIVE_MIN_KEYS):
         native = _native_backward(spec, kernels, s, q, k, v, out, lse, dout, leaves, derived, d_leaves)
@@ -539,6 +535,10 @@ def _blocked_backward(spec: IndexedBias, s: float, rows: tuple[int, int], attn_m
     if lse is not None and not any_grad:
         return (*_fused_blocks_backward(spec, kernels, s, rows[1], q, k, v, out, lse, dout.contiguous(), d_leaves),
                 [None] * len(inputs))
+    d_grads: list[torch.Tensor | None] = [None] * len(derived)
+    direct = any_grad and spec.accumulate_grad is not None  # the term's gradient by its own rule, no autograd
+    if direct:
+        d_grads = [torch.zeros_like(t, memory_format=torch.contiguous_format) if t.requires_grad else None for t in derived]
     dt = torch.promote_types(q.dtype, torch.float32)  # bf16/fp16 inputs: recompute in float32
     # contiguous once: q, k, v are views of the qkv projection, and a per-block matmul against a strided k^T
     # would copy it in every block
