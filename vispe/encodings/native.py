@@ -6,9 +6,9 @@ block costs several passes over its ``(B, H, rows, L)`` logits: the pair ids, th
 gather (with the add and ``exp``) and the scatter (with the multiply and the batch sum) in one pass each.
 
 They are compiled for this machine the first time a float32 CPU training step needs them
-(``torch.utils.cpp_extension.load``: a C++ compiler and ninja, which the ``train`` extra installs; ~35 s once, then
-cached in ``TORCH_EXTENSIONS_DIR``); without them, or with ``VISPE_NATIVE_KERNELS=0``, the same path runs in PyTorch
-ops (same values, slower).
+(``torch.utils.cpp_extension.load``: a C++ compiler and ninja, which the ``train`` extra installs; ~35-50 s once, then
+cached in ``TORCH_EXTENSIONS_DIR`` per CPU capability); without them, or with ``VISPE_NATIVE_KERNELS=0``, the same
+path runs in PyTorch ops (same values, slower).
 """
 from __future__ import annotations
 
@@ -40,12 +40,23 @@ def indexed_term_kernels() -> ModuleType | None:
     return _STATE["module"]
 
 
+#: compiler flags per CPU capability that PyTorch reports: the gathers and the exp polynomial vectorise with them
+_CAPABILITY_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"],
+    "AVX2": ["-mavx2", "-mfma"],
+}
+
+
 def _build() -> ModuleType | None:
     try:
+        import torch
         from torch.utils.cpp_extension import load  # needs setuptools; the build needs ninja and a C++ compiler
 
-        # -march=native: the gathers and the exp polynomial vectorise for this CPU (the module is built where it runs)
-        return load(name="vispe_indexed_term", sources=[str(_SOURCE)], extra_cflags=["-O3", "-march=native"],
+        # named and flagged by the CPU capability, not -march=native: a build cache shared by machines with different
+        # CPUs (a cluster's home directory) then never hands one a module with instructions it lacks
+        capability = torch.backends.cpu.get_cpu_capability()
+        flags = _CAPABILITY_FLAGS.get(capability, [])
+        return load(name=f"vispe_indexed_term_{capability.lower()}", sources=[str(_SOURCE)], extra_cflags=["-O3", *flags],
                     verbose=False)
     except Exception as err:  # no compiler, ninja or headers, unsupported flags: PyTorch ops instead
         warnings.warn(
