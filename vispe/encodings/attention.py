@@ -367,9 +367,10 @@ NATIVE_TILE_ROWS = 64
 #: the most index entries (int32) one block of the native backward builds per term part (4 MiB)
 NATIVE_INDEX_ELEMENTS = 1 << 20
 #: fewest keys for which the native kernels replace PyTorch's fused flash kernels (forward, and the backward of a term
-#: without a gradient): one layer on this project's CPU (ViT-S/16 heads, batch 2, one thread) measured them equal at
-#: 577 keys, ~15 % faster at 1,025 and ~25 % slower at 197, where per-tile calls dominate. A term's gradient always
-#: takes them: its alternative is a recompute in PyTorch ops (20-25 % slower at every size measured)
+#: without a gradient): one layer on this project's CPU (ViT-S/16 heads, batch 2, one thread) measured the native
+#: forward about equal at 577 keys, 2-15 % faster at 1,025 and 25-30 % slower at 197, where per-tile calls dominate. A
+#: term's gradient always takes them: its alternative, a recompute in PyTorch ops, made the layer's forward + backward
+#: 12-37 % slower from 197 to 1,025 keys
 NATIVE_MIN_KEYS = 768
 
 
