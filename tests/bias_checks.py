@@ -23,10 +23,10 @@ def bias_grid_shape(name: str) -> tuple[int, ...]:
     return (3, 4) if 2 in get_encoding_class(name).grid_ndims else (2, 2, 3)
 
 
-def bias_encoding(name: str, options: dict, prefix: int) -> torch.nn.Module:
-    """The encoding in float64 training mode on :func:`bias_grid_shape` (2 heads, 2 blocks), its parameters moved off
-    their initial values (zero-initialised tables would hide a wrong gather)."""
-    shape = bias_grid_shape(name)
+def bias_encoding(name: str, options: dict, prefix: int, shape: tuple[int, ...] | None = None) -> torch.nn.Module:
+    """The encoding in float64 training mode on ``shape`` (default :func:`bias_grid_shape`; 2 heads, 2 blocks), its
+    parameters moved off their initial values (zero-initialised tables would hide a wrong gather)."""
+    shape = shape or bias_grid_shape(name)
     ctx = EncodingContext(dim=16, num_heads=2, depth=2, grid_size=shape, num_prefix_tokens=prefix)
     enc = create_encoding(name, ctx, **options).double().train()
     torch.manual_seed(3)

@@ -103,6 +103,81 @@ def test_native_training_step_equals_the_dense_oracle(spy, name, options, dropou
     _assert_equal_to_oracle(got, want)
 
 
+@pytest.mark.parametrize("prefix", [0, 2], ids=["no_prefix", "prefix"])
+@pytest.mark.parametrize("dropout", [False, True], ids=["all_tokens", "patch_dropout"])
+@pytest.mark.parametrize(
+    "options, shape",
+    [({"ratio": 0.5}, (8, 9)), ({}, (20, 20)), ({"method": "cross", "sides": "qk"}, (6, 7)), ({"mode": "bias"}, (20, 20))],
+    ids=["product_r0.5", "product_default", "cross_qk", "bias_mode"],
+)
+def test_irpe_bucket_row_templates_equal_the_dense_oracle(spy, options, shape, dropout, prefix):
+    """On grids where the distinct rows of iRPE's bucket lookup (one per row bucket) hold at most 3/4 as many entries as
+    there are keys, the kernels read the buckets through per-query templates: equal to the oracle over whole and
+    partial lattice rows (patch dropout keeps all but 3 patches), with prefix tokens."""
+    enc = bias_encoding("irpe", options, prefix, shape)
+    kept = shape[0] * shape[1] - 3
+    grid, tensors = attention_inputs(PositionGrid(shape, prefix), dropout, kept)
+    state = enc.prepare(PositionGrid(shape, prefix))
+    span = state.pairs.span
+    assert span == 2 * shape[1] - 1
+    rows = state.lut[-1, :-1].view(-1, span)  # the column table of 'cross'; the product table otherwise
+    assert 4 * rows.unique(dim=0).numel() <= 3 * tensors[0].shape[2]  # the templates' condition holds for this grid
+    want = _step(enc, grid, tensors, torch.float64, "dense")
+    got = _step(enc, grid, tensors, torch.float32, "blocked")
+    assert spy["forward"] > 0 and spy["backward"] > 0, spy
+    _assert_equal_to_oracle(got, want)
+
+
+@pytest.mark.parametrize("name", ["fire", "irpe", "alibi_2d"])
+def test_kernels_read_qkv_views_in_place(spy, name):
+    """As in a model, q, k and v are views of one (B, L, 3, H, D) projection: the kernels read them where they lie,
+    and the output comes laid out (B, L, H, D), so merging the heads is a view. Outputs and the projection's gradient
+    equal the oracle's, also for a loss whose output gradient is an expanded (stride-0) tensor."""
+    enc = bias_encoding(name, {}, 1)
+    grid = PositionGrid(bias_grid_shape(name), 1)
+    n, g = grid.seq_len, torch.Generator().manual_seed(5)
+    qkv = torch.randn(2, n, 3, 2, 8, generator=g, dtype=torch.float64)
+    weight = torch.randn(2, n, 16, generator=g, dtype=torch.float64)
+    results = []
+    for dtype, backend in ((torch.float64, "dense"), (torch.float32, "blocked")):
+        enc = enc.to(dtype)
+        enc.set_attention_backend(backend)
+        grads = []
+        for loss in ("weighted", "sum"):
+            state = enc.prepare(grid)
+            x = qkv.to(dtype).detach().requires_grad_()
+            q, k, v = x.permute(2, 0, 3, 1, 4).unbind(0)
+            out = enc.attend(q, k, v, layer=1, state=state)
+            merged = out.transpose(1, 2).reshape(2, n, 16)
+            if backend == "blocked":
+                assert merged.data_ptr() == out.data_ptr() and out.transpose(1, 2).is_contiguous()
+            (merged * weight.to(dtype) if loss == "weighted" else merged).sum().backward()
+            grads.append(x.grad.double())
+        results.append((out.detach().double(), grads))
+    assert spy["forward"] > 0 and spy["backward"] > 0, spy
+    _assert_equal_to_oracle(results[1], results[0])
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct_sgemm", "at_mm"])
+@pytest.mark.parametrize("name", ["fire", "irpe", "alibi_2d"])
+def test_tile_products_through_either_blas_entry(spy, kernels, name, direct):
+    """The tiles' products call the BLAS's sgemm directly where PyTorch's library exports it (MKL builds), else at::mm
+    on views of the same memory: both equal the oracle (the transposed and accumulating products of the backward
+    included)."""
+    if direct and not kernels.has_direct_blas():
+        pytest.skip("this PyTorch's BLAS exports no Fortran sgemm; the at::mm case covers the kernels")
+    enc = bias_encoding(name, {}, 1)
+    grid, tensors = attention_inputs(PositionGrid(bias_grid_shape(name), 1), True, 9)
+    want = _step(enc, grid, tensors, torch.float64, "dense")
+    kernels.set_direct_blas(direct)
+    try:
+        got = _step(enc, grid, tensors, torch.float32, "blocked")
+    finally:
+        kernels.set_direct_blas(True)
+    assert spy["forward"] > 0 and spy["backward"] > 0, spy
+    _assert_equal_to_oracle(got, want)
+
+
 @pytest.mark.parametrize("name", ["fire", "irpe"])
 def test_native_path_runs_inside_a_compiled_graph(spy, name):
     """Compiled training calls the blocked path as the custom ops vispe::indexed_bias_attention(_backward), whose
@@ -144,14 +219,25 @@ def test_kernels_reject_bad_blocks_with_a_clear_error(kernels):
     k = torch.zeros(1, 1, 5, 8)
     out, lse = torch.empty(1, 1, 4, 8), torch.empty(1, 1, 4)
     with pytest.raises(RuntimeError, match="contiguous float32"):
-        kernels.term_attention_forward(q.double(), k, k, [], [], [], [], [], [], out, lse, 0, 4)
+        kernels.term_attention_forward(q, k, k, [], [], [], [], [], [], out, lse.double(), 0, 4, 4, 1.0)
+    with pytest.raises(RuntimeError, match=r"q: float32 \(B, H, rows, D\) with contiguous rows"):
+        kernels.term_attention_forward(q.double(), k, k, [], [], [], [], [], [], out, lse, 0, 4, 4, 1.0)
+    with pytest.raises(RuntimeError, match=r"rows row0 \.\. row0 \+ R of the queries"):
+        kernels.term_attention_forward(q, k, k, [], [], [], [], [], [], out, lse, 2, 4, 4, 1.0)
     with pytest.raises(RuntimeError, match="one table, gradient, index"):
-        kernels.term_attention_forward(q, k, k, [torch.zeros(1, 3)], [], [], [], [], [], out, lse, 0, 4)
+        kernels.term_attention_forward(q, k, k, [torch.zeros(1, 3)], [], [], [], [], [], out, lse, 0, 4, 4, 1.0)
     bad_ids = torch.zeros(1, 3, 5, dtype=torch.int32)  # 3 rows for a 4-row block
-    ints = [0, 3, 0, 0, 0, 0, 0, 0, 0]
+    ints = [0, 3, 0, 0, 0, 0, 0, 0, 0, 0]
     none = torch.empty(0, dtype=torch.int32)
     with pytest.raises(RuntimeError, match=r"ids: contiguous int32 \(B\|1, rows, L\)"):
-        kernels.term_attention_forward(q, k, k, [torch.zeros(1, 3)], [bad_ids], [none], [none], [none], ints, out, lse, 0, 4)
+        kernels.term_attention_forward(q, k, k, [torch.zeros(1, 3)], [bad_ids], [none], [none], [none], ints, out, lse, 0, 4,
+                                       4, 1.0)
+    codes_q, codes_k = torch.zeros(1, 4, dtype=torch.int32), torch.zeros(1, 5, dtype=torch.int32)
+    lut = torch.zeros(10, dtype=torch.int32)  # 9 offset ids and the fill
+    ints = [0, 3, 0, 0, 0, 0, 0, 4, 9, 2]  # a span of 2 does not divide 9 offset ids
+    with pytest.raises(RuntimeError, match="lookup rows: a span that divides the offset ids"):
+        kernels.term_attention_forward(q, k, k, [torch.zeros(1, 3)], [none], [codes_q], [codes_k], [lut], ints, out, lse,
+                                       0, 4, 4, 1.0)
 
 
 def test_exp_and_softmax_of_the_forward_match_torch(kernels):
@@ -162,7 +248,7 @@ def test_exp_and_softmax_of_the_forward_match_torch(kernels):
     k = torch.randn(2, 3, 41, 16, generator=g) * 3.0
     v = torch.randn(2, 3, 41, 16, generator=g)
     out, lse = torch.empty(2, 3, 37, 16), torch.empty(2, 3, 37)
-    kernels.term_attention_forward(q, k, v, [], [], [], [], [], [], out, lse, 0, 8)
+    kernels.term_attention_forward(q, k, v, [], [], [], [], [], [], out, lse, 0, 37, 8, 1.0)
     logits = q.double() @ k.double().transpose(-1, -2)
     assert logits.amax(-1).sub(logits.amin(-1)).max() > 60
     torch.testing.assert_close(lse.double(), torch.logsumexp(logits, -1), atol=1e-4, rtol=1e-6)

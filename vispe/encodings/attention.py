@@ -367,11 +367,11 @@ NATIVE_TILE_ROWS = 64
 #: the most index entries (int32) one block of the native backward builds per term part (4 MiB)
 NATIVE_INDEX_ELEMENTS = 1 << 20
 #: fewest keys for which the native kernels replace PyTorch's fused flash kernels (forward, and the backward of a term
-#: without a gradient): one layer on this project's CPU (ViT-S/16 heads, batch 2, one thread) measured the native
-#: forward about equal at 577 keys, 2-15 % faster at 1,025 and 25-30 % slower at 197, where per-tile calls dominate. A
-#: term's gradient always takes them: its alternative, a recompute in PyTorch ops, made the layer's forward + backward
-#: 12-37 % slower from 197 to 1,025 keys
-NATIVE_MIN_KEYS = 768
+#: without a gradient): one layer on this project's CPU (ViT-S/16 heads, batch 2, one thread) measured native
+#: everywhere 4-15 % faster per forward + backward at 442 and 577 keys (ALiBi, FIRE, iRPE), mixed at 325 (FIRE 5 %
+#: slower, ALiBi 7 % faster) and its forward 5-10 % slower at 197, where per-tile calls weigh most. A term's gradient
+#: always takes them: its alternative, a recompute in PyTorch ops, made the layer 12-37 % slower from 197 to 1,025 keys
+NATIVE_MIN_KEYS = 384
 
 
 def _native_kernels(spec: IndexedBias, q: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool) -> Any:
@@ -389,13 +389,16 @@ class OffsetIds:
     """Pair ids of a lattice term for the native kernels: ``codes_q[b, r] - codes_k[b, j] + center``, or ``fill`` when
     either code is negative (a prefix token), then ``lut[id]`` if a lookup table is given (e.g. iRPE's bucket of each
     offset). Keys with consecutive codes have consecutive offset ids, which the kernels use (no index array).
-    ``codes_q``: int ``(B|1, rows)`` of the block's queries; ``codes_k``: ``(B|1, L)``; ``lut``: int ``(fill + 1,)``."""
+    ``codes_q``: int ``(B|1, rows)`` of the block's queries; ``codes_k``: ``(B|1, L)``; ``lut``: int ``(fill + 1,)``.
+    ``span``: the offsets along the lattice's last axis (``2 s - 1``) when the offset ids are row-major in them: the
+    kernels then read each distinct row of ``lut`` once per query row (0: not known)."""
 
     codes_q: torch.Tensor
     codes_k: torch.Tensor
     center: int
     fill: int
     lut: torch.Tensor | None = None
+    span: int = 0
 
 
 def _part_strides(t: torch.Tensor) -> tuple[int, int, int] | None:
@@ -410,7 +413,7 @@ def _part_strides(t: torch.Tensor) -> tuple[int, int, int] | None:
 
 def _native_parts(spec: IndexedBias, tensors: Sequence[torch.Tensor], start: int, stop: int, length: int,
                   grads: Sequence[torch.Tensor | None] | None = None) -> tuple | None:
-    """The block's parts as the kernels take them -- tables, gradients, ids, query codes, key codes, lookup tables, 9
+    """The block's parts as the kernels take them -- tables, gradients, ids, query codes, key codes, lookup tables, 10
     ints per part -- or ``None`` if one cannot be read natively."""
     none = torch.empty(0, dtype=torch.int32)
     xs, gs, idxs, cqs, cks, luts, ints = [], [], [], [], [], [], []
@@ -426,16 +429,16 @@ def _native_parts(spec: IndexedBias, tensors: Sequence[torch.Tensor], start: int
             cqs.append(index.codes_q.to(torch.int32).contiguous())
             cks.append(index.codes_k.to(torch.int32).contiguous())
             luts.append(none if index.lut is None else index.lut.to(torch.int32).contiguous())
-            center, fill = index.center, index.fill
+            center, fill, span = index.center, index.fill, index.span
         else:
             idxs.append(index.to(torch.int32).contiguous())
             cqs.append(none)
             cks.append(none)
             luts.append(none)
-            center, fill = 0, 0
+            center, fill, span = 0, 0, 0
         xs.append(x)
         gs.append(x.new_empty(0) if g is None else g)
-        ints += [*xst, *gst, int(bool(key_rows)), int(center), int(fill)]
+        ints += [*xst, *gst, int(bool(key_rows)), int(center), int(fill), int(span)]
     return xs, gs, idxs, cqs, cks, luts, ints
 
 
@@ -457,16 +460,24 @@ def _native_rows(spec: IndexedBias, bsz: int, length: int) -> int:
     return max(NATIVE_TILE_ROWS, NATIVE_INDEX_ELEMENTS // per_row // NATIVE_TILE_ROWS * NATIVE_TILE_ROWS)
 
 
+def _row_major(t: torch.Tensor) -> torch.Tensor:
+    """``t`` ``(B, H, rows, D)`` as the native kernels read it, in place where its rows are contiguous (a view of the
+    qkv projection), else a contiguous copy (e.g. an expanded gradient)."""
+    if t.stride(-1) == 1 and (t.shape[-2] == 1 or t.stride(-2) >= t.shape[-1]):
+        return t
+    return t.contiguous()
+
+
 def _native_forward(spec, kernels, s, q, k, v, inputs) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The forward with the native kernels (float32 CPU, no caller mask): the output and each row's log-sum-exp,
     computed in tiles of :data:`NATIVE_TILE_ROWS` rows of one (sample, head) with the term added in cache; ``None``
-    when a part cannot be read natively."""
+    when a part cannot be read natively. q, k and v are read where they lie (views of the qkv projection); the output
+    is laid out ``(B, L, H, Dv)`` in memory, so the attention layer's merge of the heads is a view."""
     bsz, heads, lq, _ = q.shape
     lk = k.shape[-2]
     with torch.no_grad():
         tensors = spec.tensors(inputs)
-        qs, kc, vc = (q * s).contiguous(), k.contiguous(), v.contiguous()
-        out = q.new_empty(bsz, heads, lq, v.shape[-1])
+        out = q.new_empty(bsz, lq, heads, v.shape[-1]).transpose(1, 2)
         lse = q.new_empty(bsz, heads, lq)
         rows = _native_rows(spec, bsz, lk)
         for start in range(0, lq, rows):
@@ -475,12 +486,8 @@ def _native_forward(spec, kernels, s, q, k, v, inputs) -> tuple[torch.Tensor, to
             if parts is None:
                 return None
             xs, _, *index = parts
-            out_b = q.new_empty(bsz, heads, stop - start, v.shape[-1])
-            lse_b = q.new_empty(bsz, heads, stop - start)
-            kernels.term_attention_forward(qs[:, :, start:stop].contiguous(), kc, vc, xs, *index, out_b, lse_b, start,
-                                           NATIVE_TILE_ROWS)
-            out[:, :, start:stop] = out_b
-            lse[:, :, start:stop] = lse_b
+            kernels.term_attention_forward(*(_row_major(t) for t in (q, k, v)), xs, *index, out, lse, start, stop - start,
+                                           NATIVE_TILE_ROWS, s)
     return out, lse
 
 
@@ -664,12 +671,11 @@ def _native_backward(spec, kernels, s, q, k, v, out, lse, dout, leaves, derived,
     bsz, heads, lq, _ = q.shape
     lk = k.shape[-2]
     d_grads = [torch.zeros_like(t, memory_format=torch.contiguous_format) if t.requires_grad else None for t in derived]
-    kc, vc = k.contiguous(), v.contiguous()
-    ks = kc * s
-    delta = (dout * out).sum(-1)  # rowsum(dO * O), (B, H, L)
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-    dk = torch.zeros_like(kc)
-    dv = torch.zeros_like(vc)
+    dq = torch.empty(q.shape, dtype=q.dtype)
+    dk = torch.zeros(k.shape, dtype=k.dtype)
+    dv = torch.zeros(v.shape, dtype=v.dtype)
+    lse = lse.contiguous()
+    q, k, v, out, dout = (_row_major(t) for t in (q, k, v, out, dout))
     rows = _native_rows(spec, bsz, lk)
     with torch.no_grad():
         for start in range(0, lq, rows):
@@ -677,12 +683,9 @@ def _native_backward(spec, kernels, s, q, k, v, out, lse, dout, leaves, derived,
             parts = _native_parts(spec, d_leaves, start, stop, lk, d_grads)
             if parts is None:
                 return None
-            dq_b = q.new_empty(bsz, heads, stop - start, q.shape[-1])
-            kernels.term_attention_backward(
-                (q[:, :, start:stop] * s).contiguous(), kc, ks, vc, dout[:, :, start:stop].contiguous(),
-                lse[:, :, start:stop].contiguous(), delta[:, :, start:stop].contiguous(), *parts, dq_b, dk, dv, start,
-                NATIVE_TILE_ROWS)
-            dq[:, :, start:stop] = dq_b
+            # q, k, v, out and dout read where they lie (no copies); dq written at the block's rows
+            kernels.term_attention_backward(q, k, v, out, dout, lse, *parts, dq, dk, dv, start, stop - start,
+                                            NATIVE_TILE_ROWS, s)
     return dq, dk, dv, _term_input_grads(leaves, derived, d_grads, len(leaves))
 
 

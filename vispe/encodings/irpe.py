@@ -216,10 +216,12 @@ def _irpe_term_grad(ds, start, stop, tensors, grads, *, parts: tuple[tuple[str, 
 
 
 @bias_function("irpe_term_gather")  # named: the custom op of compiled training keeps the native kernels
-def _irpe_term_gather(start, stop, length, tensors, *, parts: tuple[tuple[str, str], ...], center: int, num_offsets: int):
+def _irpe_term_gather(start, stop, length, tensors, *, parts: tuple[tuple[str, str], ...], center: int, num_offsets: int,
+                      span: int = 0):
     """:func:`_irpe_term` for query rows ``start:stop`` as parts the native kernels read (the :attr:`IndexedBias.gather`
     rule): per part and table, the part's tensor at each pair's bucket -- a table ``(H, nb)``, or ``z (B, H, L, nb)``
-    at the query's row (key side) or the key's (query side)."""
+    at the query's row (key side) or the key's (query side). ``span``: the lattice's offsets along its last axis (the
+    kernels read each distinct row of buckets once per query)."""
     codes, lut, *_ = tensors
     pairs = LatticePairCodes(codes.int(), center, num_offsets)
     dev = codes.device
@@ -230,7 +232,7 @@ def _irpe_term_gather(start, stop, length, tensors, *, parts: tuple[tuple[str, s
     for n, (_, side) in enumerate(parts):
         for t in range(lut.shape[0]):
             if side == "k":  # the bucket of each pair's offset, looked up by the kernels from the codes
-                out.append((2 + n, OffsetIds(codes[:, start:stop], codes[:, :length], center, num_offsets, lut[t]), False))
+                out.append((2 + n, OffsetIds(codes[:, start:stop], codes[:, :length], center, num_offsets, lut[t], span), False))
             else:  # read at the key's row: explicit buckets of the (key, query) pairs
                 out.append((2 + n, _bucket_of(lut[t], pairs.pair_ids(b, j, i))[:, 0], True))
     return out
@@ -475,7 +477,7 @@ class IRPE(AttentionBiasEncoding):
         grad = functools.partial(_irpe_term_grad, parts=tuple(parts), center=state.pairs.center,
                                  num_offsets=state.pairs.num_offsets)
         gather = functools.partial(_irpe_term_gather, parts=tuple(parts), center=state.pairs.center,
-                                   num_offsets=state.pairs.num_offsets)
+                                   num_offsets=state.pairs.num_offsets, span=state.pairs.span)
         return IndexedBias(fn, tuple(inputs), prepare, per_sample=self.mode == "contextual" or state.pairs.per_sample,
                            flex_kernel_options=tiles, accumulate_grad=grad, gather=gather)
 

@@ -92,11 +92,13 @@ class LatticePairCodes:
         codes: ``(1, L)`` over the whole sequence, or ``(B, n)`` per sample after patch dropout.
         center: the id of offset zero.
         num_offsets: ``U``.
+        span: the offsets along the last axis (``2 s - 1``): ids are row-major in them (0: unknown).
     """
 
     codes: torch.Tensor
     center: int
     num_offsets: int
+    span: int = 0
 
     def pair_ids(self, b: torch.Tensor, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
         """Offset ids of the pairs ``(i, j)`` of sample ``b`` (index tensors that broadcast)."""
@@ -130,7 +132,7 @@ class LatticePairCodes:
 
     def select(self, index: torch.Tensor) -> "LatticePairCodes":
         """The codes of each sample's present tokens ``index`` ``(B, n)`` (rows of the full sequence)."""
-        return LatticePairCodes(self.codes[0][index], self.center, self.num_offsets)
+        return LatticePairCodes(self.codes[0][index], self.center, self.num_offsets, self.span)
 
     @property
     def per_sample(self) -> bool:
@@ -148,7 +150,7 @@ class LatticePairCodes:
             center += (shape[a] - 1) * stride
             stride *= 2 * shape[a] - 1
         codes = torch.cat([torch.full((grid.num_prefix_tokens,), -1, dtype=torch.int64, device=codes.device), codes])
-        return LatticePairCodes(codes[None], center, stride)
+        return LatticePairCodes(codes[None], center, stride, 2 * shape[-1] - 1)
 
     def dense_ids(self) -> torch.Tensor:
         """Every pair's id: ``(L, L)``, or ``(B, n, n)`` per sample (for the dense path and tests)."""

@@ -6,14 +6,21 @@
 //   * an offset id: code_q[b?, r] - code_k[b?, j] + center, or `fill` when either code is negative (prefix tokens),
 //     optionally mapped through a lookup table (iRPE's bucket of an offset): the lattice terms. Keys with consecutive
 //     codes (a lattice row) have consecutive offset ids, so a row is a few reversed contiguous runs: no index array;
-//     without a lookup, vector loads and conflict-free vector adds.
-// gather_term builds a block's term (the forward's mask); term_attention_backward runs the recompute backward of a block
-// of query rows in tiles of one (sample, head), the logits and their gradient staying in cache between the five
-// products and the term's two passes.
+//     without a lookup, vector loads and conflict-free vector adds. Through a lookup whose offset ids come in rows
+//     (one per offset along the other axes; `span` offsets along the last), equal rows are one pattern (iRPE's
+//     product buckets: one per row bucket), so a query row first reads each pattern's `span` entries into a template,
+//     then every run reads a template as it would read the table (backward: adds into the templates, then one sum
+//     per segment of equal ids). Otherwise each key reads its id.
+// gather_term builds a block's term (the forward's mask); term_attention_forward / term_attention_backward run the
+// attention of a block of query rows in tiles of one (sample, head), the logits and their gradient staying in cache
+// between the products and the term's passes. q, k, v and the gradients are read and written where they lie.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
+#include <dlfcn.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -45,6 +52,26 @@ struct Run {
   int32_t c0;
 };
 
+// entries [start, start + len) of the patterns, one id
+struct Segment {
+  int64_t start, len;
+  int32_t id;
+};
+
+// sum of o[0, n), in 16 lanes past a few elements (vectorised without reassociating compiler flags)
+inline float segment_sum(const float* __restrict o, int64_t n) {
+  float s = 0.0f;
+  int64_t t = 0;
+  if (n >= 16) {
+    float lanes[16] = {0};
+    for (; t + 16 <= n; t += 16)
+      for (int c = 0; c < 16; ++c) lanes[c] += o[t + c];
+    for (int c = 0; c < 16; ++c) s += lanes[c];
+  }
+  for (; t < n; ++t) s += o[t];
+  return s;
+}
+
 // g[ids[j]] += o[j], j < L, in key order: neighbouring keys often share an id (iRPE's buckets), so equal neighbours
 // are summed in a register first instead of each waiting on the previous add's store
 inline void add_ids(float* g, const int32_t* ids, const float* o, int64_t L) {
@@ -71,13 +98,33 @@ struct Part {
   int64_t scq;
   std::vector<std::vector<Run>> runs;  // per code sample: the key runs
   const int32_t* lut;  // optional: the id is lut[offset id] (iRPE's bucket of an offset)
+  // templates (a lookup in rows of `span` whose distinct rows, the patterns, are small against a row of keys):
+  // offset id u reads pattern row_class[u / span] at u % span
+  int64_t span = 0;
+  std::vector<int32_t> row_class, patterns;
+  std::vector<Segment> segments;  // of equal ids within each pattern
   int64_t center, fill;
+
+  int64_t scratch() const { return span ? static_cast<int64_t>(patterns.size()) : 0; }
+
+  // a run of keys t = 0, 1, ... at offset ids u0 - t: f(t, n, entry) per stretch of n keys within one lookup row,
+  // whose template entries are entry, entry - 1, ...
+  template <class F>
+  void for_rows(int64_t u0, int64_t len, F&& f) const {
+    for (int64_t t = 0; t < len;) {
+      const int64_t u = u0 - t, row = u / span, col = u - row * span;
+      const int64_t n = std::min(len - t, col + 1);
+      f(t, n, row_class[row] * span + col);
+      t += n;
+    }
+  }
 
   // the part is shared by the batch: its gradient may take the batch's sum
   bool batch_shared(int64_t B) const { return B > 1 && sgb == 0 && sib == 0 && scq == 0 && runs.size() <= 1; }
 
   // o[j] += x[.., id(r, j)] for one row of logits of sample b, head h; `row` the block row r, `row_abs` its query index
-  void add_row(float* __restrict o, int64_t b, int64_t h, int64_t r, int64_t row_abs, int64_t L) const {
+  // `scratch`: scratch() floats of the calling thread
+  void add_row(float* __restrict o, int64_t b, int64_t h, int64_t r, int64_t row_abs, int64_t L, float* scratch) const {
     const float* xb = x + b * sxb + h * sxh;
     if (idx) {
       const int32_t* __restrict ir = idx + b * sib + r * L;
@@ -98,11 +145,23 @@ struct Part {
       for (int64_t j = 0; j < L; ++j) o[j] += z;
       return;
     }
+    if (span)  // the row's templates: one table read per segment of equal ids
+      for (const Segment& seg : segments) {
+        const float z = xr[seg.id];
+        float* __restrict d = scratch + seg.start;
+        for (int64_t t = 0; t < seg.len; ++t) d[t] = z;
+      }
     for (const Run& run : rs) {
       float* __restrict oj = o + run.j0;
       if (run.c0 < 0) {
         const float z = xr[fill_id];
         for (int64_t t = 0; t < run.len; ++t) oj[t] += z;
+      } else if (span) {
+        for_rows(ci + center - run.c0, run.len, [&](int64_t t, int64_t n, int64_t entry) {
+          const float* __restrict src = scratch + entry;
+          float* __restrict d = oj + t;
+          for (int64_t s = 0; s < n; ++s) d[s] += src[-s];
+        });
       } else if (lut) {
         const int32_t* __restrict ids = lut + (ci + center - run.c0);  // the run's ids, read downwards
         for (int64_t t = 0; t < run.len; ++t) oj[t] += xr[ids[-t]];
@@ -114,7 +173,7 @@ struct Part {
   }
 
   // g[.., id(r, j)] += o[j]
-  void scatter_row(const float* __restrict o, int64_t b, int64_t h, int64_t r, int64_t row_abs, int64_t L) const {
+  void scatter_row(const float* __restrict o, int64_t b, int64_t h, int64_t r, int64_t row_abs, int64_t L, float* scratch) const {
     float* gb = g + b * sgb + h * sgh;
     if (idx) {  // sequential adds: several keys of a row can share an entry
       const int32_t* ir = idx + b * sib + r * L;
@@ -135,13 +194,21 @@ struct Part {
       gr[fill_id] += s;
       return;
     }
+    if (span) std::fill(scratch, scratch + patterns.size(), 0.0f);
     for (const Run& run : rs) {
       const float* __restrict oj = o + run.j0;
       if (run.c0 < 0) {
         float s = 0.0f;
         for (int64_t t = 0; t < run.len; ++t) s += oj[t];
         gr[fill_id] += s;
-      } else if (lut) {  // reversed: the run's ids in increasing key order are lut[base - c0 - t]
+      } else if (span) {  // a stretch's template entries are distinct: no conflicts
+        for_rows(ci + center - run.c0, run.len, [&](int64_t t, int64_t n, int64_t entry) {
+          float* dst = scratch + entry;
+          const float* __restrict src = oj + t;
+#pragma GCC ivdep
+          for (int64_t s = 0; s < n; ++s) dst[-s] += src[s];
+        });
+      } else if (lut) {  // reversed: the run's ids in increasing key order are lut[base - t]
         const int32_t* ids = lut + (ci + center - run.c0);
         int32_t prev = ids[0];
         float acc = 0.0f;
@@ -157,6 +224,8 @@ struct Part {
         for (int64_t t = 0; t < run.len; ++t) dst[-t] += oj[t];
       }
     }
+    if (span)
+      for (const Segment& seg : segments) gr[seg.id] += segment_sum(scratch + seg.start, seg.len);
   }
 };
 
@@ -186,12 +255,12 @@ std::vector<Part> make_parts(const std::vector<torch::Tensor>& xs, const std::ve
                              const std::vector<int64_t>& ints, int64_t B, int64_t R, int64_t L) {
   const size_t n = xs.size();
   TORCH_CHECK(gs.size() == n && idxs.size() == n && cqs.size() == n && cks.size() == n && luts.size() == n &&
-                  ints.size() == 9 * n,
-              "term parts: one table, gradient, index, query codes, key codes and lookup table and 9 ints per part");
+                  ints.size() == 10 * n,
+              "term parts: one table, gradient, index, query codes, key codes and lookup table and 10 ints per part");
   std::vector<Part> parts(n);
   for (size_t p = 0; p < n; ++p) {
     Part& part = parts[p];
-    const int64_t* o = ints.data() + 9 * p;
+    const int64_t* o = ints.data() + 10 * p;
     TORCH_CHECK(xs[p].scalar_type() == torch::kFloat, "term table: float32");
     part.x = xs[p].data_ptr<float>();
     part.sxb = o[0], part.sxh = o[1], part.sxr = o[2];
@@ -221,11 +290,98 @@ std::vector<Part> make_parts(const std::vector<torch::Tensor>& xs, const std::ve
         TORCH_CHECK(luts[p].dim() == 1 && luts[p].scalar_type() == torch::kInt && luts[p].is_contiguous() &&
                     luts[p].numel() > part.fill, "lookup table: contiguous int32 over every offset id");
         part.lut = luts[p].data_ptr<int32_t>();
+        const int64_t span = o[9];
+        TORCH_CHECK(span >= 0 && (span == 0 || part.fill % span == 0), "lookup rows: a span that divides the offset ids");
+        if (span > 0) {
+          const int64_t rows = part.fill / span;
+          for (int64_t row = 0; row < rows; ++row) {
+            const int32_t* ids = part.lut + row * span;
+            int64_t k = 0;
+            const int64_t K = static_cast<int64_t>(part.patterns.size()) / span;
+            while (k < K && !std::equal(ids, ids + span, part.patterns.begin() + k * span)) ++k;
+            if (k == K) part.patterns.insert(part.patterns.end(), ids, ids + span);
+            part.row_class.push_back(static_cast<int32_t>(k));
+          }
+          // templates where their entries are at most 3/4 of a row of keys: measured on iRPE's product buckets, per-key
+          // reads were ~10 % faster with 0.96 (197 keys), equal with 0.75 (325) and slower below
+          if (4 * static_cast<int64_t>(part.patterns.size()) <= 3 * L) {
+            part.span = span;
+            for (int64_t e = 0; e < static_cast<int64_t>(part.patterns.size());) {
+              int64_t f = e + 1;
+              while (f < static_cast<int64_t>(part.patterns.size()) && f % span && part.patterns[f] == part.patterns[e]) ++f;
+              part.segments.push_back({e, f - e, part.patterns[e]});
+              e = f;
+            }
+          } else {
+            part.row_class.clear(), part.patterns.clear();
+          }
+        }
       }
       for (int64_t b = 0; b < ck.size(0); ++b) part.runs.push_back(key_runs(ck.data_ptr<int32_t>() + b * L, L));
     }
   }
   return parts;
+}
+
+// The tiles' products. A tile's products are small (64 rows), so the dispatcher and the tensor views around at::mm cost
+// a tenth of their time; where PyTorch's BLAS exports the Fortran sgemm (MKL builds on x86) it is called directly,
+// else at::mm_out / addmm_ on views of the same memory (same BLAS, same values).
+using fortran_sgemm = void (*)(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
+                               const int*, const float*, const int*, const float*, float*, const int*);
+
+fortran_sgemm find_sgemm() {
+  Dl_info info;  // the library that holds PyTorch's CPU BLAS calls
+  if (!dladdr(reinterpret_cast<void*>(&at::native::cpublas::brgemm_release), &info) || !info.dli_fname) return nullptr;
+  void* lib = dlopen(info.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
+  if (!lib) return nullptr;
+  for (const char* name : {"sgemm_", "SGEMM"})
+    if (void* f = dlsym(lib, name)) return reinterpret_cast<fortran_sgemm>(f);
+  return nullptr;
+}
+
+std::atomic<bool> direct_blas{true};  // switched off by tests to check the at::mm path
+
+// C (m x n, row stride ldc) = alpha A' B' (+ C if accumulate): A' = A (m x k) or, with ta, A^T for A (k x m); likewise B'
+void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float* A, int64_t lda, const float* B,
+          int64_t ldb, bool accumulate, float* C, int64_t ldc) {
+  static const fortran_sgemm sgemm = find_sgemm();
+  if (sgemm && direct_blas.load(std::memory_order_relaxed)) {
+    // row-major C = A' B' is column-major C^T = B'^T A'^T: the same call with the operands swapped
+    const int M = static_cast<int>(n), N = static_cast<int>(m), K = static_cast<int>(k);
+    const int la = static_cast<int>(lda), lb = static_cast<int>(ldb), lc = static_cast<int>(ldc);
+    const float beta = accumulate ? 1.0f : 0.0f;
+    sgemm(tb ? "T" : "N", ta ? "T" : "N", &M, &N, &K, &alpha, B, &lb, A, &la, &beta, C, &lc);
+    return;
+  }
+  const auto opts = torch::TensorOptions().dtype(torch::kFloat);
+  auto view = [&](const float* p, int64_t rows, int64_t cols, int64_t ld, bool t) {
+    auto x = torch::from_blob(const_cast<float*>(p), {t ? cols : rows, t ? rows : cols}, {ld, 1}, opts);
+    return t ? x.t() : x;
+  };
+  auto c = torch::from_blob(C, {m, n}, {ldc, 1}, opts);
+  c.addmm_(view(A, m, k, lda, ta), view(B, k, n, ldb, tb), accumulate ? 1.0f : 0.0f, alpha);
+}
+
+// A (B, H, rows, cols) float32 tensor read (or written) in place: rows at a stride, columns contiguous. q, k and v are
+// views of the qkv projection ((B, L, 3, H, D) in memory), so the products read them where they lie, no copies.
+struct Rows {
+  float* p;
+  int64_t sb, sh, sl;
+  Rows(const torch::Tensor& t, const char* name) {
+    TORCH_CHECK(t.dim() == 4 && t.scalar_type() == torch::kFloat && (t.stride(3) == 1 || t.size(3) == 1) &&
+                    (t.size(2) == 1 || t.stride(2) >= t.size(3)),
+                name, ": float32 (B, H, rows, D) with contiguous rows");
+    p = t.data_ptr<float>(), sb = t.stride(0), sh = t.stride(1);
+    sl = t.size(2) == 1 ? t.size(3) : t.stride(2);
+  }
+  float* at(int64_t b, int64_t h, int64_t row) const { return p + b * sb + h * sh + row * sl; }
+};
+
+// floats of scratch a thread needs for the parts' templates
+int64_t scratch_size(const std::vector<Part>& parts) {
+  int64_t n = 1;
+  for (const Part& p : parts) n = std::max(n, p.scratch());
+  return n;
 }
 
 }  // namespace
@@ -239,12 +395,14 @@ void gather_term(torch::Tensor out, std::vector<torch::Tensor> xs, std::vector<t
   std::vector<torch::Tensor> gs(xs.size());
   const auto parts = make_parts(xs, gs, idxs, cqs, cks, luts, ints, B, R, L);
   float* O = out.data_ptr<float>();
+  const int64_t scratch_n = scratch_size(parts);
   at::parallel_for(0, B * H * R, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(scratch_n);
     for (int64_t n = begin; n < end; ++n) {
       const int64_t b = n / (H * R), h = (n / R) % H, r = n % R;
       float* o = O + n * L;
       std::fill(o, o + L, 0.0f);
-      for (const Part& part : parts) part.add_row(o, b, h, r, row0 + r, L);
+      for (const Part& part : parts) part.add_row(o, b, h, r, row0 + r, L, scratch.data());
     }
   });
 }
@@ -282,43 +440,42 @@ inline float exp_row_sum(float* __restrict o, float m, int64_t L) {
 }
 
 // The attention forward of query rows row0 .. row0 + R with the term, in tiles of `tile` rows of one (sample, head):
-// out = softmax(q k^T + term) v and each row's log-sum-exp. q (B, H, R, D) carries the softmax scale.
+// out = softmax(s q k^T + term) v and each row's log-sum-exp, written at those rows of out (B, H, Lq, Dv; any row
+// layout) and lse (B, H, Lq). q (B, H, Lq, D), k, v (B, H, L, D): read in place.
 void term_attention_forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, std::vector<torch::Tensor> xs,
                             std::vector<torch::Tensor> idxs, std::vector<torch::Tensor> cqs, std::vector<torch::Tensor> cks,
                             std::vector<torch::Tensor> luts, std::vector<int64_t> ints, torch::Tensor out, torch::Tensor lse,
-                            int64_t row0, int64_t tile) {
-  for (auto* t : {&q, &k, &v, &out, &lse})
-    TORCH_CHECK(t->is_contiguous() && t->scalar_type() == torch::kFloat, "attention tensors: contiguous float32");
-  const int64_t B = q.size(0), H = q.size(1), R = q.size(2), L = k.size(2);
-  TORCH_CHECK(tile > 0, "tile rows must be positive");
+                            int64_t row0, int64_t R, int64_t tile, double scale) {
+  const Rows Q(q, "q"), K(k, "k"), V(v, "v"), O(out, "out");
+  TORCH_CHECK(lse.is_contiguous() && lse.scalar_type() == torch::kFloat && lse.dim() == 3, "lse: contiguous float32 (B, H, Lq)");
+  const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), D = q.size(3), L = k.size(2), Dv = v.size(3);
+  TORCH_CHECK(tile > 0 && row0 >= 0 && R >= 0 && row0 + R <= Lq, "rows row0 .. row0 + R of the queries, positive tiles");
   std::vector<torch::Tensor> gs(xs.size());
   const auto parts = make_parts(xs, gs, idxs, cqs, cks, luts, ints, B, R, L);
+  const int64_t scratch_n = scratch_size(parts);
+  float* lsep = lse.data_ptr<float>();
   at::parallel_for(0, B * H, 1, [&](int64_t n0, int64_t n1) {
-    torch::Tensor P = torch::empty({tile, L}, q.options());
-    std::vector<float> inv(tile);
+    std::vector<float> P(tile * L), inv(tile), scratch(scratch_n);
+    float* Pp = P.data();
     for (int64_t n = n0; n < n1; ++n) {
       const int64_t b = n / H, h = n % H;
       for (int64_t r0 = 0; r0 < R; r0 += tile) {
-        const int64_t tr = std::min(tile, R - r0);
-        auto Pt = P.narrow(0, 0, tr);
-        at::mm_out(Pt, q[b][h].narrow(0, r0, tr), k[b][h].t());
-        float* Pp = Pt.data_ptr<float>();
-        float* lse_p = lse.data_ptr<float>() + n * R + r0;
+        const int64_t tr = std::min(tile, R - r0), row = row0 + r0;
+        gemm(false, true, tr, L, D, scale, Q.at(b, h, row), Q.sl, K.at(b, h, 0), K.sl, false, Pp, L);
+        float* lse_p = lsep + n * Lq + row;
         for (int64_t r = 0; r < tr; ++r) {
           float* o = Pp + r * L;
-          for (const Part& part : parts) part.add_row(o, b, h, r0 + r, row0 + r0 + r, L);
+          for (const Part& part : parts) part.add_row(o, b, h, r0 + r, row + r, L, scratch.data());
           const float m = row_max(o, L);
           const float sum = exp_row_sum(o, m, L);  // o = exp(logits - max)
           inv[r] = 1.0f / sum;
           lse_p[r] = m + std::log(sum);
         }
-        auto out_tile = out[b][h].narrow(0, r0, tr);
-        at::mm_out(out_tile, Pt, v[b][h]);
+        float* op = O.at(b, h, row);
+        gemm(false, false, tr, Dv, L, 1.0f, Pp, L, V.at(b, h, 0), V.sl, false, op, O.sl);
         // normalise the (rows, Dv) output rather than the (rows, L) weights
-        float* op = out_tile.data_ptr<float>();
-        const int64_t dv = out_tile.size(1);
         for (int64_t r = 0; r < tr; ++r)
-          for (int64_t c = 0; c < dv; ++c) op[r * dv + c] *= inv[r];
+          for (int64_t c = 0; c < Dv; ++c) op[r * O.sl + c] *= inv[r];
       }
     }
   });
@@ -326,55 +483,54 @@ void term_attention_forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, s
 
 // The attention backward of query rows row0 .. row0 + R with the term's gradient (added into the parts' gradients), in
 // tiles of `tile` rows of one (sample, head):
-//   P = exp(q k^T + term - lse); dV += P^T dO; dS = P * (dO V^T - delta); dQ = dS ks; dK += dS^T q; g += dS
-// q (B, H, R, D) carries the softmax scale s and ks = k s; k, v (B, H, L, D); dout (B, H, R, Dv); lse, delta (B, H, R).
-// A part shared by the batch gets the batch's dS summed first (one scatter instead of B).
-void term_attention_backward(torch::Tensor q, torch::Tensor k, torch::Tensor ks, torch::Tensor v, torch::Tensor dout,
-                             torch::Tensor lse, torch::Tensor delta, std::vector<torch::Tensor> xs,
-                             std::vector<torch::Tensor> gs, std::vector<torch::Tensor> idxs, std::vector<torch::Tensor> cqs,
-                             std::vector<torch::Tensor> cks, std::vector<torch::Tensor> luts, std::vector<int64_t> ints,
-                             torch::Tensor dq, torch::Tensor dk,
-                             torch::Tensor dv, int64_t row0, int64_t tile) {
-  for (auto* t : {&q, &k, &ks, &v, &dout, &lse, &delta, &dq, &dk, &dv})
-    TORCH_CHECK(t->is_contiguous() && t->scalar_type() == torch::kFloat, "attention tensors: contiguous float32");
-  const int64_t B = q.size(0), H = q.size(1), R = q.size(2), L = k.size(2);
-  TORCH_CHECK(tile > 0, "tile rows must be positive");
+//   P = exp(s q k^T + term - lse); dV += P^T dO; dS = P * (dO V^T - delta); dQ = s dS k; dK += s dS^T q; g += dS
+// with delta = rowsum(dO * O). q, dout, out (B, H, Lq, .), k, v (B, H, L, .): read in place; lse (B, H, Lq); dq written
+// at the rows, dk, dv added into (any row layout). A part shared by the batch gets the batch's dS summed first (one
+// scatter instead of B).
+void term_attention_backward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out, torch::Tensor dout,
+                             torch::Tensor lse, std::vector<torch::Tensor> xs, std::vector<torch::Tensor> gs,
+                             std::vector<torch::Tensor> idxs, std::vector<torch::Tensor> cqs, std::vector<torch::Tensor> cks,
+                             std::vector<torch::Tensor> luts, std::vector<int64_t> ints, torch::Tensor dq, torch::Tensor dk,
+                             torch::Tensor dv, int64_t row0, int64_t R, int64_t tile, double scale) {
+  const Rows Q(q, "q"), K(k, "k"), V(v, "v"), O(out, "out"), DO(dout, "dout"), DQ(dq, "dq"), DK(dk, "dk"), DV(dv, "dv");
+  TORCH_CHECK(lse.is_contiguous() && lse.scalar_type() == torch::kFloat && lse.dim() == 3, "lse: contiguous float32 (B, H, Lq)");
+  const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), D = q.size(3), L = k.size(2), Dv = v.size(3);
+  TORCH_CHECK(tile > 0 && row0 >= 0 && R >= 0 && row0 + R <= Lq, "rows row0 .. row0 + R of the queries, positive tiles");
   const auto parts = make_parts(xs, gs, idxs, cqs, cks, luts, ints, B, R, L);
   bool serial = false, any_shared = false;  // a gradient shared by the heads: one task adds into it
   for (const Part& p : parts) {
     serial |= p.g && p.sgh == 0;
     any_shared |= p.g && p.batch_shared(B);
   }
+  const int64_t scratch_n = scratch_size(parts);
+  const float* lsep = lse.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
   at::parallel_for(0, H, serial ? H : 1, [&](int64_t h0, int64_t h1) {
-    torch::Tensor P = torch::empty({tile, L}, q.options());
-    torch::Tensor dP = torch::empty({tile, L}, q.options());
-    torch::Tensor acc = torch::empty({any_shared ? tile : 0, L}, q.options());
+    std::vector<float> P(tile * L), dP(tile * L), acc(any_shared ? tile * L : 0), scratch(scratch_n), delta(tile);
+    float *Pp = P.data(), *dPp = dP.data(), *A = any_shared ? acc.data() : nullptr;
     for (int64_t h = h0; h < h1; ++h) {
       for (int64_t r0 = 0; r0 < R; r0 += tile) {
-        const int64_t tr = std::min(tile, R - r0);
-        auto Pt = P.narrow(0, 0, tr), dPt = dP.narrow(0, 0, tr);
-        float* Pp = Pt.data_ptr<float>();
-        float* A = any_shared ? acc.data_ptr<float>() : nullptr;
+        const int64_t tr = std::min(tile, R - r0), row = row0 + r0;
         for (int64_t b = 0; b < B; ++b) {
-          auto Q = q[b][h].narrow(0, r0, tr), DO = dout[b][h].narrow(0, r0, tr);
-          auto K = k[b][h], V = v[b][h];
-          at::mm_out(Pt, Q, K.t());
-          const int64_t n0 = (b * H + h) * R + r0;
-          const float* lse_p = lse.data_ptr<float>() + n0;
+          const float *q_t = Q.at(b, h, row), *do_t = DO.at(b, h, row);
+          gemm(false, true, tr, L, D, sc, q_t, Q.sl, K.at(b, h, 0), K.sl, false, Pp, L);
+          const float* lse_p = lsep + (b * H + h) * Lq + row;
           for (int64_t r = 0; r < tr; ++r) {
             float* __restrict o = Pp + r * L;
-            for (const Part& part : parts) part.add_row(o, b, h, r0 + r, row0 + r0 + r, L);
+            for (const Part& part : parts) part.add_row(o, b, h, r0 + r, row + r, L, scratch.data());
             const float e = lse_p[r];
             for (int64_t j = 0; j < L; ++j) o[j] = exp_approx(o[j] - e);
+            const float *dor = do_t + r * DO.sl, *outr = O.at(b, h, row + r);
+            float d = 0.0f;
+            for (int64_t c = 0; c < Dv; ++c) d += dor[c] * outr[c];
+            delta[r] = d;
           }
-          dv[b][h].addmm_(Pt.t(), DO);
-          at::mm_out(dPt, DO, V.t());
-          const float* dPp = dPt.data_ptr<float>();
-          const float* delta_p = delta.data_ptr<float>() + n0;
+          gemm(true, false, L, Dv, tr, 1.0f, Pp, L, do_t, DO.sl, true, DV.at(b, h, 0), DV.sl);  // dV += P^T dO
+          gemm(false, true, tr, L, Dv, 1.0f, do_t, DO.sl, V.at(b, h, 0), V.sl, false, dPp, L);   // dP = dO V^T
           for (int64_t r = 0; r < tr; ++r) {
             float* __restrict o = Pp + r * L;
             const float* __restrict d = dPp + r * L;
-            const float c = delta_p[r];
+            const float c = delta[r];
             for (int64_t j = 0; j < L; ++j) o[j] *= d[j] - c;
             if (A) {
               float* __restrict a = A + r * L;
@@ -382,21 +538,23 @@ void term_attention_backward(torch::Tensor q, torch::Tensor k, torch::Tensor ks,
               else { for (int64_t j = 0; j < L; ++j) a[j] += o[j]; }
             }
             for (const Part& part : parts)
-              if (part.g && !part.batch_shared(B)) part.scatter_row(o, b, h, r0 + r, row0 + r0 + r, L);
+              if (part.g && !part.batch_shared(B)) part.scatter_row(o, b, h, r0 + r, row + r, L, scratch.data());
           }
-          auto dq_tile = dq[b][h].narrow(0, r0, tr);
-          at::mm_out(dq_tile, Pt, ks[b][h]);
-          dk[b][h].addmm_(Pt.t(), Q);
+          gemm(false, false, tr, D, L, sc, Pp, L, K.at(b, h, 0), K.sl, false, DQ.at(b, h, row), DQ.sl);  // dQ = s dS k
+          gemm(true, false, L, D, tr, sc, Pp, L, q_t, Q.sl, true, DK.at(b, h, 0), DK.sl);               // dK += s dS^T q
         }
         if (A) {
           for (int64_t r = 0; r < tr; ++r)
             for (const Part& part : parts)
-              if (part.g && part.batch_shared(B)) part.scatter_row(A + r * L, 0, h, r0 + r, row0 + r0 + r, L);
+              if (part.g && part.batch_shared(B)) part.scatter_row(A + r * L, 0, h, r0 + r, row + r, L, scratch.data());
         }
       }
     }
   });
 }
+
+void set_direct_blas(bool on) { direct_blas.store(on); }
+bool has_direct_blas() { return find_sgemm() != nullptr; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gather_term", &gather_term, "a block's term, read from its tables by index");
@@ -404,4 +562,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the attention forward of a block of query rows with its term, in cache-sized tiles");
   m.def("term_attention_backward", &term_attention_backward,
         "the attention backward of a block of query rows with its term's gradient, in cache-sized tiles");
+  m.def("set_direct_blas", &set_direct_blas, "call the BLAS sgemm directly (default, where exported) or through at::mm");
+  m.def("has_direct_blas", &has_direct_blas, "whether PyTorch's BLAS exports the Fortran sgemm these kernels call");
 }
