@@ -2,8 +2,10 @@
 
 The blocked attention path (:mod:`vispe.encodings.attention`) builds a bias term block by block. In PyTorch ops each
 block costs several passes over its ``(B, H, rows, L)`` logits: the pair ids, the gather from the table, the add,
-``exp``, and in backward the multiply, the batch sum and the ``index_add`` onto the table. These kernels do the
-gather (with the add and ``exp``) and the scatter (with the multiply and the batch sum) in one pass each.
+``exp``, and in backward the multiply, the batch sum and the ``index_add`` onto the table. These kernels run the
+attention in tiles of query rows whose logits stay in cache, and do the gather (with the add and ``exp``) and the
+scatter (with the multiply and the batch sum) in one pass each. Their products call the BLAS ``sgemm`` that PyTorch's
+library exports (MKL builds on x86) directly, else ``at::mm``.
 
 They are compiled for this machine the first time a float32 CPU training step needs them
 (``torch.utils.cpp_extension.load``: a C++ compiler and ninja, which the ``train`` extra installs; ~35-50 s once, then
@@ -28,8 +30,8 @@ _STATE: dict[str, ModuleType | None] = {}
 
 
 def indexed_term_kernels() -> ModuleType | None:
-    """The compiled kernels (``gather_term``, ``scatter_term``), or ``None`` when they are switched off or cannot be
-    built (a warning says why, once per process)."""
+    """The compiled kernels (``gather_term``, ``term_attention_forward``, ``term_attention_backward``), or ``None``
+    when they are switched off or cannot be built (a warning says why, once per process)."""
     if os.environ.get(NATIVE_KERNELS_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
         return None
     if "module" in _STATE:

@@ -324,18 +324,41 @@ std::vector<Part> make_parts(const std::vector<torch::Tensor>& xs, const std::ve
 }
 
 // The tiles' products. A tile's products are small (64 rows), so the dispatcher and the tensor views around at::mm cost
-// a tenth of their time; where PyTorch's BLAS exports the Fortran sgemm (MKL builds on x86) it is called directly,
-// else at::mm_out / addmm_ on views of the same memory (same BLAS, same values).
-using fortran_sgemm = void (*)(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
-                               const int*, const float*, const int*, const float*, float*, const int*);
+// a tenth of their time; where PyTorch's library exports the Fortran sgemm (MKL builds on x86) and it passes a check
+// it is called directly, else addmm_ on views of the same memory (same BLAS).
+using fortran_sgemm = void (*)(const char*, const char*, const void*, const void*, const void*, const float*,
+                               const float*, const void*, const float*, const void*, const float*, float*, const void*);
+
+// Fortran BLAS takes its integers by pointer, 32-bit (LP64) or 64-bit (ILP64) by build: a little-endian int64 whose
+// value fits 31 bits reads the same either way, so the sizes are passed as int64.
+void call_sgemm(fortran_sgemm f, bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
+                int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  f(ta ? "T" : "N", tb ? "T" : "N", &M, &N, &K, &alpha, A, &lda, B, &ldb, &beta, C, &ldc);
+}
 
 fortran_sgemm find_sgemm() {
+  const uint16_t probe = 1;
+  if (*reinterpret_cast<const uint8_t*>(&probe) != 1) return nullptr;  // big-endian: the int64 trick does not hold
   Dl_info info;  // the library that holds PyTorch's CPU BLAS calls
   if (!dladdr(reinterpret_cast<void*>(&at::native::cpublas::brgemm_release), &info) || !info.dli_fname) return nullptr;
   void* lib = dlopen(info.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
   if (!lib) return nullptr;
-  for (const char* name : {"sgemm_", "SGEMM"})
-    if (void* f = dlsym(lib, name)) return reinterpret_cast<fortran_sgemm>(f);
+  for (const char* name : {"sgemm_", "SGEMM"}) {
+    auto f = reinterpret_cast<fortran_sgemm>(dlsym(lib, name));
+    if (!f) continue;
+    // one small product checked against a loop before the symbol is trusted (column-major 2 x 3 times 3 x 2)
+    const float a[6] = {1, 2, 3, 4, 5, 6}, b[6] = {7, 8, 9, 10, 11, 12};
+    float c[4] = {0, 0, 0, 0};
+    call_sgemm(f, false, false, 2, 2, 3, 1.0f, a, 2, b, 3, 0.0f, c, 2);
+    bool ok = true;
+    for (int i = 0; i < 2; ++i)
+      for (int j = 0; j < 2; ++j) {
+        float want = 0;
+        for (int t = 0; t < 3; ++t) want += a[i + 2 * t] * b[t + 3 * j];
+        ok &= c[i + 2 * j] == want;
+      }
+    if (ok) return f;
+  }
   return nullptr;
 }
 
@@ -347,10 +370,7 @@ void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const 
   static const fortran_sgemm sgemm = find_sgemm();
   if (sgemm && direct_blas.load(std::memory_order_relaxed)) {
     // row-major C = A' B' is column-major C^T = B'^T A'^T: the same call with the operands swapped
-    const int M = static_cast<int>(n), N = static_cast<int>(m), K = static_cast<int>(k);
-    const int la = static_cast<int>(lda), lb = static_cast<int>(ldb), lc = static_cast<int>(ldc);
-    const float beta = accumulate ? 1.0f : 0.0f;
-    sgemm(tb ? "T" : "N", ta ? "T" : "N", &M, &N, &K, &alpha, B, &lb, A, &la, &beta, C, &lc);
+    call_sgemm(sgemm, tb, ta, n, m, k, alpha, B, ldb, A, lda, accumulate ? 1.0f : 0.0f, C, ldc);
     return;
   }
   const auto opts = torch::TensorOptions().dtype(torch::kFloat);
