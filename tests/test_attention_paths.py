@@ -259,15 +259,15 @@ def test_compiled_training_runs_the_custom_op_and_equals_the_dense_mask(name, op
     torch._dynamo.reset()
 
 
-def _op_arguments(name: str, options: dict):
+def _op_arguments(name: str, options: dict, dtype: torch.dtype = torch.float64):
     """The custom op's arguments for one layer of ``name``: ``(q, k, v, inputs, key, scale, rows, fused_rows)``."""
     from vispe.encodings.attention import _op_key
 
-    enc = bias_encoding(name, options, 1)
+    enc = bias_encoding(name, options, 1).to(dtype)
     grid = PositionGrid(bias_grid_shape(name), 1)
     g = torch.Generator().manual_seed(6)
     # (B, L, H, D) memory seen as (B, H, L, D), as a ViT's q, k, v are: the fake kernels must not copy the layout
-    q, k, v = (torch.randn(2, grid.seq_len, 2, 8, generator=g, dtype=torch.float64).transpose(1, 2).requires_grad_()
+    q, k, v = (torch.randn(2, grid.seq_len, 2, 8, generator=g, dtype=dtype).transpose(1, 2).requires_grad_()
                for _ in range(3))
     spec = enc.indexed_bias(q, k, layer=1, state=enc.prepare(grid), scale=8**-0.5)
     key = _op_key(spec)
@@ -276,10 +276,20 @@ def _op_arguments(name: str, options: dict):
     return q, k, v, inputs, key, 8**-0.5, 3, 5
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["pytorch_ops", "native_kernels"])
 @pytest.mark.parametrize("name, options", [("alibi_2d", {}), ("fire", {}), ("irpe", {"mode": "contextual", "sides": "qk"})])
-def test_custom_ops_pass_opcheck(name, options):
-    """``torch.library.opcheck``: schema, fake tensors, autograd registration and AOT dispatch of both ops."""
-    args = _op_arguments(name, options)
+def test_custom_ops_pass_opcheck(name, options, native, monkeypatch):
+    """``torch.library.opcheck``: schema, fake tensors (the output's ``(B, L, H, D)`` layout included), autograd
+    registration and AOT dispatch of both ops, on the PyTorch-ops path (float64) and on the native kernels (float32,
+    every length native; skipped where they cannot be built)."""
+    if native:
+        from vispe.encodings import attention as attention_module
+        from vispe.encodings.native import indexed_term_kernels
+
+        if indexed_term_kernels() is None:
+            pytest.skip("the native kernels could not be built here (no C++ compiler?)")
+        monkeypatch.setattr(attention_module, "NATIVE_MIN_KEYS", 0)
+    args = _op_arguments(name, options, torch.float32 if native else torch.float64)
     torch.library.opcheck(torch.ops.vispe.indexed_bias_attention.default, args)
     q, k, v, inputs, key, scale, rows, fused_rows = args
     with torch.no_grad():
