@@ -479,6 +479,7 @@ def _native_forward(spec, kernels, s, q, k, v, inputs) -> tuple[torch.Tensor, to
         tensors = spec.tensors(inputs)
         out = q.new_empty(bsz, lq, heads, v.shape[-1]).transpose(1, 2)
         lse = q.new_empty(bsz, heads, lq)
+        qkv = [_row_major(t) for t in (q, k, v)]
         rows = _native_rows(spec, bsz, lk)
         for start in range(0, lq, rows):
             stop = min(lq, start + rows)
@@ -486,8 +487,7 @@ def _native_forward(spec, kernels, s, q, k, v, inputs) -> tuple[torch.Tensor, to
             if parts is None:
                 return None
             xs, _, *index = parts
-            kernels.term_attention_forward(*(_row_major(t) for t in (q, k, v)), xs, *index, out, lse, start, stop - start,
-                                           NATIVE_TILE_ROWS, s)
+            kernels.term_attention_forward(*qkv, xs, *index, out, lse, start, stop - start, NATIVE_TILE_ROWS, s)
     return out, lse
 
 
