@@ -223,18 +223,20 @@ def _irpe_term_gather(start, stop, length, tensors, *, parts: tuple[tuple[str, s
     at the query's row (key side) or the key's (query side). ``span``: the lattice's offsets along its last axis (the
     kernels read each distinct row of buckets once per query)."""
     codes, lut, *_ = tensors
-    pairs = LatticePairCodes(codes.int(), center, num_offsets)
-    dev = codes.device
-    b = torch.arange(codes.shape[0], device=dev).view(-1, 1, 1, 1)
-    i = torch.arange(start, stop, device=dev).view(1, 1, -1, 1)
-    j = torch.arange(length, device=dev).view(1, 1, 1, -1)
+    ids = None  # the (key, query) pairs' offset ids, built only for a query-side part
     out = []
     for n, (_, side) in enumerate(parts):
         for t in range(lut.shape[0]):
             if side == "k":  # the bucket of each pair's offset, looked up by the kernels from the codes
                 out.append((2 + n, OffsetIds(codes[:, start:stop], codes[:, :length], center, num_offsets, lut[t], span), False))
             else:  # read at the key's row: explicit buckets of the (key, query) pairs
-                out.append((2 + n, _bucket_of(lut[t], pairs.pair_ids(b, j, i))[:, 0], True))
+                if ids is None:
+                    dev = codes.device
+                    b = torch.arange(codes.shape[0], device=dev).view(-1, 1, 1, 1)
+                    i = torch.arange(start, stop, device=dev).view(1, 1, -1, 1)
+                    j = torch.arange(length, device=dev).view(1, 1, 1, -1)
+                    ids = LatticePairCodes(codes.int(), center, num_offsets).pair_ids(b, j, i)
+                out.append((2 + n, _bucket_of(lut[t], ids)[:, 0], True))
     return out
 
 
