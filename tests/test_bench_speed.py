@@ -365,6 +365,25 @@ def test_plan_runs_parts_and_lists_those_past_the_budget(tmp_path):
     assert [p["status"] for p in data["meta"]["parts"]] == ["skipped (time budget spent)"] * 2
 
 
+def test_models_the_budget_left_unmeasured_are_labelled_skipped_not_failed():
+    from vispe.benchmarks.speed import SKIPPED_PREFIX, format_markdown
+
+    base = {"config": "vit_s16", "mode": "compile", "precision": "amp_bf16", "img_size": 224, "tokens": None}
+    rows = [
+        {**base, "model": "vispe:learned", "error": SKIPPED_PREFIX + "time budget spent before this model was warmed up"},
+        {**base, "model": "vispe:fire", "error": "train compile: RuntimeError: boom"},
+    ]
+    table = format_table(rows)
+    assert "vispe:learned [skipped]" in table and "vispe:fire [error]" in table
+    meta = {"machine": "m", "torch": "t", "timm": "t", "threads": 1, "device": "cpu", "command": "c", "wall_s": 1.0,
+            "process_cpu_s": 1.0, "complete": True, "loadavg_start": (0,), "loadavg_end": (0,), "clock": "wall",
+            "memory_method": "m"}
+    md = format_markdown(rows, meta)
+    errors, skipped = md.split("Errors:")[1].split("Not measured (time budget):")
+    assert "vispe:fire" in errors and "vispe:learned" not in errors
+    assert "vispe:learned" in skipped and "vispe:fire" not in skipped
+
+
 @pytest.mark.parametrize(
     "body,match",
     [

@@ -160,7 +160,7 @@ def default_encoding_specs(every: bool = False, cfg: BenchConfig | None = None) 
 
 
 from .speed_measure import PRECISIONS, Entry, infer_step, measure_peak, train_step, _timed  # noqa: F401  (re-exported)
-from .speed_report import _machine, format_markdown, format_table  # noqa: F401  (re-exported)
+from .speed_report import SKIPPED_PREFIX, _machine, format_markdown, format_table  # noqa: F401  (re-exported)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -300,7 +300,7 @@ def run_config(
     for w in range(n_warm):
         for e in entries:
             if w == 0 and late() and not e.error:
-                e.error = "skipped: time budget spent before this model was warmed up"
+                e.error = SKIPPED_PREFIX + "time budget spent before this model was warmed up"
                 log(f"  ! {e.config}/{e.mode}/{e.precision}/{e.label}: {e.error}")
                 continue
             if e.mode == "compile" and w == 0:

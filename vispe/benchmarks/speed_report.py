@@ -36,6 +36,15 @@ _COLUMNS = [
 ]
 
 
+#: How a model that the time budget left unmeasured is recorded in its row's ``error`` (it failed nothing).
+SKIPPED_PREFIX = "skipped: "
+
+
+def is_skipped(row: dict[str, Any]) -> bool:
+    """Whether a row was left unmeasured by the time budget rather than failing."""
+    return str(row.get("error") or "").startswith(SKIPPED_PREFIX)
+
+
 def _cells(row: dict[str, Any]) -> list[str]:
     out = []
     for _, key, fmt in _COLUMNS:
@@ -49,7 +58,7 @@ def _cells(row: dict[str, Any]) -> list[str]:
         elif key.endswith("_range"):
             out.append("-" if v is None else f"{v[0]:.2f}-{v[1]:.2f}")
         elif key == "model" and row.get("error"):
-            out.append(f"{v} [error]")
+            out.append(f"{v} [{'skipped' if is_skipped(row) else 'error'}]")
         elif v is None:
             out.append("-")
         elif fmt is None:
@@ -74,7 +83,8 @@ def format_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "|" + "|".join("---" if i < 4 else "---:" for i in range(len(head))) + "|",
     ]
     lines += ["| " + " | ".join(_cells(r)) + " |" for r in rows]
-    errors = [f"- `{r['config']}/{r['mode']}/{r['model']}`: {r['error']}" for r in rows if r.get("error")]
+    errors = [f"- `{r['config']}/{r['mode']}/{r['model']}`: {r['error']}" for r in rows if r.get("error") and not is_skipped(r)]
+    skipped = [f"- `{r['config']}/{r['mode']}/{r['model']}`: {r['error']}" for r in rows if is_skipped(r)]
     text = (
         f"Machine: {meta['machine']}; torch {meta['torch']}, timm {meta['timm']}, {meta['threads']} threads, device `{meta['device']}`.\n"
         f"Command: `{meta['command']}`; wall time {meta['wall_s']:.0f} s (process CPU {meta['process_cpu_s']:.0f} s)"
@@ -91,6 +101,8 @@ def format_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         text += "\nTargets (ratios to timm's APE ViT of the same size, this run; vispe.benchmarks.speed_report.GROWTH_TARGETS):\n" + "\n".join(verdicts) + "\n"
     if errors:
         text += "\nErrors:\n" + "\n".join(errors) + "\n"
+    if skipped:
+        text += "\nNot measured (time budget):\n" + "\n".join(skipped) + "\n"
     return text
 
 
