@@ -497,6 +497,45 @@ def test_folded_basis_equals_the_per_token_basis_change_in_logits_and_gradients(
     assert (out.float() - per_token).abs().max() < 0.05
 
 
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_a_basis_folded_as_its_diagonal_blocks_equals_the_dense_fold(with_bias):
+    """The spectral basis is block-diagonal; folding it as its blocks ``(H, m, b, b)`` gives the projection and every
+    gradient (input, weight, bias, basis) of folding the dense ``(H, dh, dh)`` matrix, and of no fold at all
+    (float32 maths inside the fold: float32 tolerances)."""
+    from vispe.models.layers import _FoldedProjection
+
+    torch.manual_seed(0)
+    heads, m, b, dim = 3, 4, 2, 10
+    dh = m * b
+    x = torch.randn(2, 5, dim, dtype=torch.float32, requires_grad=True)
+    weight = torch.randn(3 * heads * dh, dim, dtype=torch.float32, requires_grad=True)
+    bias = torch.randn(3 * heads * dh, dtype=torch.float32, requires_grad=True) if with_bias else None
+    blocks = torch.randn(heads, m, b, b, dtype=torch.float32, requires_grad=True)
+    dense = torch.block_diag(*blocks.detach().reshape(-1, b, b)).reshape(heads, m * b, heads * m * b)
+    dense = torch.stack([dense[h, :, h * dh:(h + 1) * dh] for h in range(heads)]).requires_grad_()
+    grad_out = torch.randn(2, 5, 3 * heads * dh, dtype=torch.float32)
+    inputs = [t for t in (x, weight, bias) if t is not None]
+    tol = {"rtol": 1e-5, "atol": 1e-5}
+
+    def run(basis):
+        out = _FoldedProjection.apply(x, weight, bias, basis)
+        grads = torch.autograd.grad(out, [*inputs, basis], grad_out)
+        return out, grads
+
+    out_b, g_b = run(blocks)
+    out_d, g_d = run(dense)
+    # the reference without any fold: q and k heads multiplied after a plain projection
+    plain = torch.nn.functional.linear(x, weight, bias).unflatten(-1, (3, heads, dh))
+    ref = torch.cat([torch.einsum("blshd,hde->blshe", plain[:, :, :2], dense), plain[:, :, 2:]], dim=2).flatten(2)
+    torch.testing.assert_close(out_b, ref, **tol)
+    torch.testing.assert_close(out_d, ref, **tol)
+    for a, c in zip(g_b[:-1], g_d[:-1]):
+        torch.testing.assert_close(a, c, **tol)
+    # the blocks' gradient is the dense gradient's diagonal blocks
+    diag = torch.stack([g_d[-1][h].reshape(m, b, m, b).diagonal(dim1=0, dim2=2).permute(2, 0, 1) for h in range(heads)])
+    torch.testing.assert_close(g_b[-1], diag, **tol)
+
+
 def test_no_fold_for_q_k_norms_or_other_encodings(monkeypatch):
     calls = _fold_calls(monkeypatch)
     torch.manual_seed(0)

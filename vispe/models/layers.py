@@ -80,23 +80,36 @@ def encoding_attend(
     return pe.encoding.attend(q, k, v, layer=pe.layer, state=pe.state, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal)
 
 
+def _per_block(rows: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+    """Per-head rows ``(..., H, dh, X)`` split into the basis's diagonal blocks ``(..., H, m, b, X)`` when ``basis``
+    is given as blocks ``(H, m, b, b)``; unchanged for a dense ``(H, dh, dh)`` basis."""
+    return rows if basis.ndim == 3 else rows.unflatten(-2, basis.shape[1:3])
+
+
+def _per_block_row(vec: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+    """A per-head row vector ``(..., H, dh)`` as one row per block: ``(..., H, 1, dh)`` / ``(..., H, m, 1, b)``."""
+    return vec.unsqueeze(-2) if basis.ndim == 3 else vec.unflatten(-1, basis.shape[1:3]).unsqueeze(-2)
+
+
 def fold_qk_basis_into_weights(
     weight: torch.Tensor, bias: Optional[torch.Tensor], basis: torch.Tensor
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """A fused qkv projection ``(3 H dh, D)`` (timm's row order: q heads, k heads, v heads) whose q and k outputs
-    come out multiplied per head by ``basis`` ``(H, dh, dh)``: ``q_h @ B_h = x @ (B_h^T W_q,h)^T + b_q,h @ B_h``.
-    float32 maths (autocast then rounds the folded weight once, as it rounds any weight)."""
-    heads, dh, _ = basis.shape
-    rows = heads * dh
+    come out multiplied per head by ``basis``: ``q_h @ B_h = x @ (B_h^T W_q,h)^T + b_q,h @ B_h``. ``basis`` is
+    ``(H, dh, dh)``, or block-diagonal given by its blocks ``(H, m, b, b)`` (``m b = dh``), which costs ``m`` times
+    fewer multiply-adds than the dense form of the same matrix. float32 maths (autocast then rounds the folded
+    weight once, as it rounds any weight)."""
+    heads = basis.shape[0]
+    rows = weight.shape[0] // 3
     with torch.autocast(device_type=weight.device.type, enabled=False):
-        bt = basis.float().transpose(-1, -2)
-        w = weight.float().unflatten(0, (3, heads, dh))  # (3, H, dh, D)
-        w_qk = torch.matmul(bt, w[:2]).reshape(2 * rows, -1)
+        bf = basis.float()
+        w = _per_block(weight.float()[: 2 * rows].unflatten(0, (2, heads, -1)), bf)  # (2, H, [m,] dh|b, D)
+        w_qk = torch.matmul(bf.transpose(-1, -2), w).reshape(2 * rows, -1)
         folded_w = torch.cat([w_qk, weight[2 * rows:].float()]).to(weight.dtype)
         folded_b = None
         if bias is not None:
-            b = bias.float().unflatten(0, (3, heads, 1, dh))  # (3, H, 1, dh)
-            folded_b = torch.cat([torch.matmul(b[:2], basis.float()).reshape(-1), bias[2 * rows:].float()]).to(bias.dtype)
+            b = _per_block_row(bias.float()[: 2 * rows].unflatten(0, (2, heads, -1)), bf)
+            folded_b = torch.cat([torch.matmul(b, bf).reshape(-1), bias[2 * rows:].float()]).to(bias.dtype)
     return folded_w, folded_b
 
 
@@ -121,8 +134,8 @@ class _FoldedProjection(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         x, weight, bias, basis = ctx.saved_tensors
         dtype = ctx.compute_dtype
-        heads, dh, _ = basis.shape
-        rows = heads * dh
+        heads = basis.shape[0]
+        rows = weight.shape[0] // 3
         w, _ = fold_qk_basis_into_weights(weight, None, basis)
         g = grad.to(dtype)
         grad_x = (g @ w.to(dtype)).to(x.dtype) if ctx.needs_input_grad[0] else None
@@ -130,17 +143,18 @@ class _FoldedProjection(torch.autograd.Function):
         grad_w_folded = (g2.t() @ x.reshape(-1, x.shape[-1]).to(dtype)).float()  # (3 H dh, D)
         grad_b_folded = g2.float().sum(0) if bias is not None else None
         # back through W'_h = B_h^T W_h (q and k rows) and b'_h = b_h B_h:  dW_h = B_h dW'_h,  dB_h = W_h dW'_h^T + b_h^T db'_h
-        gq = grad_w_folded[: 2 * rows].unflatten(0, (2, heads, dh))  # (2, H, dh, D)
-        wq = weight.float()[: 2 * rows].unflatten(0, (2, heads, dh))
+        # (per diagonal block when the basis comes as blocks)
         bf = basis.float()
+        gq = _per_block(grad_w_folded[: 2 * rows].unflatten(0, (2, heads, -1)), bf)  # (2, H, [m,] dh|b, D)
+        wq = _per_block(weight.float()[: 2 * rows].unflatten(0, (2, heads, -1)), bf)
         grad_weight = grad_basis = grad_bias = None
         if ctx.needs_input_grad[1]:
             grad_weight = torch.cat([torch.matmul(bf, gq).reshape(2 * rows, -1), grad_w_folded[2 * rows:]]).to(weight.dtype)
         if ctx.needs_input_grad[3]:
-            grad_basis = torch.matmul(wq, gq.transpose(-1, -2)).sum(0)  # (H, dh, dh)
+            grad_basis = torch.matmul(wq, gq.transpose(-1, -2)).sum(0)  # like basis
         if bias is not None:
-            gb = grad_b_folded[: 2 * rows].unflatten(0, (2, heads, 1, dh))
-            bq = bias.float()[: 2 * rows].unflatten(0, (2, heads, 1, dh))
+            gb = _per_block_row(grad_b_folded[: 2 * rows].unflatten(0, (2, heads, -1)), bf)
+            bq = _per_block_row(bias.float()[: 2 * rows].unflatten(0, (2, heads, -1)), bf)
             if ctx.needs_input_grad[2]:
                 grad_bias = torch.cat([torch.matmul(gb, bf.transpose(-1, -2)).reshape(-1), grad_b_folded[2 * rows:]]).to(bias.dtype)
             if grad_basis is not None:

@@ -236,10 +236,7 @@ class ComRopeBase(CoordinateAugmentation, RotaryEncoding):
                 return None
             coef = self.coefficients(self.coordinates(grid, dev, self.line_offsets(grid, dev)))  # (depth, H or 1, L, m)
             angles = (coef[..., None] * omega[:, :, None]).flatten(-2)  # (depth, H, L, m * b/2)
-            m = self.num_blocks
-            eye = torch.eye(m, device=blocks.device, dtype=blocks.dtype)
-            basis = (blocks.unsqueeze(-2) * eye[:, None, :, None]).flatten(-4, -3).flatten(-2)  # block-diagonal (depth, H, dh, dh)
-            return ComRopeSpectralState(basis, RotaryState(rotary_table(angles), per_layer=True), m)
+            return ComRopeSpectralState(blocks, RotaryState(rotary_table(angles), per_layer=True))
 
     def build_state(self, grid: PositionGrid, device: torch.device | None) -> ComRopeState | ComRopeSpectralState:  # type: ignore[override]
         state = self.spectral_state(grid, device)
@@ -260,7 +257,8 @@ class ComRopeBase(CoordinateAugmentation, RotaryEncoding):
         # spectral path: the basis change is linear and shared by every token, so a host may fold it into the
         # q/k projection weights; what is left is RoPE's per-pair phases
         if isinstance(state, ComRopeSpectralState) and not state.basis_folded:
-            return state.basis[layer], replace(state, basis_folded=True)
+            # as its diagonal blocks: the fold then costs m times fewer multiply-adds than with the dense matrix
+            return state.blocks[layer], replace(state, basis_folded=True)
         return None, state
 
     def rotate_qk(self, q: torch.Tensor, k: torch.Tensor, state: ComRopeState | ComRopeSpectralState,
@@ -274,7 +272,7 @@ class ComRopeBase(CoordinateAugmentation, RotaryEncoding):
                 )
             if state.basis_folded:  # q and k arrive in the eigenbasis: the phases alone
                 return apply_rotary(q, table), apply_rotary(k, table)
-            return rotate_pair_spectral(q, k, state.basis[layer], table)
+            return rotate_pair_spectral(q, k, state.basis(layer), table)
         n_tok = state.flat_index.shape[-1] // state.num_blocks if state.token_index is None else state.token_index.shape[1]
         if n_tok != q.shape[-2]:
             raise ValueError(

@@ -135,22 +135,30 @@ def rotate_pair_spectral(
 
 @dataclass
 class ComRopeSpectralState:
-    """Per-forward ComRoPE state on the spectral path: per layer a block-diagonal basis ``(depth, H, dh, dh)``
-    and the per-pair phases as a per-layer :class:`~vispe.encodings.rotary.RotaryState` (``(depth, H, L, P)``)."""
+    """Per-forward ComRoPE state on the spectral path: per layer the diagonal blocks ``(depth, H, m, b, b)`` of the
+    block-diagonal basis change, and the per-pair phases as a per-layer :class:`~vispe.encodings.rotary.RotaryState`
+    (``(depth, H, L, P)``)."""
 
-    basis: torch.Tensor
+    blocks: torch.Tensor
     rotary: RotaryState
-    num_blocks: int
     #: the host folded the basis into its q/k projection (:meth:`ComRopeBase.fold_qk_basis`): only the phases remain
     basis_folded: bool = False
 
+    @property
+    def num_blocks(self) -> int:
+        return self.blocks.shape[-3]
+
+    def basis(self, layer: int) -> torch.Tensor:
+        """The dense block-diagonal basis ``(H, dh, dh)`` of one layer."""
+        blocks = self.blocks[layer]  # (H, m, b, b)
+        m = blocks.shape[-3]
+        eye = torch.eye(m, device=blocks.device, dtype=blocks.dtype)
+        return (blocks.unsqueeze(-2) * eye[:, None, :, None]).flatten(-4, -3).flatten(-2)
+
     def for_layer(self, layer: int) -> torch.Tensor:
         """Dense per-token block rotations ``(H, L, m, b, b)`` of one layer, ``Q rot(phase) Q^T`` (analysis, tests)."""
-        heads, dh = self.basis.shape[1], self.basis.shape[-1]
-        m = self.num_blocks
-        b = dh // m
-        # the diagonal blocks of the basis are the Q_j themselves (x @ Q_j = (Q_j^T x)^T)
-        q_mat = self.basis[layer].reshape(heads, m, b, m, b).diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2)  # (H, m, b, b)
+        q_mat = self.blocks[layer]  # (H, m, b, b): x @ Q_j = (Q_j^T x)^T
+        m, b = q_mat.shape[-3], q_mat.shape[-1]
         phase = self.rotary.for_layer(layer)  # (H, L, P) complex
         c, s = phase.real.unflatten(-1, (m, b // 2)), phase.imag.unflatten(-1, (m, b // 2))  # (H, L, m, b/2)
         rot = torch.zeros(*c.shape[:-1], b, b, dtype=c.dtype, device=c.device)
