@@ -251,7 +251,8 @@ def _irpe_prepare(codes, lut, *xs, heads: int, kinds: tuple[str, ...], scale: fl
             pos += 1
         else:
             x, t = xs[pos], xs[pos + 1]
-            out.append(torch.matmul(x, t.to(x.dtype)) * scale)  # (B, H, L, nb)
+            # the scale on the small table, not on the (B, H, L, nb) product: no full-size pass (nor one in the backward)
+            out.append(torch.matmul(x, t.to(x.dtype) * scale))  # (B, H, L, nb)
             pos += 2
     return out
 
