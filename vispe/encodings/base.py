@@ -365,8 +365,9 @@ class PositionalEncoding(nn.Module):
 
     def fold_qk_basis(self, state: Any, layer: int = 0) -> tuple[torch.Tensor | None, Any]:
         """A per-head linear map ``(H, dh, dh)`` -- or a block-diagonal one given by its blocks ``(H, m, b, b)`` --
-        that :meth:`attend` would apply to every token's q and k (``q @ basis``), offered for the host to fold into its q/k projection weights instead -- once per layer
-        and step rather than once per token -- and the state :meth:`attend` then takes (marked as folded).
+        that :meth:`attend` would apply to every token's q and k (``q @ basis``), offered for the host to fold into
+        its q/k projection weights instead -- once per layer and step rather than once per token -- and the state
+        :meth:`attend` then takes (marked as folded).
         Default: nothing to fold, ``(None, state)``. A host that cannot fold (normalised q/k, a non-linear
         projection) simply does not call this and passes the original state."""
         return None, state
