@@ -253,3 +253,72 @@ def test_exp_and_softmax_of_the_forward_match_torch(kernels):
     assert logits.amax(-1).sub(logits.amin(-1)).max() > 60
     torch.testing.assert_close(lse.double(), torch.logsumexp(logits, -1), atol=1e-4, rtol=1e-6)
     torch.testing.assert_close(out.double(), torch.softmax(logits, -1) @ v.double(), atol=1e-5, rtol=1e-5)
+
+
+# -- batched small products (LieRE's 8 x 8 blocks) ---------------------------------------------------------------
+@pytest.mark.parametrize("n,m,k,a_t,b_t", [(37, 8, 8, False, False), (37, 8, 8, True, True), (5, 16, 8, False, True),
+                                           (9, 8, 16, True, False), (1, 3, 5, False, False), (0, 8, 8, False, False)])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_small_bmm_equals_torch_bmm(kernels, monkeypatch, n, m, k, a_t, b_t, accumulate):
+    """``small_bmm`` runs the native kernel for float32 products with 8 result columns, transposed (strided) operands
+    and accumulation included, and equals ``torch.bmm`` / ``baddbmm_``."""
+    calls = []
+    monkeypatch.setattr(native, "indexed_term_kernels", lambda: calls.append(1) or kernels)
+    torch.manual_seed(0)
+    a = torch.randn(n, k, m).transpose(1, 2) if a_t else torch.randn(n, m, k)
+    b = torch.randn(n, 8, k).transpose(1, 2) if b_t else torch.randn(n, k, 8)
+    want = torch.bmm(a, b)
+    if accumulate:
+        out = torch.randn(n, m, 8)
+        want = want + out
+        got = native.small_bmm(a, b, out=out, accumulate=True)
+        assert got is out
+    else:
+        got = native.small_bmm(a, b)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert calls, "the native kernel was not used"
+
+
+def test_small_bmm_falls_back_to_torch_where_the_kernel_does_not_apply(kernels, monkeypatch):
+    """Other widths, taller products, float64, and inputs autograd must follow go through ``torch.bmm`` (same values,
+    gradients kept)."""
+    def refuse():
+        raise AssertionError("the native kernel must not be used here")
+
+    monkeypatch.setattr(native, "indexed_term_kernels", refuse)
+    a, b = torch.randn(4, 8, 8), torch.randn(4, 8, 7)
+    torch.testing.assert_close(native.small_bmm(a, b), torch.bmm(a, b))
+    torch.testing.assert_close(native.small_bmm(a.double(), b.double()), torch.bmm(a.double(), b.double()))
+    tall, square = torch.randn(4, 24, 8), torch.randn(4, 8, 8)
+    torch.testing.assert_close(native.small_bmm(tall, square), torch.bmm(tall, square))
+    w = torch.randn(4, 8, 8, requires_grad=True)
+    native.small_bmm(a, w).sum().backward()
+    torch.testing.assert_close(w.grad, torch.bmm(a.transpose(1, 2), torch.ones(4, 8, 8)))
+
+
+def test_liere_training_step_is_the_same_with_the_native_small_products(kernels, monkeypatch):
+    """LieRE (8 x 8 blocks, float32): logits and every gradient of a training step equal those with the native
+    kernels switched off (``VISPE_NATIVE_KERNELS=0``: ``torch.bmm`` for every product)."""
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model("vispe_vit_small_patch16_224", pretrained=False, depth=2, img_size=64,
+                              pos_encoding={"name": "liere", "block_size": 8}).train()
+    x, y = torch.randn(2, 3, 64, 64), torch.tensor([0, 1])
+
+    def run():
+        model.zero_grad()
+        out = model(x)
+        torch.nn.functional.cross_entropy(out, y).backward()
+        return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    calls = []
+    monkeypatch.setattr(native, "indexed_term_kernels", lambda: calls.append(1) or kernels)
+    out_native, g_native = run()
+    assert calls, "the native kernel was not used"
+    monkeypatch.setattr(native, "indexed_term_kernels", lambda: None)
+    out_torch, g_torch = run()
+    torch.testing.assert_close(out_native, out_torch, rtol=1e-5, atol=1e-5)
+    for n in g_torch:
+        scale = g_torch[n].abs().max().clamp_min(1e-12)
+        assert ((g_native[n] - g_torch[n]).abs().max() / scale) < 1e-4, n

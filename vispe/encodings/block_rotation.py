@@ -12,6 +12,7 @@ import math
 import torch
 
 from .attention import autocast_off_in_backward
+from .native import small_bmm
 
 __all__ = ["rotate_blocks"]
 
@@ -37,8 +38,13 @@ _CPU_SMALL_BMM = 400
 
 def _padded_width(b: int, cols: int, device: torch.device) -> int:
     """The column count to multiply ``cols`` columns with: padded (with zeros) past the CPU small-bmm loop where
-    that at most doubles the work (``b = 8`` with a batch of 2: 4 -> 7 columns)."""
-    if device.type != "cpu" or b * b * cols >= _CPU_SMALL_BMM:
+    that at most doubles the work (``b = 6``: 8 -> 12 columns); 8 x 8 blocks with 4-7 columns (a batch of 2) are
+    padded to 8, the width of the native small-product kernel (:func:`~vispe.encodings.native.small_bmm`)."""
+    if device.type != "cpu":
+        return cols
+    if b == 8 and 4 <= cols < 8:
+        return 8
+    if b * b * cols >= _CPU_SMALL_BMM:
         return cols
     want = -(-_CPU_SMALL_BMM // (b * b))
     return want if want <= 2 * cols else cols
@@ -94,7 +100,7 @@ class _BlockRotation(torch.autograd.Function):
         b = rot.shape[-1]
         dt = torch.promote_types(torch.promote_types(q.dtype, rot.dtype), torch.float32)
         cols = _to_columns(q, k, b, dt, per_sample, heads_shared)
-        out = torch.bmm(rot.to(dt), cols)
+        out = small_bmm(rot.to(dt), cols)
         ctx.save_for_backward(rot, q, k)
         ctx.layout = (per_sample, heads_shared)
         return _from_columns(out, q, q.dtype, per_sample, heads_shared)
@@ -112,10 +118,10 @@ class _BlockRotation(torch.autograd.Function):
         rot_f = rot.to(dt)
         g_rot = g_q = g_k = None
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-            g_q, g_k = _from_columns(torch.bmm(rot_f.transpose(1, 2), g), q, q.dtype, per_sample, heads_shared)
+            g_q, g_k = _from_columns(small_bmm(rot_f.transpose(1, 2), g), q, q.dtype, per_sample, heads_shared)
         if ctx.needs_input_grad[0]:
             cols = _to_columns(q, k, b, dt, per_sample, heads_shared)
-            g_rot = torch.bmm(g, cols.transpose(1, 2)).to(rot.dtype)
+            g_rot = small_bmm(g, cols.transpose(1, 2)).to(rot.dtype)
         return g_rot, g_q, g_k, None, None
 
 

@@ -64,6 +64,7 @@ from .._checks import Choice, Int, Ints, Real, check_choice
 from .base import register_encoding
 from .grid import PositionGrid
 from .block_rotation import rotate_blocks
+from .native import small_bmm
 from .rotary import RotaryEncoding
 
 __all__ = [
@@ -231,7 +232,7 @@ def _word_sums(gens: torch.Tensor, degree: int) -> list[torch.Tensor]:
         cur = gens.new_zeros(p, len(levels[k]), b, b)
         for i in range(n):
             # every word of level k - 1 times A_i on the right: one (n_{k-1} b x b) @ (b x b) product per block
-            cur.index_add_(1, ups[k][i].to(gens.device), torch.bmm(prev, gens[i]).view(p, -1, b, b))
+            cur.index_add_(1, ups[k][i].to(gens.device), small_bmm(prev, gens[i]).view(p, -1, b, b))
         out.append(cur)
     return out
 
@@ -247,9 +248,9 @@ def _word_sums_backward(gens: torch.Tensor, levels: list[torch.Tensor], grads: l
         g_prev = grads[k - 1].clone(memory_format=torch.contiguous_format) if k > 1 else None  # level 0 is the identity: nothing to pass on
         for i in range(n):
             g_y = g_cur.index_select(1, ups[k][i].to(gens.device)).reshape(p, -1, b)
-            g_gens[i] += torch.bmm(prev.transpose(1, 2), g_y)  # sum over the words of W^T dY
+            small_bmm(prev.transpose(1, 2), g_y, out=g_gens[i], accumulate=True)  # sum over the words of W^T dY
             if g_prev is not None:
-                g_prev.view(p, -1, b).baddbmm_(g_y, gens[i].transpose(1, 2))
+                small_bmm(g_y, gens[i].transpose(1, 2), out=g_prev.view(p, -1, b), accumulate=True)
         g_cur = g_prev
     return g_gens
 
@@ -301,7 +302,7 @@ def _lattice_exp(coords: torch.Tensor, generators: torch.Tensor) -> tuple[torch.
             by_token.index_copy_(0, plan.order[count:done], cur[count:done].view(-1, *by_token.shape[1:]))
             if count:
                 head = cur[:count].reshape(-1, b, b)
-                cur, done = torch.bmm(head, head).view(count, p, b, b), count
+                cur, done = small_bmm(head, head).view(count, p, b, b), count
         return out, scaled
 
 
@@ -325,11 +326,11 @@ def _lattice_exp_backward(coords: torch.Tensor, generators: torch.Tensor, scaled
             ej = e[:count].reshape(-1, b, b)
             et = ej.transpose(1, 2)
             gj = g_cur[:count].reshape(-1, b, b)
-            g_cur, done = torch.bmm(gj, et).view(count, p, b, b), count
-            g_cur.view(-1, b, b).baddbmm_(et, gj)
+            g_cur, done = small_bmm(gj, et).view(count, p, b, b), count
+            small_bmm(et, gj, out=g_cur.view(-1, b, b), accumulate=True)
             if j + 1 < len(steps):
                 nxt = e[: steps[j + 1]].reshape(-1, b, b)
-                e = torch.bmm(nxt, nxt).view(steps[j + 1], p, b, b)
+                e = small_bmm(nxt, nxt).view(steps[j + 1], p, b, b)
         if g_cur is not final:
             final[:done] = g_cur
         g_words = coef.transpose(0, 1) @ final.view(num_tokens, -1)  # (T, P*b*b)

@@ -1,4 +1,5 @@
-// Native CPU kernels for an attention term read from small tables by index (vispe.encodings.native).
+// Native CPU kernels for an attention term read from small tables by index, and batched products of small matrices
+// (vispe.encodings.native).
 //
 // A term is a sum of parts. A part reads x[b * sxb + h * sxh + row * sxr + id] for the pair (query r, key j), with row
 // the query (or, for a key-side read, the key) and id either
@@ -573,6 +574,48 @@ void term_attention_backward(torch::Tensor q, torch::Tensor k, torch::Tensor v, 
   });
 }
 
+// out[n] (+)= a[n] @ b[n] for a batch of small products with 8 result columns (LieRE's 8 x 8 blocks): a (N, M, K) with
+// any strides, b (N, K, 8) with contiguous rows, out (N, M, 8) contiguous. ATen's bmm pays a BLAS call per product
+// (or a scalar loop); here every output row is one 8-wide multiply-add per k, in registers.
+template <bool ACC>
+void small_bmm_range(const float* __restrict A, const float* __restrict Bm, float* __restrict O, int64_t n0, int64_t n1,
+                     int64_t M, int64_t K, int64_t sa0, int64_t sa1, int64_t sa2, int64_t sb0, int64_t sb1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const float* __restrict bn = Bm + n * sb0;
+    const float* __restrict an = A + n * sa0;
+    float* __restrict on = O + n * M * 8;
+    for (int64_t i = 0; i < M; ++i) {
+      float r[8];
+      for (int c = 0; c < 8; ++c) r[c] = ACC ? on[i * 8 + c] : 0.0f;
+      for (int64_t k = 0; k < K; ++k) {
+        const float x = an[i * sa1 + k * sa2];
+        const float* __restrict br = bn + k * sb1;
+        for (int c = 0; c < 8; ++c) r[c] += x * br[c];
+      }
+      for (int c = 0; c < 8; ++c) on[i * 8 + c] = r[c];
+    }
+  }
+}
+
+void small_bmm(torch::Tensor a, torch::Tensor b, torch::Tensor out, bool accumulate) {
+  TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && out.dim() == 3, "small_bmm: (N, M, K) @ (N, K, 8) into (N, M, 8)");
+  TORCH_CHECK(a.scalar_type() == torch::kFloat && b.scalar_type() == torch::kFloat && out.scalar_type() == torch::kFloat,
+              "small_bmm: float32 tensors");
+  const int64_t N = a.size(0), M = a.size(1), K = a.size(2);
+  TORCH_CHECK(b.size(0) == N && b.size(1) == K && b.size(2) == 8 && b.stride(2) == 1,
+              "small_bmm: b must be (N, K, 8) with contiguous rows");
+  TORCH_CHECK(out.is_contiguous() && out.size(0) == N && out.size(1) == M && out.size(2) == 8,
+              "small_bmm: out must be a contiguous (N, M, 8)");
+  const float* A = a.data_ptr<float>();
+  const float* Bm = b.data_ptr<float>();
+  float* O = out.data_ptr<float>();
+  const int64_t sa0 = a.stride(0), sa1 = a.stride(1), sa2 = a.stride(2), sb0 = b.stride(0), sb1 = b.stride(1);
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    if (accumulate) small_bmm_range<true>(A, Bm, O, n0, n1, M, K, sa0, sa1, sa2, sb0, sb1);
+    else small_bmm_range<false>(A, Bm, O, n0, n1, M, K, sa0, sa1, sa2, sb0, sb1);
+  });
+}
+
 void set_direct_blas(bool on) { direct_blas.store(on); }
 bool has_direct_blas() { return find_sgemm() != nullptr; }
 
@@ -582,6 +625,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the attention forward of a block of query rows with its term, in cache-sized tiles");
   m.def("term_attention_backward", &term_attention_backward,
         "the attention backward of a block of query rows with its term's gradient, in cache-sized tiles");
+  m.def("small_bmm", &small_bmm, "out (+)= a @ b for a batch of small products with 8 result columns");
   m.def("set_direct_blas", &set_direct_blas, "call the BLAS sgemm directly (default, where exported) or through at::mm");
   m.def("has_direct_blas", &has_direct_blas, "whether PyTorch's BLAS exports the Fortran sgemm these kernels call");
 }
