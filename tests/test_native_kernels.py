@@ -256,12 +256,13 @@ def test_exp_and_softmax_of_the_forward_match_torch(kernels):
 
 
 # -- batched small products (LieRE's 8 x 8 blocks) ---------------------------------------------------------------
-@pytest.mark.parametrize("n,m,k,a_t,b_t", [(37, 8, 8, False, False), (37, 8, 8, True, True), (5, 16, 8, False, True),
-                                           (9, 8, 16, True, False), (1, 3, 5, False, False), (0, 8, 8, False, False)])
+@pytest.mark.parametrize("n,m,k,a_t,b_t", [(37, 8, 8, False, False), (37, 8, 8, True, False), (5, 16, 8, False, False),
+                                           (9, 8, 16, True, False), (1, 3, 5, False, False), (0, 8, 8, False, False),
+                                           (37, 8, 8, True, True)])
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_small_bmm_equals_torch_bmm(kernels, monkeypatch, n, m, k, a_t, b_t, accumulate):
-    """``small_bmm`` runs the native kernel for float32 products with 8 result columns, transposed (strided) operands
-    and accumulation included, and equals ``torch.bmm`` / ``baddbmm_``."""
+    """``small_bmm`` runs the native kernel for float32 products with 8 result columns (a transposed ``a`` and
+    accumulation included; a transposed ``b`` takes ``torch.bmm``), and equals ``torch.bmm`` / ``baddbmm_``."""
     calls = []
     monkeypatch.setattr(native, "indexed_term_kernels", lambda: calls.append(1) or kernels)
     torch.manual_seed(0)
@@ -276,7 +277,7 @@ def test_small_bmm_equals_torch_bmm(kernels, monkeypatch, n, m, k, a_t, b_t, acc
     else:
         got = native.small_bmm(a, b)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert calls, "the native kernel was not used"
+    assert bool(calls) != b_t, "the native kernel runs exactly when b's rows are contiguous"
 
 
 def test_small_bmm_falls_back_to_torch_where_the_kernel_does_not_apply(kernels, monkeypatch):

@@ -7,6 +7,9 @@ attention in tiles of query rows whose logits stay in cache, and do the gather (
 scatter (with the multiply and the batch sum) in one pass each. Their products call the BLAS ``sgemm`` that PyTorch's
 library exports (MKL builds on x86) directly, else ``at::mm``.
 
+The same module holds ``small_bmm``'s kernel: batches of products with 8 result columns (LieRE's 8 x 8 blocks), which
+ATen's ``bmm`` runs as one BLAS call per product.
+
 They are compiled for this machine the first time a float32 CPU training step needs them
 (``torch.utils.cpp_extension.load``: a C++ compiler and ninja, which the ``train`` extra installs; ~35-50 s once, then
 cached in ``TORCH_EXTENSIONS_DIR`` per CPU capability); without them, or with ``VISPE_NATIVE_KERNELS=0``, the same
@@ -71,15 +74,17 @@ def _build() -> ModuleType | None:
 def small_bmm(a: "torch.Tensor", b: "torch.Tensor", out: "torch.Tensor | None" = None,
               accumulate: bool = False) -> "torch.Tensor":
     """``a @ b`` for a batch of small matrices, ``(N, M, K) @ (N, K, P)``; with ``out`` the product is written there
-    (``accumulate``: added to it, as ``out.baddbmm_(a, b)``). Float32 CPU products of at most 16 rows and 8 columns
-    (LieRE's 8 x 8 blocks) run in the native kernel (2.4x ATen's ``bmm`` on 35,712 products of 8 x 8 blocks, one
-    thread: ATen pays a BLAS call per product); anything else, a traced graph, or inputs that autograd must follow,
-    take ``torch.bmm``."""
+    (``accumulate``: added to it, as ``out.baddbmm_(a, b)``). Float32 CPU products of at most 16 rows and 8 columns,
+    ``b`` with contiguous rows (LieRE's 8 x 8 blocks), run in the native kernel (2.4x ATen's ``bmm`` on 35,712
+    products of 8 x 8 blocks, one thread: ATen pays a BLAS call per product); anything else, a traced graph, or
+    inputs that autograd must follow, take ``torch.bmm``."""
     import torch
 
     kernels = None
     # taller products (more than 16 rows) already run well in BLAS
-    if (b.shape[-1] == 8 and a.shape[-2] <= 16 and a.device.type == "cpu" and a.dtype == b.dtype == torch.float32
+    # b's rows are read as 8-wide vectors: a transposed b (which would need a copy as large as the product) takes bmm
+    if (b.shape[-1] == 8 and b.stride(-1) == 1 and a.shape[-2] <= 16 and a.device.type == "cpu"
+            and a.dtype == b.dtype == torch.float32
             and not torch.compiler.is_compiling()
             and not (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad))
             and (out is None or (out.is_contiguous() and out.dtype == torch.float32))):
@@ -91,7 +96,6 @@ def small_bmm(a: "torch.Tensor", b: "torch.Tensor", out: "torch.Tensor | None" =
     if out is None:
         out = a.new_empty(a.shape[0], a.shape[1], 8)
         accumulate = False
-    # the kernel reads b's rows as 8-wide vectors: a transposed b is laid out once (N x K x 8 floats, cheap)
-    kernels.small_bmm(a, b if b.stride(-1) == 1 else b.contiguous(), out, accumulate)
+    kernels.small_bmm(a, b, out, accumulate)
     return out
 
