@@ -65,8 +65,9 @@ def _build() -> ModuleType | None:
                     verbose=False)
     except Exception as err:  # no compiler, ninja or headers, unsupported flags: PyTorch ops instead
         warnings.warn(
-            f"vispe: the native attention-term kernels could not be built ({type(err).__name__}: {err}); the blocked "
-            f"attention path uses PyTorch ops instead (same values, slower). Set {NATIVE_KERNELS_ENV}=0 to skip the build.",
+            f"vispe: the native CPU kernels could not be built ({type(err).__name__}: {err}); the blocked attention "
+            f"path and LieRE's small products use PyTorch ops instead (same values, slower). Set {NATIVE_KERNELS_ENV}=0 "
+            "to skip the build.",
             RuntimeWarning, stacklevel=3)
         return None
 
