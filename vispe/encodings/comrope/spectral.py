@@ -7,7 +7,7 @@ elementwise phases (:func:`rotate_pair_spectral`, an autograd Function that reco
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -143,17 +143,22 @@ class ComRopeSpectralState:
     rotary: RotaryState
     #: the host folded the basis into its q/k projection (:meth:`ComRopeBase.fold_qk_basis`): only the phases remain
     basis_folded: bool = False
+    #: the dense bases of every layer, built on the first unfolded call and kept with the state (an eval-cached state
+    #: builds them once, not per forward); shared by the copies ``replace`` makes, whose blocks are the same
+    _dense: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_blocks(self) -> int:
         return self.blocks.shape[-3]
 
     def basis(self, layer: int) -> torch.Tensor:
-        """The dense block-diagonal basis ``(H, dh, dh)`` of one layer."""
-        blocks = self.blocks[layer]  # (H, m, b, b)
-        m = blocks.shape[-3]
-        eye = torch.eye(m, device=blocks.device, dtype=blocks.dtype)
-        return (blocks.unsqueeze(-2) * eye[:, None, :, None]).flatten(-4, -3).flatten(-2)
+        """The dense block-diagonal basis ``(H, dh, dh)`` of one layer (the unfolded path's per-token product)."""
+        if "all" not in self._dense:
+            m = self.blocks.shape[-3]
+            eye = torch.eye(m, device=self.blocks.device, dtype=self.blocks.dtype)
+            # (depth, H, m, b, b) -> block-diagonal (depth, H, dh, dh)
+            self._dense["all"] = (self.blocks.unsqueeze(-2) * eye[:, None, :, None]).flatten(-4, -3).flatten(-2)
+        return self._dense["all"][layer]
 
     def for_layer(self, layer: int) -> torch.Tensor:
         """Dense per-token block rotations ``(H, L, m, b, b)`` of one layer, ``Q rot(phase) Q^T`` (analysis, tests)."""
