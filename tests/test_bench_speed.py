@@ -93,6 +93,8 @@ def test_encoding_spec_parser():
         (["--bench", "flops"], r"unknown measurement 'flops'"),
         (["--iters", "0"], r"--iters must be >= 1"),
         (["--timm-refs", "ape,rope_axail"], r"unknown timm reference 'rope_axail'.*rope_axial"),
+        (["--profile", "-1"], r"--profile must be >= 0 .* got -1"),
+        (["--profile", "5", "--bench", "infer"], r"--profile profiles the train step, but --bench 'infer'"),
     ],
 )
 def test_bad_options_fail_before_any_model_is_built(argv, match):
@@ -307,6 +309,52 @@ def test_precisions_measure_each_model_in_each_dtype_with_its_own_reference(tmp_
         main(["speed", "--precisions", "fp32,fp8"])
 
 
+def test_profile_names_where_an_encodings_extra_time_goes(tmp_path):
+    """--profile keeps each model's costliest ops of one profiled train step and, beside the reference (timm's APE
+    ViT, profiled in the same run), the ops that cost more than the reference's same op."""
+    rc = main(["speed", "--models", "vit_s4_32", "--depth", "1", "--batch-size", "2", "--iters", "1", "--warmup", "0",
+               "--timm-refs", "ape", "--encodings", "irpe", "--bench", "train", "--profile", "4",
+               "--out-dir", str(tmp_path), "--tag", "prof"])
+    assert rc == 0
+    rows = {r["model"]: r for r in json.loads((tmp_path / "prof.json").read_text())["results"]}
+    ref, irpe = rows["timm:ape"]["profile"], rows["vispe:irpe"]["profile"]
+    for prof in (ref, irpe):
+        assert prof["time"] == "CPU op self time" and 1 <= len(prof["top"]) <= 4
+        assert all(o["ms"] > 0 and o["calls"] > 0 for o in prof["top"])
+        assert [o["ms"] for o in prof["top"]] == sorted((o["ms"] for o in prof["top"]), reverse=True)
+        assert sum(o["ms"] for o in prof["top"]) <= prof["step_ms"] + 1e-6
+        assert any(o["op"] in ("aten::mm", "aten::addmm") for o in prof["top"])  # a ViT's step is mostly its matmuls
+    assert ref["ref_step_ms"] is None and ref["extra"] == []  # the reference is not compared with itself
+    assert irpe["ref_step_ms"] == pytest.approx(ref["step_ms"], abs=1e-3)
+    assert irpe["extra"] and all(o["extra_ms"] > 0 and o["extra_ms"] == pytest.approx(o["ms"] - o["ref_ms"], abs=1e-3)
+                                 for o in irpe["extra"])
+    # iRPE's own attention op, which the reference never runs, is among its extra time at its full cost
+    own = [o for o in irpe["extra"] if o["ref_ms"] == 0]
+    assert own and all(o["extra_ms"] == pytest.approx(o["ms"], abs=1e-3) for o in own)
+    md = (tmp_path / "prof.md").read_text()
+    assert "Where the time goes" in md and "`vit_s4_32/eager/fp32/vispe:irpe` (CPU op self time)" in md
+
+
+def test_cuda_profiles_count_each_kernel_once():
+    """On CUDA a CPU op's self device time is its kernels' time, which the kernels' own rows carry too: only device
+    rows count there, so a step's total is the GPU's busy time. On CPU every op's self CPU time counts."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from vispe.benchmarks.speed_measure import op_times
+
+    def ev(key, dev, cpu_us, dev_us, count):
+        return SimpleNamespace(key=key, device_type=dev, self_cpu_time_total=cpu_us, self_device_time_total=dev_us, count=count)
+
+    rows = [ev("aten::mm", DeviceType.CPU, 40.0, 300.0, 2), ev("sm90_gemm", DeviceType.CUDA, 0.0, 300.0, 2),
+            ev("## Call CompiledFxGraph f3x9 ##", DeviceType.CPU, 80.0, 0.0, 2), ev("triton_poi_fused_add_0", DeviceType.CUDA, 0.0, 20.0, 4)]
+    gpu = op_times(rows, cuda=True, steps=2)
+    assert gpu == {"sm90_gemm": {"ms": 0.15, "calls": 1.0}, "triton_poi_fused_add_0": {"ms": 0.01, "calls": 2.0}}
+    cpu = op_times(rows, cuda=False, steps=2)
+    assert cpu == {"aten::mm": {"ms": 0.02, "calls": 1.0}, "CompiledFxGraph (wrapper)": {"ms": 0.04, "calls": 1.0}}
+
+
 def test_pure_bf16_entry_runs_in_bf16_and_autocast_entry_keeps_fp32_weights():
     from vispe.benchmarks.speed import build_entries, BENCH_CONFIGS, infer_step
 
@@ -343,6 +391,8 @@ def test_gpu_plan_dry_run_builds_every_part_on_the_tiny_model():
     assert budget and budget <= 480
     assert {(p.config, p.cfg.img_size) for p in parts} == {("vit_s16", 224), ("vit_s16", 448), ("vit_b16", 224), ("vit_b16", 448)}
     assert all(p.batch == 128 for p in parts)
+    # the compiled part, which the GPU targets judge, says where each model's time goes
+    assert all(p.profile > 0 for p in parts if p.name.startswith("s16_224_compile_amp#"))
 
 
 def test_plan_runs_parts_and_lists_those_past_the_budget(tmp_path):
@@ -391,6 +441,7 @@ def test_models_the_budget_left_unmeasured_are_labelled_skipped_not_failed():
         ("parts:\n  - {models: vit_s4_32, colour: red}\n", r"unknown keys \['colour'\]"),
         ("parts:\n  - {models: vit_h14}\n", r"unknown model size 'vit_h14'"),
         ("parts:\n  - {models: vit_s4_32, precisions: [fp16]}\n", r"unknown precision 'fp16'"),
+        ("parts:\n  - {models: vit_s4_32, bench: [infer], profile: 4}\n", r"part 0: profile .* needs 'train'"),
     ],
 )
 def test_bad_plans_are_refused_naming_the_part(tmp_path, body, match):

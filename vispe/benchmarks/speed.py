@@ -159,7 +159,7 @@ def default_encoding_specs(every: bool = False, cfg: BenchConfig | None = None) 
     return ",".join(list_encodings(grid_ndim=cfg.grid_ndim) if every else cfg.default_encodings)
 
 
-from .speed_measure import PRECISIONS, Entry, infer_step, measure_peak, train_step, _timed  # noqa: F401  (re-exported)
+from .speed_measure import PRECISIONS, Entry, infer_step, measure_peak, profile_step, train_step, _timed  # noqa: F401  (re-exported)
 from .speed_report import SKIPPED_PREFIX, _machine, format_markdown, format_table  # noqa: F401  (re-exported)
 
 
@@ -285,10 +285,12 @@ def run_config(
     benches: Sequence[str],
     log: Callable[[str], None],
     deadline: float | None = None,
+    profile: bool = False,
 ) -> None:
-    """Warm up (and compile), time ``iters`` round-robin rounds, then take peak memory. Past ``deadline`` (a
-    ``time.perf_counter()`` value) no further model is warmed up -- those not yet warm are recorded as skipped, never
-    estimated -- and timing stops after the round in progress (one round at least)."""
+    """Warm up (and compile), time ``iters`` round-robin rounds, then take peak memory, then (``profile``) profile one
+    train step per model. Past ``deadline`` (a ``time.perf_counter()`` value) no further model is warmed up -- those
+    not yet warm are recorded as skipped, never estimated -- timing stops after the round in progress (one round at
+    least) and no further model is profiled."""
     do_train, do_infer, do_mem = "train" in benches, "infer" in benches, "memory" in benches
 
     def late() -> bool:
@@ -343,6 +345,12 @@ def run_config(
                 e.train_peak = _guard(e, "train memory", lambda: measure_peak(e, lambda: train_step(e, x, y), device, True), log)
             if do_infer:
                 e.infer_peak = _guard(e, "infer memory", lambda: measure_peak(e, lambda: infer_step(e, x), device, False), log)
+    if profile and do_train:
+        for e in entries:
+            if late():
+                log("  time budget spent: no further model is profiled")
+                break
+            e.profile = _guard(e, "profile", lambda: profile_step(lambda: train_step(e, x, y), device), log)
 
 
 def _median(v: Sequence[float]) -> float | None:
@@ -359,10 +367,32 @@ def _paired_ratio(a: Sequence[float], ref: Sequence[float]) -> float | None:
     return statistics.median(r) if r else None
 
 
+def profile_summary(prof: dict[str, dict[str, float]], ref: dict[str, dict[str, float]] | None, top: int) -> dict[str, Any]:
+    """A profiled step for the JSON: its ``top`` ops by self time, and the ``top`` ops that take the most time beyond
+    the reference model's time in the same op (``extra``: where an encoding's cost goes)."""
+    ref = ref or {}
+
+    def item(name: str) -> dict[str, Any]:
+        ms, ref_ms = prof[name]["ms"], ref.get(name, {}).get("ms", 0.0)
+        return {"op": name, "ms": round(ms, 4), "calls": round(prof[name]["calls"], 2), "ref_ms": round(ref_ms, 4),
+                "extra_ms": round(ms - ref_ms, 4)}
+
+    by_time = sorted(prof, key=lambda n: -prof[n]["ms"])[:top]
+    extra = sorted(prof, key=lambda n: -(prof[n]["ms"] - ref.get(n, {}).get("ms", 0.0)))
+    return {
+        "step_ms": round(sum(v["ms"] for v in prof.values()), 3),
+        "ref_step_ms": round(sum(v["ms"] for v in ref.values()), 3) if ref else None,
+        "top": [item(n) for n in by_time],
+        "extra": [item(n) for n in extra[:top] if prof[n]["ms"] - ref.get(n, {}).get("ms", 0.0) > 0] if ref else [],
+    }
+
+
 def summarise(
-    entries: list[Entry], batch: int, img_size: int, clock: str, ref_label: str = "timm:ape", frames: int = 0
+    entries: list[Entry], batch: int, img_size: int, clock: str, ref_label: str = "timm:ape", frames: int = 0,
+    profile_top: int = 0,
 ) -> list[dict[str, Any]]:
-    """Rows for the table/JSON. ``clock='cpu'`` headlines process CPU time, ``'wall'`` wall time; both are kept."""
+    """Rows for the table/JSON. ``clock='cpu'`` headlines process CPU time, ``'wall'`` wall time; both are kept.
+    ``profile_top``: how many ops of each profiled step the row keeps."""
     rows = []
     refs = {(e.config, e.mode, e.precision): e for e in entries if e.label == ref_label and not e.error}
     # vispe's own model without a PE: ratios to it isolate what the encoding itself costs
@@ -402,6 +432,10 @@ def summarise(
             "infer_peak_mb": None if e.infer_peak is None else e.infer_peak / 2**20,
             "error": e.error,
         }
+        if e.profile is not None and profile_top > 0:
+            ref_profile = ref.profile if ref is not None and ref is not e else None
+            row["profile"] = {"time": "GPU kernel time" if clock == "wall" and any(p.is_cuda for p in e.model.parameters())
+                              else "CPU op self time", **profile_summary(e.profile, ref_profile, profile_top)}
         if ref is not None and not e.error:
             row["train_ratio"] = _paired_ratio(series(e, "train"), series(ref, "train"))
             row["infer_ratio"] = _paired_ratio(series(e, "infer"), series(ref, "infer"))
@@ -467,6 +501,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--parts", default=None,
                    help="with --plan: run only these parts, comma-separated plan part names (e.g. the parts an earlier run "
                    "listed as skipped)")
+    p.add_argument("--profile", type=int, default=None, metavar="N",
+                   help="after timing, profile one train step per model (torch.profiler; GPU kernel time on CUDA) and keep "
+                   "its N costliest ops, and the N that cost most beyond the reference model's same op, in the JSON and "
+                   "Markdown: where an encoding's time goes (overrides a plan part's 'profile')")
     p.add_argument("--dry-run", action="store_true",
                    help="with --plan: every part on the tiny CPU model (depth 1, batch 2, one round, two encodings)")
     p.add_argument("--budget-s", type=float, default=None,
@@ -527,6 +565,10 @@ def _checked_choices(args: argparse.Namespace):
         get_encoding_class(name)  # unknown names fail before anything is built
     if args.iters < 1:
         raise ValueError(f"--iters must be >= 1, got {args.iters}")
+    if args.profile is not None and args.profile < 0:
+        raise ValueError(f"--profile must be >= 0 (ops kept per profiled step; 0 = no profile), got {args.profile}")
+    if args.profile and not args.plan and "train" not in benches:
+        raise ValueError(f"--profile profiles the train step, but --bench {args.bench!r} leaves it out; add train")
     if args.threads < 0:
         raise ValueError(f"--threads must be >= 0, got {args.threads}")
     if args.jobs < 1:
@@ -583,6 +625,7 @@ class Part:
     iters: int
     warmup: int
     min_run_s: float
+    profile: int = 0  # ops kept per profiled train step (0: no profile)
 
 
 def _plan_path(name: str) -> Path:
@@ -609,7 +652,7 @@ def load_plan(name: str, args: argparse.Namespace, specs_for: Callable[[BenchCon
         raise ValueError(f"--plan {path}: expected a mapping with a non-empty 'parts' list")
     defaults = raw.get("defaults") or {}
     allowed = {"name", "models", "img_size", "frames", "modes", "precisions", "bench", "encodings", "timm_refs", "batch_size",
-               "iters", "warmup", "min_run_s", "chunk"}
+               "iters", "warmup", "min_run_s", "chunk", "profile"}
     parts: list[Part] = []
     for k, item in enumerate(raw["parts"]):
         spec = {**defaults, **item}
@@ -634,6 +677,10 @@ def load_plan(name: str, args: argparse.Namespace, specs_for: Callable[[BenchCon
         batch = int(spec.get("batch_size") or (cfg.gpu_batch if device.type == "cuda" else cfg.cpu_batch))
         benches = list(spec.get("bench", ["train", "infer", "memory"]))
         iters, warmup, min_run_s = int(spec.get("iters", 3)), int(spec.get("warmup", 1)), float(spec.get("min_run_s", 0.0))
+        profile = int(spec.get("profile") or 0) if args.profile is None else args.profile
+        if profile < 0 or (profile and "train" not in benches):
+            raise ValueError(f"--plan {path}: part {k}: profile must be >= 0 and needs 'train' in bench, got profile {profile}, "
+                             f"bench {benches}")
         if args.dry_run:
             cfg = sized_config(BENCH_CONFIGS["vit_s4_32"], max(16, (img_size or 224) // 7 // 4 * 4))
             specs, batch, iters, warmup, min_run_s = specs[:2], 2, 1, 0, 0.0
@@ -643,7 +690,7 @@ def load_plan(name: str, args: argparse.Namespace, specs_for: Callable[[BenchCon
             chunk_refs = refs if c0 == 0 else [r for r in refs if f"timm:{r}" == cfg.reference]
             suffix = f"#{c0 // chunk + 1}" if chunk < len(specs) else ""
             parts.append(Part(f"{spec.get('name', f'part{k}')}{suffix}", config, cfg, specs[c0:c0 + chunk], chunk_refs, modes,
-                              precisions, batch, benches, iters, warmup, min_run_s))
+                              precisions, batch, benches, iters, warmup, min_run_s, profile))
     budget = raw.get("budget_s")
     return parts, None if budget is None or args.dry_run else float(budget)
 
@@ -715,7 +762,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         log(f"[{c}] skipping {skipped}: they do not take {cfg.grid_ndim}D grids")
                     batch = args.batch_size or (cfg.gpu_batch if device.type == "cuda" else cfg.cpu_batch)
                     parts.append(Part(c, c, cfg, specs, [r for r in refs if r in cfg.timm_refs], modes, _split(args.precisions),
-                                      batch, benches, args.iters, args.warmup, args.min_run_s))
+                                      batch, benches, args.iters, args.warmup, args.min_run_s, args.profile or 0))
     deadline = None if budget is None else t_start + budget
     if any("compile" in p.modes for p in parts):
         _allow_many_compiled_models()
@@ -773,10 +820,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         y = torch.randint(0, cfg.num_classes, (part.batch,), generator=g).to(device)
         # a hard stop a little after the budget: a part that started in time may finish its round, not run on
         hard = None if deadline is None else deadline + 0.2 * budget
-        run_config(entries, x, y, device, part.iters, part.warmup, part.min_run_s, part.benches, log, hard)
+        run_config(entries, x, y, device, part.iters, part.warmup, part.min_run_s, part.benches, log, hard, part.profile > 0)
         if not any(e.label == cfg.reference for e in entries):
             log(f"[{part.name}] no ratios: the reference model {cfg.reference!r} is not in this run")
-        part_rows = summarise(entries, part.batch, cfg.img_size, clock, ref_label=cfg.reference, frames=cfg.frames)
+        part_rows = summarise(entries, part.batch, cfg.img_size, clock, ref_label=cfg.reference, frames=cfg.frames,
+                              profile_top=part.profile)
         for r in part_rows:
             r["part"] = part.name
         rows += part_rows

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Callable, ContextManager
+from typing import Any, Callable, ContextManager, Iterable
 
 import torch
 import torch.nn as nn
@@ -43,6 +43,8 @@ class Entry:
     infer_peak: float | None = None
     error: str | None = None
     precision: str = "fp32"  # one of PRECISIONS
+    #: one profiled train step (``--profile``): op or kernel name -> {"ms": self time per step, "calls": per step}
+    profile: dict[str, dict[str, float]] | None = None
     _cast: tuple[int, torch.Tensor] | None = None  # (id of the shared input, this entry's copy in its dtype)
 
     def input(self, x: torch.Tensor) -> torch.Tensor:
@@ -151,3 +153,51 @@ def measure_peak(entry: Entry, fn: Callable[[], None], device: torch.device, tra
         step_peak = torch.cuda.max_memory_allocated(device) - before
         return float(_resident_bytes(entry, with_optimizer=train) + step_peak)
     return float(_resident_bytes(entry, with_optimizer=train) + _cpu_step_peak(fn))
+
+
+#: Profiled steps per model (``--profile``): their mean is kept.
+PROFILE_STEPS = 2
+
+
+def _op_name(key: str) -> str:
+    """A profiler key comparable across models: a compiled graph's call names the graph's hash, which differs per model."""
+    if key.startswith("## Call CompiledFxGraph"):
+        return "CompiledFxGraph (wrapper)"
+    if key.startswith("Torch-Compiled Region:"):  # numbered per compiled frame
+        return "Torch-Compiled Region"
+    return key if len(key) <= 120 else key[:117] + "..."
+
+
+def profile_step(fn: Callable[[], None], device: torch.device, steps: int = PROFILE_STEPS) -> dict[str, dict[str, float]]:
+    """Self time per step of every op (CPU) or every kernel and copy (CUDA: device time) over ``steps`` calls of
+    ``fn``, from ``torch.profiler``: where a step's time goes. Compiled CPU graphs show as their wrapper plus the
+    ATen ops they call (inductor's own loops are not broken out)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    _sync(device)
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            fn()
+        _sync(device)
+    return op_times(prof.key_averages(), cuda, steps)
+
+
+def op_times(averages: Iterable[Any], cuda: bool, steps: int) -> dict[str, dict[str, float]]:
+    """The profiler's per-op averages as name -> {"ms": self time per step, "calls": per step}: CPU self time, or on
+    CUDA the device events' own time (a CPU op's self device time is its kernels' time again, so CPU ops are left
+    out there)."""
+    from torch.autograd import DeviceType
+
+    out: dict[str, dict[str, float]] = {}
+    for ev in averages:
+        if cuda and ev.device_type == DeviceType.CPU:
+            continue
+        us = ev.self_device_time_total if cuda else ev.self_cpu_time_total
+        if us <= 0:
+            continue
+        slot = out.setdefault(_op_name(ev.key), {"ms": 0.0, "calls": 0.0})
+        slot["ms"] += us / 1e3 / steps
+        slot["calls"] += ev.count / steps
+    return out

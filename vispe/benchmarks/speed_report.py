@@ -99,11 +99,33 @@ def format_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     verdicts = growth_verdicts(rows)
     if verdicts:
         text += "\nTargets (ratios to timm's APE ViT of the same size, this run; vispe.benchmarks.speed_report.GROWTH_TARGETS):\n" + "\n".join(verdicts) + "\n"
+    profiled = profile_lines(rows)
+    if profiled:
+        text += ("\nWhere the time goes (one profiled train step per model, `--profile`): the step's summed self time beside "
+                 "the reference's, then the ops that cost most beyond the reference's time in the same op:\n"
+                 + "\n".join(profiled) + "\n")
     if errors:
         text += "\nErrors:\n" + "\n".join(errors) + "\n"
     if skipped:
         text += "\nNot measured (time budget):\n" + "\n".join(skipped) + "\n"
     return text
+
+
+def profile_lines(rows: list[dict[str, Any]], shown: int = 5) -> list[str]:
+    """One Markdown line per profiled model (the reference's own line lists its costliest ops)."""
+    out = []
+    for r in rows:
+        prof = r.get("profile")
+        if not prof:
+            continue
+        head = f"- `{r['config']}/{r['mode']}/{r['precision']}/{r['model']}` ({prof['time']}): {prof['step_ms']:.1f} ms"
+        if prof.get("ref_step_ms") is None:
+            ops = ", ".join(f"`{o['op']}` {o['ms']:.2f}" for o in prof["top"][:shown])
+            out.append(f"{head}; costliest ops (ms): {ops}")
+        else:
+            ops = ", ".join(f"`{o['op']}` +{o['extra_ms']:.2f}" for o in prof["extra"][:shown])
+            out.append(f"{head} (reference {prof['ref_step_ms']:.1f} ms); most extra time (ms): {ops or 'none'}")
+    return out
 
 
 #: Cost targets, as ratios to timm's APE ViT of the same size in the same run (CPU):
