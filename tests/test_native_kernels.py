@@ -128,11 +128,21 @@ def test_irpe_bucket_row_templates_equal_the_dense_oracle(spy, options, shape, d
     _assert_equal_to_oracle(got, want)
 
 
+@pytest.mark.parametrize("pack", [True, False], ids=["keys_copied_per_head", "keys_read_in_place"])
 @pytest.mark.parametrize("name", ["fire", "irpe", "alibi_2d"])
-def test_kernels_read_qkv_views_in_place(spy, name):
-    """As in a model, q, k and v are views of one (B, L, 3, H, D) projection: the kernels read them where they lie,
-    and the output comes laid out (B, L, H, D), so merging the heads is a view. Outputs and the projection's gradient
-    equal the oracle's, also for a loss whose output gradient is an expanded (stride-0) tensor."""
+def test_kernels_read_qkv_views_in_place(spy, kernels, name, pack):
+    """As in a model, q, k and v are views of one (B, L, 3, H, D) projection: the kernels read q where it lies, and
+    k and v either once copied per (sample, head) for all its tiles (the default: their rows are 3 H D floats apart)
+    or where they lie; the output comes laid out (B, L, H, D), so merging the heads is a view. Outputs and the
+    projection's gradient equal the oracle's, also for a loss whose output gradient is an expanded (stride-0) tensor."""
+    kernels.set_pack_keys(pack)
+    try:
+        _check_qkv_views(spy, name)
+    finally:
+        kernels.set_pack_keys(True)
+
+
+def _check_qkv_views(spy, name):
     enc = bias_encoding(name, {}, 1)
     grid = PositionGrid(bias_grid_shape(name), 1)
     n, g = grid.seq_len, torch.Generator().manual_seed(5)

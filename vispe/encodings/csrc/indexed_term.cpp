@@ -14,7 +14,9 @@
 //     per segment of equal ids). Otherwise each key reads its id.
 // gather_term builds a block's term (the forward's mask); term_attention_forward / term_attention_backward run the
 // attention of a block of query rows in tiles of one (sample, head), the logits and their gradient staying in cache
-// between the products and the term's passes. q, k, v and the gradients are read and written where they lie.
+// between the products and the term's passes. q, out and the gradients are read and written where they lie; k and v,
+// which every tile's products read in full, are copied once per (sample, head) when their rows are strided (views of
+// the qkv projection), so the tiles do not walk a page per key row.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
@@ -398,6 +400,25 @@ struct Rows {
   float* at(int64_t b, int64_t h, int64_t row) const { return p + b * sb + h * sh + row * sl; }
 };
 
+std::atomic<bool> pack_keys{true};  // switched off to compare with reading k and v where they lie
+
+// One (sample, head)'s keys or values (L rows of D) for the products of every tile: where they lie when their rows are
+// contiguous, else copied once into `buf` (L x D). q, k and v are views of the qkv projection, whose rows sit 3 H D
+// floats apart: every product over all L keys would otherwise walk L pages (and TLB entries) per tile.
+// The backward keeps one copy per sample of a head (its tiles loop over the batch): at most this many floats (8 MiB a
+// thread), else the keys are read in place.
+constexpr int64_t kMaxKeyCopyFloats = int64_t(1) << 21;
+
+const float* key_rows(const Rows& X, int64_t b, int64_t h, int64_t L, int64_t D, std::vector<float>& buf, int64_t& ld,
+                      bool allowed = true) {
+  ld = X.sl;
+  if (!allowed || X.sl == D || L == 1 || !pack_keys.load(std::memory_order_relaxed)) return X.at(b, h, 0);
+  if (static_cast<int64_t>(buf.size()) < L * D) buf.resize(L * D);
+  for (int64_t j = 0; j < L; ++j) std::copy_n(X.at(b, h, j), D, buf.data() + j * D);
+  ld = D;
+  return buf.data();
+}
+
 // floats of scratch a thread needs for the parts' templates
 int64_t scratch_size(const std::vector<Part>& parts) {
   int64_t n = 1;
@@ -476,13 +497,16 @@ void term_attention_forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, s
   const int64_t scratch_n = scratch_size(parts);
   float* lsep = lse.data_ptr<float>();
   at::parallel_for(0, B * H, 1, [&](int64_t n0, int64_t n1) {
-    std::vector<float> P(tile * L), inv(tile), scratch(scratch_n);
+    std::vector<float> P(tile * L), inv(tile), scratch(scratch_n), kbuf, vbuf;
     float* Pp = P.data();
     for (int64_t n = n0; n < n1; ++n) {
       const int64_t b = n / H, h = n % H;
+      int64_t ldk, ldv;
+      const float* kp = key_rows(K, b, h, L, D, kbuf, ldk);
+      const float* vp = key_rows(V, b, h, L, Dv, vbuf, ldv);
       for (int64_t r0 = 0; r0 < R; r0 += tile) {
         const int64_t tr = std::min(tile, R - r0), row = row0 + r0;
-        gemm(false, true, tr, L, D, scale, Q.at(b, h, row), Q.sl, K.at(b, h, 0), K.sl, false, Pp, L);
+        gemm(false, true, tr, L, D, scale, Q.at(b, h, row), Q.sl, kp, ldk, false, Pp, L);
         float* lse_p = lsep + n * Lq + row;
         for (int64_t r = 0; r < tr; ++r) {
           float* o = Pp + r * L;
@@ -493,7 +517,7 @@ void term_attention_forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, s
           lse_p[r] = m + std::log(sum);
         }
         float* op = O.at(b, h, row);
-        gemm(false, false, tr, Dv, L, 1.0f, Pp, L, V.at(b, h, 0), V.sl, false, op, O.sl);
+        gemm(false, false, tr, Dv, L, 1.0f, Pp, L, vp, ldv, false, op, O.sl);
         // normalise the (rows, Dv) output rather than the (rows, L) weights
         for (int64_t r = 0; r < tr; ++r)
           for (int64_t c = 0; c < Dv; ++c) op[r * O.sl + c] *= inv[r];
@@ -528,13 +552,21 @@ void term_attention_backward(torch::Tensor q, torch::Tensor k, torch::Tensor v, 
   const float sc = static_cast<float>(scale);
   at::parallel_for(0, H, serial ? H : 1, [&](int64_t h0, int64_t h1) {
     std::vector<float> P(tile * L), dP(tile * L), acc(any_shared ? tile * L : 0), scratch(scratch_n), delta(tile);
+    std::vector<std::vector<float>> kbuf(B), vbuf(B);
+    std::vector<const float*> kp(B), vp(B);
+    std::vector<int64_t> ldk(B), ldv(B);
     float *Pp = P.data(), *dPp = dP.data(), *A = any_shared ? acc.data() : nullptr;
+    const bool copy_keys = B * L * (D + Dv) <= kMaxKeyCopyFloats;
     for (int64_t h = h0; h < h1; ++h) {
+      for (int64_t b = 0; b < B; ++b) {
+        kp[b] = key_rows(K, b, h, L, D, kbuf[b], ldk[b], copy_keys);
+        vp[b] = key_rows(V, b, h, L, Dv, vbuf[b], ldv[b], copy_keys);
+      }
       for (int64_t r0 = 0; r0 < R; r0 += tile) {
         const int64_t tr = std::min(tile, R - r0), row = row0 + r0;
         for (int64_t b = 0; b < B; ++b) {
           const float *q_t = Q.at(b, h, row), *do_t = DO.at(b, h, row);
-          gemm(false, true, tr, L, D, sc, q_t, Q.sl, K.at(b, h, 0), K.sl, false, Pp, L);
+          gemm(false, true, tr, L, D, sc, q_t, Q.sl, kp[b], ldk[b], false, Pp, L);
           const float* lse_p = lsep + (b * H + h) * Lq + row;
           for (int64_t r = 0; r < tr; ++r) {
             float* __restrict o = Pp + r * L;
@@ -547,7 +579,7 @@ void term_attention_backward(torch::Tensor q, torch::Tensor k, torch::Tensor v, 
             delta[r] = d;
           }
           gemm(true, false, L, Dv, tr, 1.0f, Pp, L, do_t, DO.sl, true, DV.at(b, h, 0), DV.sl);  // dV += P^T dO
-          gemm(false, true, tr, L, Dv, 1.0f, do_t, DO.sl, V.at(b, h, 0), V.sl, false, dPp, L);   // dP = dO V^T
+          gemm(false, true, tr, L, Dv, 1.0f, do_t, DO.sl, vp[b], ldv[b], false, dPp, L);         // dP = dO V^T
           for (int64_t r = 0; r < tr; ++r) {
             float* __restrict o = Pp + r * L;
             const float* __restrict d = dPp + r * L;
@@ -561,7 +593,7 @@ void term_attention_backward(torch::Tensor q, torch::Tensor k, torch::Tensor v, 
             for (const Part& part : parts)
               if (part.g && !part.batch_shared(B)) part.scatter_row(o, b, h, r0 + r, row + r, L, scratch.data());
           }
-          gemm(false, false, tr, D, L, sc, Pp, L, K.at(b, h, 0), K.sl, false, DQ.at(b, h, row), DQ.sl);  // dQ = s dS k
+          gemm(false, false, tr, D, L, sc, Pp, L, kp[b], ldk[b], false, DQ.at(b, h, row), DQ.sl);        // dQ = s dS k
           gemm(true, false, L, D, tr, sc, Pp, L, q_t, Q.sl, true, DK.at(b, h, 0), DK.sl);               // dK += s dS^T q
         }
         if (A) {
@@ -617,6 +649,7 @@ void small_bmm(torch::Tensor a, torch::Tensor b, torch::Tensor out, bool accumul
 }
 
 void set_direct_blas(bool on) { direct_blas.store(on); }
+void set_pack_keys(bool on) { pack_keys.store(on); }
 bool has_direct_blas() { return find_sgemm() != nullptr; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -626,6 +659,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("term_attention_backward", &term_attention_backward,
         "the attention backward of a block of query rows with its term's gradient, in cache-sized tiles");
   m.def("small_bmm", &small_bmm, "out (+)= a @ b for a batch of small products with 8 result columns");
+  m.def("set_pack_keys", &set_pack_keys,
+        "copy each (sample, head)'s strided keys and values once for all its tiles (default) or read them in place");
   m.def("set_direct_blas", &set_direct_blas, "call the BLAS sgemm directly (default, where exported) or through at::mm");
   m.def("has_direct_blas", &has_direct_blas, "whether PyTorch's BLAS exports the Fortran sgemm these kernels call");
 }
