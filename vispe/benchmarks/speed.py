@@ -434,8 +434,10 @@ def summarise(
         }
         if e.profile is not None and profile_top > 0:
             ref_profile = ref.profile if ref is not None and ref is not e else None
-            row["profile"] = {"time": "GPU kernel time" if clock == "wall" and any(p.is_cuda for p in e.model.parameters())
-                              else "CPU op self time", **profile_summary(e.profile, ref_profile, profile_top)}
+            # what profile_step counted: device events on CUDA, whichever clock the timing used
+            on_gpu = any(p.is_cuda for p in e.model.parameters())
+            row["profile"] = {"time": "GPU kernel time" if on_gpu else "CPU op self time",
+                              **profile_summary(e.profile, ref_profile, profile_top)}
         if ref is not None and not e.error:
             row["train_ratio"] = _paired_ratio(series(e, "train"), series(ref, "train"))
             row["infer_ratio"] = _paired_ratio(series(e, "infer"), series(ref, "infer"))
