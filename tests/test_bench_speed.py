@@ -335,6 +335,34 @@ def test_profile_names_where_an_encodings_extra_time_goes(tmp_path):
     assert "Where the time goes" in md and "`vit_s4_32/eager/fp32/vispe:irpe` (CPU op self time)" in md
 
 
+def test_a_failed_profile_costs_the_profile_not_the_measured_times(tmp_path, monkeypatch):
+    """A profiler failure (e.g. an unfamiliar GPU driver on the one lent machine) is recorded on the row's profile;
+    the model's times and ratios stay, and the reference's profile still stands."""
+    from vispe.benchmarks import speed
+
+    real = speed.profile_step
+    calls = []
+
+    def flaky(fn, device):
+        calls.append(1)
+        if len(calls) == 2:  # the second model: the encoding
+            raise RuntimeError("CUPTI_ERROR_NOT_INITIALIZED")
+        return real(fn, device)
+
+    monkeypatch.setattr(speed, "profile_step", flaky)
+    rc = main(["speed", "--models", "vit_s4_32", "--depth", "1", "--batch-size", "2", "--iters", "1", "--warmup", "0",
+               "--timm-refs", "ape", "--encodings", "learned", "--bench", "train", "--profile", "3",
+               "--out-dir", str(tmp_path), "--tag", "flaky"])
+    assert rc == 0 and len(calls) == 2
+    rows = {r["model"]: r for r in json.loads((tmp_path / "flaky.json").read_text())["results"]}
+    failed = rows["vispe:learned"]
+    assert failed["error"] is None and failed["train_ratio"] > 0 and failed["train_step_ms"] > 0
+    assert failed["profile"] == {"error": "RuntimeError: CUPTI_ERROR_NOT_INITIALIZED"}
+    assert rows["timm:ape"]["profile"]["top"]
+    assert "`vit_s4_32/eager/fp32/vispe:learned`: not profiled (RuntimeError: CUPTI_ERROR_NOT_INITIALIZED)" in (
+        tmp_path / "flaky.md").read_text()
+
+
 def test_cuda_profiles_count_each_kernel_once():
     """On CUDA a CPU op's self device time is its kernels' time, which the kernels' own rows carry too: only device
     rows count there, so a step's total is the GPU's busy time. On CPU every op's self CPU time counts."""

@@ -350,7 +350,14 @@ def run_config(
             if late():
                 log("  time budget spent: no further model is profiled")
                 break
-            e.profile = _guard(e, "profile", lambda: profile_step(lambda: train_step(e, x, y), device), log)
+            if e.error:
+                continue
+            try:
+                e.profile = profile_step(lambda: train_step(e, x, y), device)
+            except Exception as err:  # a profiler failure costs the profile only, never the measured times
+                first = (str(err).strip().splitlines() or [""])[0]
+                e.profile = {PROFILE_ERROR: {"error": f"{type(err).__name__}: {first[:300]}"}}
+                log(f"  ! {e.config}/{e.mode}/{e.precision}/{e.label}: profile: {type(err).__name__}: {err}")
 
 
 def _median(v: Sequence[float]) -> float | None:
@@ -367,10 +374,16 @@ def _paired_ratio(a: Sequence[float], ref: Sequence[float]) -> float | None:
     return statistics.median(r) if r else None
 
 
+#: ``Entry.profile`` key of a profile that failed (its value holds the error): the row keeps its times
+PROFILE_ERROR = "(profile failed)"
+
+
 def profile_summary(prof: dict[str, dict[str, float]], ref: dict[str, dict[str, float]] | None, top: int) -> dict[str, Any]:
     """A profiled step for the JSON: its ``top`` ops by self time, and the ``top`` ops that take the most time beyond
     the reference model's time in the same op (``extra``: where an encoding's cost goes)."""
-    ref = ref or {}
+    if PROFILE_ERROR in prof:
+        return {"error": prof[PROFILE_ERROR]["error"]}
+    ref = {} if ref is None or PROFILE_ERROR in ref else ref
 
     def item(name: str) -> dict[str, Any]:
         ms, ref_ms = prof[name]["ms"], ref.get(name, {}).get("ms", 0.0)
@@ -436,8 +449,9 @@ def summarise(
             ref_profile = ref.profile if ref is not None and ref is not e else None
             # what profile_step counted: device events on CUDA, whichever clock the timing used
             on_gpu = any(p.is_cuda for p in e.model.parameters())
-            row["profile"] = {"time": "GPU kernel time" if on_gpu else "CPU op self time",
-                              **profile_summary(e.profile, ref_profile, profile_top)}
+            summary = profile_summary(e.profile, ref_profile, profile_top)
+            row["profile"] = summary if "error" in summary else {"time": "GPU kernel time" if on_gpu else "CPU op self time",
+                                                                  **summary}
         if ref is not None and not e.error:
             row["train_ratio"] = _paired_ratio(series(e, "train"), series(ref, "train"))
             row["infer_ratio"] = _paired_ratio(series(e, "infer"), series(ref, "infer"))

@@ -118,6 +118,9 @@ def profile_lines(rows: list[dict[str, Any]], shown: int = 5) -> list[str]:
         prof = r.get("profile")
         if not prof:
             continue
+        if "error" in prof:
+            out.append(f"- `{r['config']}/{r['mode']}/{r['precision']}/{r['model']}`: not profiled ({prof['error']})")
+            continue
         head = f"- `{r['config']}/{r['mode']}/{r['precision']}/{r['model']}` ({prof['time']}): {prof['step_ms']:.1f} ms"
         if prof.get("ref_step_ms") is None:
             ops = ", ".join(f"`{o['op']}` {o['ms']:.2f}" for o in prof["top"][:shown])
