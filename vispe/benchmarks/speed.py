@@ -261,16 +261,25 @@ def build_entries(
 # ----------------------------------------------------------------------------------------------
 
 
+def _short_error(err: Exception, limit: int) -> str:
+    """``Type: first line`` of an error for the JSON (compiler errors run to pages of generated code; the log keeps
+    them whole)."""
+    first = (str(err).strip().splitlines() or [""])[0]
+    return f"{type(err).__name__}: {first[:limit]}"
+
+
+def _log_failure(entry: Entry, what: str, err: Exception, log: Callable[[str], None]) -> None:
+    log(f"  ! {entry.config}/{entry.mode}/{entry.precision}/{entry.label}: {what}: {type(err).__name__}: {err}")
+
+
 def _guard(entry: Entry, what: str, fn: Callable[[], Any], log: Callable[[str], None]) -> Any:
     if entry.error:
         return None
     try:
         return fn()
     except Exception as err:
-        # the JSON keeps the first line (compiler errors run to pages of generated code); the log keeps it all
-        first = (str(err).strip().splitlines() or [""])[0]
-        entry.error = f"{what}: {type(err).__name__}: {first[:500]}"
-        log(f"  ! {entry.config}/{entry.mode}/{entry.precision}/{entry.label}: {what}: {type(err).__name__}: {err}")
+        entry.error = f"{what}: {_short_error(err, 500)}"
+        _log_failure(entry, what, err, log)
         return None
 
 
@@ -355,9 +364,8 @@ def run_config(
             try:
                 e.profile = profile_step(lambda: train_step(e, x, y), device)
             except Exception as err:  # a profiler failure costs the profile only, never the measured times
-                first = (str(err).strip().splitlines() or [""])[0]
-                e.profile = {PROFILE_ERROR: {"error": f"{type(err).__name__}: {first[:300]}"}}
-                log(f"  ! {e.config}/{e.mode}/{e.precision}/{e.label}: profile: {type(err).__name__}: {err}")
+                e.profile = {PROFILE_ERROR: {"error": _short_error(err, 300)}}
+                _log_failure(e, "profile", err, log)
 
 
 def _median(v: Sequence[float]) -> float | None:
