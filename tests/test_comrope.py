@@ -332,19 +332,25 @@ def test_spectral_decomposition_is_the_real_normal_form():
         assert torch.allclose(basis @ rot @ basis.transpose(-1, -2), torch.linalg.matrix_exp(c * skew), atol=1e-4)
 
 
-@pytest.mark.parametrize("name,shape,sigma", [("comrope_ap", (3, 5), 0.0), ("comrope_ld", (4, 3), 0.0),
-                                              ("comrope_ld", (4, 3), 1.0), ("comrope_ld_3d", (2, 3, 2), 0.0)])
-def test_spectral_path_equals_block_rotations_in_values_and_gradients(name, shape, sigma):
-    """``rotation='auto'`` (spectral: rotated q/k in the generators' eigenbasis) gives the attention output,
-    and the gradients of q, k, v and every parameter, of the per-token block rotations (``'blocks'``)."""
+#: training-time coordinate moves: the spectral path's per-token phases and the line tables must move alike
+_MOVES = {"coord_shift": 1.0, "coord_jitter": 1.3, "coord_rescale": 1.2, "random_positions": 2.0}
+
+
+@pytest.mark.parametrize("name,shape,options", [("comrope_ap", (3, 5), {}), ("comrope_ld", (4, 3), {}),
+                                                ("comrope_ld", (4, 3), {"sigma": 1.0}), ("comrope_ap", (4, 3), _MOVES),
+                                                ("comrope_ld_3d", (2, 3, 2), {}), ("comrope_ld_3d", (3, 2, 2), _MOVES)])
+def test_spectral_path_equals_block_rotations_in_values_and_gradients(name, shape, options):
+    """``rotation='auto'`` (spectral: rotated q/k in the generators' eigenbasis) gives the attention output, and the
+    gradients of q, k, v and every parameter, of the per-token block rotations (``'blocks'``), also with the lines
+    moved at training time."""
     grid = PositionGrid(shape, 1)
     results = []
     for rotation in ("auto", "blocks"):
         torch.manual_seed(0)
-        enc = _enc(name, len(shape), heads=2, head_dim=16, block_size=4, sigma=sigma, rotation=rotation).train()
+        enc = _enc(name, len(shape), heads=2, head_dim=16, block_size=4, rotation=rotation, **options).train()
         g = torch.Generator().manual_seed(1)
         q, k, v = (torch.randn(2, 2, grid.seq_len, 16, generator=g, requires_grad=True) for _ in range(3))
-        torch.manual_seed(5)  # the same line jitter for both paths (sigma > 0)
+        torch.manual_seed(5)  # the same line moves for both paths
         state = enc.prepare(grid, None)
         assert isinstance(state, ComRopeSpectralState if rotation == "auto" else ComRopeState)
         out = sum(enc.attend(q, k, v, layer=layer, state=state) for layer in range(enc.depth))
