@@ -408,7 +408,9 @@ def test_gpu_plan_dry_run_builds_every_part_on_the_tiny_model():
     parts, budget = load_plan("gpu", args, specs_for, torch.device("cpu"))
     assert budget is None  # a dry run is never cut short
     names = [p.name.split("#")[0] for p in parts]
-    assert names[0] == "s16_224_eager_amp" and "b16_448_eager_amp" in names and "s16_224_compile_amp" in names
+    # what the GPU targets judge runs first: a budget cut never reaches it
+    assert names[0] == "s16_224_compile_amp" and names[-1] != "s16_224_compile_amp" and "s16_224_eager_amp" in names
+    assert "b16_448_eager_amp" in names
     assert {pr for p in parts for pr in p.precisions} == {"fp32", "amp_bf16", "bf16"}
     assert {m for p in parts for m in p.modes} == {"eager", "compile"}
     for p in parts:
