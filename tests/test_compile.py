@@ -106,6 +106,31 @@ def test_random_training_draws_compile_whole(name):
     assert torch.isfinite(out).all() and counter.frame_count == 1
 
 
+def _coordinate_moves(name: str) -> dict[str, float]:
+    """Every training-time coordinate option ``name`` takes, set to move the coordinates (identity values draw too,
+    so only moving ones show a draw that leaves the graph)."""
+    value = {"shift": 0.5, "jitter": 1.2, "rescale": 1.2, "random_positions": 2.0}
+    return {o: next(v for k, v in value.items() if k in o) for o in get_encoding_class(name).coordinate_options}
+
+
+@pytest.mark.parametrize("name", sorted(n for n in ALL if get_encoding_class(n).coordinate_options))
+@pytest.mark.slow
+def test_coordinate_moves_compile_whole(name):
+    """With every coordinate option moving the positions (one random draw per training forward), the training
+    forward still compiles as one graph: the draws stay tensors inside it."""
+    ndim = 3 if 3 in get_encoding_class(name).grid_ndims else 2
+    pe = {"name": name, **_coordinate_moves(name)}
+    torch.manual_seed(0)
+    model = (timm.create_model("vispe_video_vit_nano_patch8_64", pos_encoding=pe, img_size=32, num_frames=4, embed_dim=48,
+                               depth=2, num_heads=3, num_classes=5) if ndim == 3 else
+             timm.create_model("vispe_vit_tiny_patch4_32", pos_encoding=pe, embed_dim=48, depth=2, num_heads=3, num_classes=5))
+    x = torch.randn(2, 3, 4, 32, 32) if ndim == 3 else torch.randn(2, 3, 32, 32)
+    counter = CompileCounterWithBackend("aot_eager")
+    out = torch.compile(model.train(), fullgraph=True, backend=counter)(x)
+    out.square().mean().backward()
+    assert torch.isfinite(out).all() and counter.frame_count == 1
+
+
 @pytest.mark.parametrize("name", IMAGE)
 @pytest.mark.slow
 def test_image_vit_compiles_whole(name):

@@ -87,7 +87,9 @@ def line_offsets(
         coords = [c + j for c, j in zip(coords, line_jitter(grid, sigma, device))]
     if coord_rescale > 1 or coord_jitter > 1 or coord_shift > 0:
         scale, shift = random_scale_shift(len(grid.shape), coord_shift, coord_jitter, coord_rescale)
-        coords = [(c - 0.5) * f + 0.5 + d / n for c, f, d, n in zip(coords, scale.tolist(), shift.tolist(), grid.shape)]
+        scale, shift = scale.to(base[0].device), shift.to(base[0].device)
+        # indexed as tensors, not read out with .tolist(): a compiled graph keeps the draw inside (no graph break)
+        coords = [(c - 0.5) * scale[a] + 0.5 + shift[a] / n for a, (c, n) in enumerate(zip(coords, grid.shape))]
     return [c - b for c, b in zip(coords, base)]
 
 
