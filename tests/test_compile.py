@@ -94,11 +94,18 @@ def _check_eval_and_new_grid(model: torch.nn.Module, small: torch.Tensor, large:
 def test_random_training_draws_compile_whole(name):
     """The default (random) training forward compiles as one graph too; its values are random, so only finiteness
     and the graph count are checked here."""
+    _check_random_training_forward_compiles_whole(name, name)
+
+
+def _check_random_training_forward_compiles_whole(name: str, pos_encoding) -> None:
+    """One training step of a small host of ``name`` (an image ViT, or the video ViT for 3D-only encodings) built
+    with ``pos_encoding``, compiled with ``fullgraph``: one graph, finite outputs (the draws make values random)."""
     ndim = 3 if 3 in get_encoding_class(name).grid_ndims else 2
     torch.manual_seed(0)
-    model = (timm.create_model("vispe_video_vit_nano_patch8_64", pos_encoding=name, img_size=32, num_frames=4, embed_dim=48,
-                               depth=2, num_heads=3, num_classes=5) if ndim == 3 else
-             timm.create_model("vispe_vit_tiny_patch4_32", pos_encoding=name, embed_dim=48, depth=2, num_heads=3, num_classes=5))
+    model = (timm.create_model("vispe_video_vit_nano_patch8_64", pos_encoding=pos_encoding, img_size=32, num_frames=4,
+                               embed_dim=48, depth=2, num_heads=3, num_classes=5) if ndim == 3 else
+             timm.create_model("vispe_vit_tiny_patch4_32", pos_encoding=pos_encoding, embed_dim=48, depth=2, num_heads=3,
+                               num_classes=5))
     x = torch.randn(2, 3, 4, 32, 32) if ndim == 3 else torch.randn(2, 3, 32, 32)
     counter = CompileCounterWithBackend("aot_eager")
     out = torch.compile(model.train(), fullgraph=True, backend=counter)(x)
@@ -118,17 +125,7 @@ def _coordinate_moves(name: str) -> dict[str, float]:
 def test_coordinate_moves_compile_whole(name):
     """With every coordinate option moving the positions (one random draw per training forward), the training
     forward still compiles as one graph: the draws stay tensors inside it."""
-    ndim = 3 if 3 in get_encoding_class(name).grid_ndims else 2
-    pe = {"name": name, **_coordinate_moves(name)}
-    torch.manual_seed(0)
-    model = (timm.create_model("vispe_video_vit_nano_patch8_64", pos_encoding=pe, img_size=32, num_frames=4, embed_dim=48,
-                               depth=2, num_heads=3, num_classes=5) if ndim == 3 else
-             timm.create_model("vispe_vit_tiny_patch4_32", pos_encoding=pe, embed_dim=48, depth=2, num_heads=3, num_classes=5))
-    x = torch.randn(2, 3, 4, 32, 32) if ndim == 3 else torch.randn(2, 3, 32, 32)
-    counter = CompileCounterWithBackend("aot_eager")
-    out = torch.compile(model.train(), fullgraph=True, backend=counter)(x)
-    out.square().mean().backward()
-    assert torch.isfinite(out).all() and counter.frame_count == 1
+    _check_random_training_forward_compiles_whole(name, {"name": name, **_coordinate_moves(name)})
 
 
 @pytest.mark.parametrize("name", IMAGE)
