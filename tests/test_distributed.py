@@ -175,7 +175,10 @@ def _check(tmp_path, mode, cases, mixed=False):
             mismatched.append((family, name, "loss or parameter set", dist_loss, loss))
             continue
         for k, g in ref.items():
-            if not torch.allclose(grads[k], g, rtol=1e-4, atol=1e-6):
+            # the ranks sum their halves of the batch in another order: float32 rounding at the scale of the whole
+            # tensor, so the absolute bound follows its largest entry (an entry near zero from cancelling terms keeps
+            # that tensor-wide error: 3.3e-6 on a bias gradient of largest entry 6.7 on a 2-core AMD EPYC)
+            if not torch.allclose(grads[k], g, rtol=1e-4, atol=2e-6 * max(1.0, g.abs().max().item())):
                 mismatched.append((family, name, k, (grads[k] - g).abs().max().item()))
                 break
     assert not mismatched, mismatched
