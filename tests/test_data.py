@@ -140,6 +140,47 @@ def test_image_folder(tmp_path):
     assert torch.equal(y, (x[:, 2, 4, 4] > x[:, 0, 4, 4]).long())
 
 
+# -- CIFAR-10 zips: a subset decodes its own members only ------------------------------------------
+def _cifar_zips(folder: Path, per_class: int) -> Path:
+    import io
+    import zipfile
+
+    import numpy as np
+    from PIL import Image
+
+    from vispe.data import CIFAR10_CLASSES
+
+    rng = np.random.default_rng(0)
+    for split in ("train", "test"):
+        with zipfile.ZipFile(folder / f"cifar10_{split}_jpeg.zip", "w") as z:
+            for c in CIFAR10_CLASSES:
+                for i in range(per_class):
+                    buf = io.BytesIO()
+                    Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)).save(buf, format="JPEG")
+                    z.writestr(f"{split}/{c}/{i:04d}.jpg", buf.getvalue())
+    return folder
+
+
+def test_cifar10_subset_decodes_only_its_members_and_equals_the_whole_split_decoded(tmp_path, monkeypatch):
+    import vispe.data.image as image_module
+
+    folder = _cifar_zips(tmp_path, per_class=6)
+    decoded = []
+    read_image = image_module.read_image
+    monkeypatch.setattr(image_module, "read_image", lambda data, name: decoded.append(name) or read_image(data, name))
+    dm = CIFAR10JpegDataModule(data_dir=str(folder), batch_size=4, train_subset=20, eval_subset=10, seed=3)
+    dm.setup("fit")
+    assert len(decoded) == 20 + 10 + 10  # the kept members of each split (val and test are both the test split)
+    assert torch.bincount(dm.train_set.labels).tolist() == [2] * 10  # class-balanced, as before
+    # the same subset as the whole split decoded and then cut (what the data module did before)
+    whole = CIFAR10JpegDataModule(data_dir=str(folder), batch_size=4, seed=3)
+    whole.setup("fit")
+    x, y = whole.train_set.tensors()
+    assert len(y) == 60 and isinstance(whole.train_set, TensorImageDataset)  # no subset: decoded once, here
+    cut = dm._subset(TensorImageDataset(x, y), 20, salt=1)
+    assert torch.equal(cut.images, dm.train_set.images) and torch.equal(cut.labels, dm.train_set.labels)
+
+
 # -- real data (skipped without ../shared) -----------------------------------------------------
 @needs_data
 def test_cifar10_zip_members_decode_with_folder_labels():

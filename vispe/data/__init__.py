@@ -6,12 +6,13 @@ Every DataModule takes its data location from an argument or ``$VISPE_DATA_ROOT`
 construction, naming the missing path, when the files are not there.
 """
 from .loading import DATA_ROOT_ENV, DEFAULT_DATA_ROOT, EpochSeededRandomSampler, ResumableDataLoader, resolve_data_path
-from .image_datamodule import (AUGMENTATIONS, ImageDataModule, ImageSource, TensorImageDataset, normalize_images,
-                               random_crop_flip, resize_images)
+from .image_datamodule import (AUGMENTATIONS, ImageDataModule, ImageSource, LazyImageDataset, TensorImageDataset,
+                               normalize_images, random_crop_flip, resize_images)
 from .image import (
     CIFAR10_CLASSES,
     CIFAR10Images,
     CIFAR10JpegDataModule,
+    CIFAR10Zip,
     DigitsDataModule,
     DigitsImages,
     FashionMNISTDataModule,
@@ -63,6 +64,7 @@ __all__ = [
     "DEFAULT_DATA_ROOT",
     "CIFAR10_CLASSES",
     "CIFAR10Images",
+    "CIFAR10Zip",
     "CIFAR10JpegDataModule",
     "DigitsDataModule",
     "DigitsImages",
@@ -76,6 +78,7 @@ __all__ = [
     "ImageSource",
     "SyntheticDataModule",
     "SyntheticImages",
+    "LazyImageDataset",
     "TensorImageDataset",
     "TorchvisionDataModule",
     "TorchvisionImages",

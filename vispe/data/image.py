@@ -23,7 +23,14 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from ..files import DamagedFileError, ImageDecodeError, check_idx, check_zip, read_idx, read_image
-from .image_datamodule import ImageDataModule, ImageSource, TensorImageDataset, channel_fix, make_pil_to_uint8
+from .image_datamodule import (
+    ImageDataModule,
+    ImageSource,
+    LazyImageDataset,
+    TensorImageDataset,
+    channel_fix,
+    make_pil_to_uint8,
+)
 from .loading import resolve_data_path
 
 __all__ = [
@@ -34,6 +41,7 @@ __all__ = [
     "FolderImages",
     "SyntheticImages",
     "TorchvisionImages",
+    "CIFAR10Zip",
     "load_cifar10_zip",
     # former names: ImageDataModule over one source
     "CIFAR10JpegDataModule",
@@ -66,10 +74,19 @@ def _image_shape(num_classes: int, in_chans: int, image_size: int) -> tuple[int,
 # ------------------------------------------------------------------------------------------
 def load_cifar10_zip(zip_path: str | Path, limit_per_class: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode ``<split>/<class>/NNNN.jpg`` members straight from the zip -> uint8 (N, 3, 32, 32), labels."""
+    return CIFAR10Zip(zip_path, limit_per_class).select().tensors()
 
-    check_zip(zip_path, "CIFAR-10 archive", member_suffix=".jpg")
-    with zipfile.ZipFile(zip_path) as z:
-        names = sorted(n for n in z.namelist() if n.lower().endswith(".jpg"))
+
+class CIFAR10Zip(LazyImageDataset):
+    """The ``<split>/<class>/NNNN.jpg`` members of a CIFAR-10 zip, labelled from their folder names on construction
+    and decoded by :meth:`select`: a ``train_subset`` / ``eval_subset`` decodes its own images only (the whole
+    training split is 50,000 JPEGs, ~20 s on a 2-core CPU)."""
+
+    def __init__(self, zip_path: str | Path, limit_per_class: int | None = None) -> None:
+        check_zip(zip_path, "CIFAR-10 archive", member_suffix=".jpg")
+        self.zip_path = zip_path
+        with zipfile.ZipFile(zip_path) as z:
+            names = sorted(n for n in z.namelist() if n.lower().endswith(".jpg"))
         if limit_per_class is not None:
             count: dict[str, int] = {}
             kept = []
@@ -81,25 +98,33 @@ def load_cifar10_zip(zip_path: str | Path, limit_per_class: int | None = None) -
             names = kept
         if not names:
             raise ValueError(f"{zip_path} holds no .jpg members")
-        images = np.empty((len(names), 32, 32, 3), dtype=np.uint8)
-        labels = np.empty(len(names), dtype=np.int64)
-        for i, n in enumerate(names):
-            cls = n.split("/")[-2]
-            if cls not in CIFAR10_CLASSES:
+        for n in names:
+            if n.split("/")[-2] not in CIFAR10_CLASSES:
                 raise ValueError(f"member {n!r} of {zip_path} is not in a CIFAR-10 class folder {CIFAR10_CLASSES}")
-            labels[i] = CIFAR10_CLASSES.index(cls)
-            try:
-                data = z.read(n)
-            except (zipfile.BadZipFile, OSError, EOFError, zlib.error) as err:  # CRC mismatch, cut member
-                raise DamagedFileError(zip_path, f"member {n!r} is damaged ({type(err).__name__}: {err})", "download or copy the archive again") from None
-            try:
-                img = channel_fix(read_image(data, f"{zip_path}:{n}"), 3)  # the one decoder (its mode rules)
-            except ImageDecodeError as err:
-                raise DamagedFileError(zip_path, f"member {n!r} is damaged ({err.problem})", "download or copy the archive again") from None
-            if tuple(img.shape[-2:]) != (32, 32):
-                raise DamagedFileError(zip_path, f"member {n!r} is {img.shape[-1]}x{img.shape[-2]} px, CIFAR-10 images are 32x32", "check that it is the CIFAR-10 JPEG archive")
-            images[i] = img.permute(1, 2, 0).numpy()
-    return torch.from_numpy(images).permute(0, 3, 1, 2).contiguous(), torch.from_numpy(labels)
+        self.names = names
+        self.labels = torch.tensor([CIFAR10_CLASSES.index(n.split("/")[-2]) for n in names], dtype=torch.long)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def select(self, index: torch.Tensor | None = None) -> TensorImageDataset:
+        names = self.names if index is None else [self.names[i] for i in index.tolist()]
+        images = np.empty((len(names), 32, 32, 3), dtype=np.uint8)
+        with zipfile.ZipFile(self.zip_path) as z:
+            for i, n in enumerate(names):
+                try:
+                    data = z.read(n)
+                except (zipfile.BadZipFile, OSError, EOFError, zlib.error) as err:  # CRC mismatch, cut member
+                    raise DamagedFileError(self.zip_path, f"member {n!r} is damaged ({type(err).__name__}: {err})", "download or copy the archive again") from None
+                try:
+                    img = channel_fix(read_image(data, f"{self.zip_path}:{n}"), 3)  # the one decoder (its mode rules)
+                except ImageDecodeError as err:
+                    raise DamagedFileError(self.zip_path, f"member {n!r} is damaged ({err.problem})", "download or copy the archive again") from None
+                if tuple(img.shape[-2:]) != (32, 32):
+                    raise DamagedFileError(self.zip_path, f"member {n!r} is {img.shape[-1]}x{img.shape[-2]} px, CIFAR-10 images are 32x32", "check that it is the CIFAR-10 JPEG archive")
+                images[i] = img.permute(1, 2, 0).numpy()
+        labels = self.labels if index is None else self.labels[index]
+        return TensorImageDataset(torch.from_numpy(images).permute(0, 3, 1, 2).contiguous(), labels.clone())
 
 
 class CIFAR10Images(ImageSource):
@@ -126,18 +151,20 @@ class CIFAR10Images(ImageSource):
         self.num_classes, self.in_chans, self.image_size = _image_shape(10, 3, image_size)
         self.mean, self.std = CIFAR_MEAN, CIFAR_STD
 
-    def _load(self, split: str) -> TensorImageDataset:
+    def _load(self, split: str) -> Dataset:
         cache = self.cache_dir / f"cifar10_{split}_uint8.npz" if self.cache_dir else None
         if cache is not None and cache.is_file():
             check_zip(cache, "CIFAR-10 decoded cache (.npz; delete it and it is rebuilt)")
             with np.load(cache, allow_pickle=False) as f:
                 return TensorImageDataset(torch.from_numpy(f["x"]), torch.from_numpy(f["y"]))
-        x, y = load_cifar10_zip(self.data_dir / f"cifar10_{split}_jpeg.zip")
-        if cache is not None:
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cache.with_suffix(".tmp.npz")
-            np.savez(tmp, x=x.numpy(), y=y.numpy())
-            tmp.replace(cache)
+        members = CIFAR10Zip(self.data_dir / f"cifar10_{split}_jpeg.zip")
+        if cache is None:
+            return members  # decoded by the data module: the subset it keeps, or the whole split once
+        x, y = members.select().tensors()
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(".tmp.npz")
+        np.savez(tmp, x=x.numpy(), y=y.numpy())
+        tmp.replace(cache)
         return TensorImageDataset(x, y)
 
     def build(self, seed: int) -> tuple[Dataset, Dataset, Dataset]:

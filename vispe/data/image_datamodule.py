@@ -19,8 +19,8 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from .loading import EpochSeededRandomSampler, NumWorkers, ResumableDataLoader, resolve_num_workers
 
 __all__ = ["AUGMENTATIONS", "RESOLUTION_SAMPLING", "ClassInterleavedSampler", "ImageDataModule", "ImageSource",
-           "class_interleaved_order", "normalize_images", "parse_resolutions", "TensorImageDataset", "channel_fix",
-           "make_pil_to_uint8", "random_crop_flip", "resize_images"]
+           "LazyImageDataset", "class_interleaved_order", "normalize_images", "parse_resolutions", "TensorImageDataset",
+           "channel_fix", "make_pil_to_uint8", "random_crop_flip", "resize_images"]
 
 #: Batch-level training augmentations: 'crop_flip' (pad by size/8, random crop, random h-flip),
 #: 'flip' (random h-flip only), 'none'.
@@ -60,8 +60,32 @@ class TensorImageDataset(Dataset):
     def __len__(self) -> int:
         return len(self.images)
 
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.images, self.labels
+
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.images[index], self.labels[index]
+
+
+class LazyImageDataset(Dataset):
+    """Labelled images that are decoded on request: a source's split whose labels are known before its pixels (a
+    zip's folder names). The data module decodes the subset it keeps (:meth:`select`), once, in the main process;
+    reading items directly decodes the whole set on first use."""
+
+    labels: torch.Tensor
+
+    def select(self, index: torch.Tensor | None = None) -> "TensorImageDataset":
+        """The images at ``index`` (all when ``None``), decoded, with their labels."""
+        raise NotImplementedError
+
+    @property
+    def targets(self) -> list[int]:
+        return self.labels.tolist()
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if "_decoded" not in self.__dict__:
+            self._decoded = self.select()
+        return self._decoded[index]
 
 
 def class_interleaved_order(labels: torch.Tensor, seed: int = 0) -> torch.Tensor:
@@ -293,7 +317,7 @@ class ImageDataModule(pl.LightningDataModule):
 
     def _subset(self, ds: Dataset, n: int | None, salt: int) -> Dataset:
         if n is None or n >= len(ds):
-            return ds
+            return ds.select() if isinstance(ds, LazyImageDataset) else ds
         if n < 1:
             raise ValueError(f"subset size must be >= 1, got {n}")
         labels = _labels_of(ds)
@@ -309,6 +333,8 @@ class ImageDataModule(pl.LightningDataModule):
             ], dim=1).flatten()
             keep = order[order >= 0][:n]
         keep = keep.sort().values
+        if isinstance(ds, LazyImageDataset):
+            return ds.select(keep)
         if isinstance(ds, TensorImageDataset):
             return TensorImageDataset(ds.images[keep], ds.labels[keep])
         return torch.utils.data.Subset(ds, keep.tolist())
@@ -408,7 +434,7 @@ class ImageDataModule(pl.LightningDataModule):
 
 def _labels_of(ds: Dataset) -> torch.Tensor | None:
     """The labels of a dataset without decoding it (``labels`` / ``targets``, through ``Subset``), or ``None``."""
-    if isinstance(ds, TensorImageDataset):
+    if isinstance(ds, (TensorImageDataset, LazyImageDataset)):
         return ds.labels
     if isinstance(ds, torch.utils.data.Subset):
         inner = _labels_of(ds.dataset)
