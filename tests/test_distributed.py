@@ -156,8 +156,16 @@ def _distributed_step(family, name, mode, x, y, world):
     return sum(v.item() for v in losses) / world, grads
 
 
+def _start(worker, *args) -> None:
+    """Run ``worker(rank, 2, *args)`` in two processes forked from this one: they start with its imports (a spawned
+    child imports torch, timm and vispe again: ~10 s of a 2-core CPU each). Each worker sets one torch thread before its
+    first op, so an OpenMP pool the parent may hold is never entered. `vispe bench scaling` spawns its processes (the
+    safe default for users) and its test below runs that path."""
+    mp.start_processes(worker, args=(2, *args), nprocs=2, join=True, start_method="fork")
+
+
 def _check(tmp_path, mode, cases, mixed=False):
-    mp.spawn(_worker, args=(2, str(tmp_path / "rendezvous"), cases, str(tmp_path), mode, mixed), nprocs=2, join=True)
+    _start(_worker, str(tmp_path / "rendezvous"), cases, str(tmp_path), mode, mixed)
     got = torch.load(tmp_path / f"{mode}.pt", weights_only=False)
     mismatched = []
     for family, name in cases:
@@ -304,7 +312,7 @@ def test_compiled_ddp_recompiles_at_most_once_per_grid(tmp_path):
     new grid and never again for a grid it has seen (the per-grid position tables are cached outside the graph's
     guards)."""
     names = ["rope_mixed"]  # cached rotary tables per grid; the bias encodings cache theirs the same way
-    mp.spawn(_compile_worker, args=(2, str(tmp_path / "rendezvous"), names, str(tmp_path)), nprocs=2, join=True)
+    _start(_compile_worker, str(tmp_path / "rendezvous"), names, str(tmp_path))
     graphs = torch.load(tmp_path / "compile.pt")
     for name, seen in graphs.items():
         grows = [i for i in range(1, len(seen)) if seen[i] > seen[i - 1]]

@@ -270,6 +270,7 @@ class PositionalEncoding(nn.Module):
         super().__init__()
         self._state_cache: OrderedDict[Any, Any] = OrderedDict()
         self.__dict__["_extrapolation"] = self.resolution.default  # the declared default until the encoding sets one
+        self.__dict__["_resolution_policy"] = self.resolution.default
 
     # -- the extrapolation policy (see resolution) ---------------------------------------------------
     @property
@@ -281,8 +282,11 @@ class PositionalEncoding(nn.Module):
     @extrapolation.setter
     def extrapolation(self, policy: str | None) -> None:
         # None: the declared default; a name the contract does not accept: ValueError naming it and the choices
-        self.resolution.resolve(policy, self.registry_name or type(self).__name__)
+        resolved = self.resolution.resolve(policy, self.registry_name or type(self).__name__)
         self.__dict__["_extrapolation"] = self.resolution.default if policy is None else policy
+        # resolved once here, not per forward: the contract's alias lookups are generator expressions, which cost
+        # a quarter of a compiled forward's tracing time when read there
+        self.__dict__["_resolution_policy"] = resolved
         if "_state_cache" in self.__dict__:  # tables built under the previous policy
             self.clear_cache()
 
@@ -291,7 +295,7 @@ class PositionalEncoding(nn.Module):
         """The policy in force (``extend``, ``rescale``, ``resample``, ``ntk``, ``yarn``; ``None`` without policies):
         :attr:`extrapolation` with the alias ``interpolate`` resolved. Encodings dispatch on this, through
         :mod:`vispe.encodings.coordinates` and :mod:`vispe.encodings.resolution`."""
-        return self.resolution.resolve(self.extrapolation)
+        return self.__dict__.get("_resolution_policy")
 
     # -- the one cache of position-only state --------------------------------------------------
     def cacheable(self) -> bool:

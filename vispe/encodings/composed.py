@@ -125,6 +125,10 @@ class ComposedEncoding(PositionalEncoding):
         active = {p.extrapolation for p in getattr(self, "parts", ()) if p.extrapolation_policies}
         return active.pop() if len(active) == 1 else None
 
+    @property
+    def resolution_policy(self) -> str | None:
+        return self.resolution.resolve(self.extrapolation)  # the parts' policy, which they hold and set
+
     @extrapolation.setter
     def extrapolation(self, policy: str | None) -> None:
         holders = [p for p in self.parts if p.extrapolation_policies]
