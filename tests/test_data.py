@@ -170,7 +170,8 @@ def test_cifar10_subset_decodes_only_its_members_and_equals_the_whole_split_deco
     monkeypatch.setattr(image_module, "read_image", lambda data, name: decoded.append(name) or read_image(data, name))
     dm = CIFAR10JpegDataModule(data_dir=str(folder), batch_size=4, train_subset=20, eval_subset=10, seed=3)
     dm.setup("fit")
-    assert len(decoded) == 20 + 10 + 10  # the kept members of each split (val and test are both the test split)
+    assert len(decoded) == 20 + 10  # the kept members of each split (val and test are one subset of the test split)
+    assert dm.val_set is dm.test_set
     assert torch.bincount(dm.train_set.labels).tolist() == [2] * 10  # class-balanced, as before
     # the same subset as the whole split decoded and then cut (what the data module did before)
     whole = CIFAR10JpegDataModule(data_dir=str(folder), batch_size=4, seed=3)

@@ -313,7 +313,8 @@ class ImageDataModule(pl.LightningDataModule):
             train, val, test = self.build_datasets()
             self.train_set = self._subset(train, self.train_subset, salt=1)
             self.val_set = self._subset(val, self.eval_subset, salt=2)
-            self.test_set = self._subset(test, self.eval_subset, salt=2)
+            # one split serving both (CIFAR-10's test split): one subset, decoded once
+            self.test_set = self.val_set if test is val else self._subset(test, self.eval_subset, salt=2)
 
     def _subset(self, ds: Dataset, n: int | None, salt: int) -> Dataset:
         if n is None or n >= len(ds):

@@ -284,8 +284,8 @@ class PositionalEncoding(nn.Module):
         # None: the declared default; a name the contract does not accept: ValueError naming it and the choices
         resolved = self.resolution.resolve(policy, self.registry_name or type(self).__name__)
         self.__dict__["_extrapolation"] = self.resolution.default if policy is None else policy
-        # resolved once here, not per forward: the contract's alias lookups are generator expressions, which cost
-        # a quarter of a compiled forward's tracing time when read there
+        # resolved once here, not per forward: the contract's alias lookups (generator expressions) were ~15 % of the
+        # bytecode dynamo traces in a compiled forward
         self.__dict__["_resolution_policy"] = resolved
         if "_state_cache" in self.__dict__:  # tables built under the previous policy
             self.clear_cache()
