@@ -295,7 +295,9 @@ class PositionalEncoding(nn.Module):
         """The policy in force (``extend``, ``rescale``, ``resample``, ``ntk``, ``yarn``; ``None`` without policies):
         :attr:`extrapolation` with the alias ``interpolate`` resolved. Encodings dispatch on this, through
         :mod:`vispe.encodings.coordinates` and :mod:`vispe.encodings.resolution`."""
-        return self.__dict__.get("_resolution_policy")
+        held = self.__dict__
+        # an encoding pickled whole before this attribute existed has only the name: resolve it (never read None)
+        return held["_resolution_policy"] if "_resolution_policy" in held else self.resolution.resolve(self.extrapolation)
 
     # -- the one cache of position-only state --------------------------------------------------
     def cacheable(self) -> bool:
