@@ -11,17 +11,19 @@ The same module holds ``small_bmm``'s kernel: batches of products with 8 result 
 ATen's ``bmm`` runs as one BLAS call per product.
 
 They are compiled for this machine the first time a float32 CPU training step needs them
-(``torch.utils.cpp_extension.load``: a C++ compiler and ninja, which the ``train`` extra installs; ~35-50 s once, then
-cached in ``TORCH_EXTENSIONS_DIR`` per CPU capability); without them, or with ``VISPE_NATIVE_KERNELS=0``, the same
-path runs in PyTorch ops (same values, slower).
+(``torch.utils.cpp_extension.load``: a C++ compiler and ninja, which the ``train`` extra installs; ~20 s once on a
+2-core CPU, then cached in ``TORCH_EXTENSIONS_DIR`` per CPU capability, PyTorch build and source file); without them,
+or with ``VISPE_NATIVE_KERNELS=0``, the same path runs in PyTorch ops (same values, slower). The kernels are
+operators, ``torch.ops.vispe_native.*`` (no Python bindings to compile).
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 import warnings
 from pathlib import Path
-from types import ModuleType
+from typing import Any
 
 __all__ = ["NATIVE_KERNELS_ENV", "indexed_term_kernels", "small_bmm"]
 
@@ -29,10 +31,10 @@ __all__ = ["NATIVE_KERNELS_ENV", "indexed_term_kernels", "small_bmm"]
 NATIVE_KERNELS_ENV = "VISPE_NATIVE_KERNELS"
 _SOURCE = Path(__file__).with_name("csrc") / "indexed_term.cpp"
 _LOCK = threading.Lock()
-_STATE: dict[str, ModuleType | None] = {}
+_STATE: dict[str, Any] = {}
 
 
-def indexed_term_kernels() -> ModuleType | None:
+def indexed_term_kernels() -> Any:
     """The compiled kernels (``gather_term``, ``term_attention_forward``, ``term_attention_backward``), or ``None``
     when they are switched off or cannot be built (a warning says why, once per process)."""
     if os.environ.get(NATIVE_KERNELS_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
@@ -52,7 +54,7 @@ _CAPABILITY_FLAGS = {
 }
 
 
-def _build() -> ModuleType | None:
+def _build() -> Any:
     try:
         import torch
         from torch.utils.cpp_extension import load  # needs setuptools; the build needs ninja and a C++ compiler
@@ -61,8 +63,12 @@ def _build() -> ModuleType | None:
         # CPUs (a cluster's home directory) then never hands one a module with instructions it lacks
         capability = torch.backends.cpu.get_cpu_capability()
         flags = _CAPABILITY_FLAGS.get(capability, [])
-        return load(name=f"vispe_indexed_term_{capability.lower()}", sources=[str(_SOURCE)], extra_cflags=["-O3", *flags],
-                    verbose=False)
+        # one build folder per PyTorch install and source file: two environments (or checkouts) that share the
+        # cache would otherwise rebuild over each other's module on every switch
+        where = hashlib.sha1(f"{Path(torch.__file__).parent}|{torch.__version__}|{_SOURCE}".encode()).hexdigest()[:8]
+        load(name=f"vispe_indexed_term_{capability.lower()}_{where}", sources=[str(_SOURCE)],
+             extra_cflags=["-O3", *flags], is_python_module=False, verbose=False)
+        return torch.ops.vispe_native
     except Exception as err:  # no compiler, ninja or headers, unsupported flags: PyTorch ops instead
         warnings.warn(
             f"vispe: the native CPU kernels could not be built ({type(err).__name__}: {err}); the blocked attention "

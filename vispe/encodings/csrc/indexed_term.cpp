@@ -17,9 +17,14 @@
 // between the products and the term's passes. q, out and the gradients are read and written where they lie; k and v,
 // which every tile's products read in full, are copied once per (sample, head) when their rows are strided (views of
 // the qkv projection), so the tiles do not walk a page per key row.
-#include <torch/extension.h>
+// Only the headers the kernels use: <torch/extension.h> (the whole ATen API and pybind11) takes ~60 s to compile
+// here, these ~8 s. The functions are registered as operators (TORCH_LIBRARY) and reached from Python as
+// torch.ops.vispe_native.*, so no Python binding headers are needed either.
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
+#include <ATen/ops/from_blob.h>
+#include <torch/library.h>
 #include <dlfcn.h>
 
 #include <algorithm>
@@ -252,9 +257,9 @@ std::vector<Run> key_runs(const int32_t* ck, int64_t L) {
 // Parts from Python: per part the table x, its gradient g (empty: none), the ids idx (empty: codes), query codes cq,
 // key codes ck and a lookup table of offset ids (empty with ids; an empty lookup: the offset id itself), and 9 ints:
 // sxb, sxh, sxr, sgb, sgh, sgr, key_rows, center, fill.
-std::vector<Part> make_parts(const std::vector<torch::Tensor>& xs, const std::vector<torch::Tensor>& gs,
-                             const std::vector<torch::Tensor>& idxs, const std::vector<torch::Tensor>& cqs,
-                             const std::vector<torch::Tensor>& cks, const std::vector<torch::Tensor>& luts,
+std::vector<Part> make_parts(const std::vector<at::Tensor>& xs, const std::vector<at::Tensor>& gs,
+                             const std::vector<at::Tensor>& idxs, const std::vector<at::Tensor>& cqs,
+                             const std::vector<at::Tensor>& cks, const std::vector<at::Tensor>& luts,
                              const std::vector<int64_t>& ints, int64_t B, int64_t R, int64_t L) {
   const size_t n = xs.size();
   TORCH_CHECK(gs.size() == n && idxs.size() == n && cqs.size() == n && cks.size() == n && luts.size() == n &&
@@ -264,11 +269,11 @@ std::vector<Part> make_parts(const std::vector<torch::Tensor>& xs, const std::ve
   for (size_t p = 0; p < n; ++p) {
     Part& part = parts[p];
     const int64_t* o = ints.data() + 10 * p;
-    TORCH_CHECK(xs[p].scalar_type() == torch::kFloat, "term table: float32");
+    TORCH_CHECK(xs[p].scalar_type() == at::kFloat, "term table: float32");
     part.x = xs[p].data_ptr<float>();
     part.sxb = o[0], part.sxh = o[1], part.sxr = o[2];
     const bool grad = gs[p].defined() && gs[p].numel() > 0;
-    TORCH_CHECK(!grad || gs[p].scalar_type() == torch::kFloat, "term gradient: float32");
+    TORCH_CHECK(!grad || gs[p].scalar_type() == at::kFloat, "term gradient: float32");
     part.g = grad ? gs[p].data_ptr<float>() : nullptr;
     part.sgb = o[3], part.sgh = o[4], part.sgr = o[5];
     part.key_rows = o[6] != 0;
@@ -276,21 +281,21 @@ std::vector<Part> make_parts(const std::vector<torch::Tensor>& xs, const std::ve
     part.idx = nullptr, part.sib = 0, part.cq = nullptr, part.scq = 0, part.lut = nullptr;
     if (idxs[p].numel() > 0) {
       const auto& t = idxs[p];
-      TORCH_CHECK(t.dim() == 3 && t.scalar_type() == torch::kInt && t.is_contiguous() && t.size(1) == R && t.size(2) == L &&
+      TORCH_CHECK(t.dim() == 3 && t.scalar_type() == at::kInt && t.is_contiguous() && t.size(1) == R && t.size(2) == L &&
                   (t.size(0) == 1 || t.size(0) == B), "ids: contiguous int32 (B|1, rows, L)");
       part.idx = t.data_ptr<int32_t>();
       part.sib = t.size(0) > 1 ? R * L : 0;
     } else {
       const auto &cq = cqs[p], &ck = cks[p];
       TORCH_CHECK(!part.key_rows, "offset ids from codes: query-row reads only");
-      TORCH_CHECK(cq.dim() == 2 && cq.scalar_type() == torch::kInt && cq.is_contiguous() && cq.size(1) == R &&
+      TORCH_CHECK(cq.dim() == 2 && cq.scalar_type() == at::kInt && cq.is_contiguous() && cq.size(1) == R &&
                   (cq.size(0) == 1 || cq.size(0) == B), "query codes: contiguous int32 (B|1, rows)");
-      TORCH_CHECK(ck.dim() == 2 && ck.scalar_type() == torch::kInt && ck.is_contiguous() && ck.size(1) == L &&
+      TORCH_CHECK(ck.dim() == 2 && ck.scalar_type() == at::kInt && ck.is_contiguous() && ck.size(1) == L &&
                   (ck.size(0) == 1 || ck.size(0) == B), "key codes: contiguous int32 (B|1, L)");
       part.cq = cq.data_ptr<int32_t>();
       part.scq = cq.size(0) > 1 ? R : 0;
       if (luts[p].numel() > 0) {
-        TORCH_CHECK(luts[p].dim() == 1 && luts[p].scalar_type() == torch::kInt && luts[p].is_contiguous() &&
+        TORCH_CHECK(luts[p].dim() == 1 && luts[p].scalar_type() == at::kInt && luts[p].is_contiguous() &&
                     luts[p].numel() > part.fill, "lookup table: contiguous int32 over every offset id");
         part.lut = luts[p].data_ptr<int32_t>();
         const int64_t span = o[9];
@@ -376,12 +381,12 @@ void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const 
     call_sgemm(sgemm, tb, ta, n, m, k, alpha, B, ldb, A, lda, accumulate ? 1.0f : 0.0f, C, ldc);
     return;
   }
-  const auto opts = torch::TensorOptions().dtype(torch::kFloat);
+  const auto opts = at::TensorOptions().dtype(at::kFloat);
   auto view = [&](const float* p, int64_t rows, int64_t cols, int64_t ld, bool t) {
-    auto x = torch::from_blob(const_cast<float*>(p), {t ? cols : rows, t ? rows : cols}, {ld, 1}, opts);
+    auto x = at::from_blob(const_cast<float*>(p), {t ? cols : rows, t ? rows : cols}, {ld, 1}, opts);
     return t ? x.t() : x;
   };
-  auto c = torch::from_blob(C, {m, n}, {ldc, 1}, opts);
+  auto c = at::from_blob(C, {m, n}, {ldc, 1}, opts);
   c.addmm_(view(A, m, k, lda, ta), view(B, k, n, ldb, tb), accumulate ? 1.0f : 0.0f, alpha);
 }
 
@@ -390,8 +395,8 @@ void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const 
 struct Rows {
   float* p;
   int64_t sb, sh, sl;
-  Rows(const torch::Tensor& t, const char* name) {
-    TORCH_CHECK(t.dim() == 4 && t.scalar_type() == torch::kFloat && (t.stride(3) == 1 || t.size(3) == 1) &&
+  Rows(const at::Tensor& t, const char* name) {
+    TORCH_CHECK(t.dim() == 4 && t.scalar_type() == at::kFloat && (t.stride(3) == 1 || t.size(3) == 1) &&
                     (t.size(2) == 1 || t.stride(2) >= t.size(3)),
                 name, ": float32 (B, H, rows, D) with contiguous rows");
     p = t.data_ptr<float>(), sb = t.stride(0), sh = t.stride(1);
@@ -429,12 +434,12 @@ int64_t scratch_size(const std::vector<Part>& parts) {
 }  // namespace
 
 // out (B|1, H, rows, L) = the block's term, rows row0 .. row0 + rows of the sequence.
-void gather_term(torch::Tensor out, std::vector<torch::Tensor> xs, std::vector<torch::Tensor> idxs,
-                 std::vector<torch::Tensor> cqs, std::vector<torch::Tensor> cks, std::vector<torch::Tensor> luts,
+void gather_term(at::Tensor out, std::vector<at::Tensor> xs, std::vector<at::Tensor> idxs,
+                 std::vector<at::Tensor> cqs, std::vector<at::Tensor> cks, std::vector<at::Tensor> luts,
                  std::vector<int64_t> ints, int64_t row0) {
-  TORCH_CHECK(out.dim() == 4 && out.scalar_type() == torch::kFloat && out.is_contiguous(), "term block: contiguous float32");
+  TORCH_CHECK(out.dim() == 4 && out.scalar_type() == at::kFloat && out.is_contiguous(), "term block: contiguous float32");
   const int64_t B = out.size(0), H = out.size(1), R = out.size(2), L = out.size(3);
-  std::vector<torch::Tensor> gs(xs.size());
+  std::vector<at::Tensor> gs(xs.size());
   const auto parts = make_parts(xs, gs, idxs, cqs, cks, luts, ints, B, R, L);
   float* O = out.data_ptr<float>();
   const int64_t scratch_n = scratch_size(parts);
@@ -484,15 +489,15 @@ inline float exp_row_sum(float* __restrict o, float m, int64_t L) {
 // The attention forward of query rows row0 .. row0 + R with the term, in tiles of `tile` rows of one (sample, head):
 // out = softmax(s q k^T + term) v and each row's log-sum-exp, written at those rows of out (B, H, Lq, Dv; any row
 // layout) and lse (B, H, Lq). q (B, H, Lq, D), k, v (B, H, L, D): read in place.
-void term_attention_forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, std::vector<torch::Tensor> xs,
-                            std::vector<torch::Tensor> idxs, std::vector<torch::Tensor> cqs, std::vector<torch::Tensor> cks,
-                            std::vector<torch::Tensor> luts, std::vector<int64_t> ints, torch::Tensor out, torch::Tensor lse,
+void term_attention_forward(at::Tensor q, at::Tensor k, at::Tensor v, std::vector<at::Tensor> xs,
+                            std::vector<at::Tensor> idxs, std::vector<at::Tensor> cqs, std::vector<at::Tensor> cks,
+                            std::vector<at::Tensor> luts, std::vector<int64_t> ints, at::Tensor out, at::Tensor lse,
                             int64_t row0, int64_t R, int64_t tile, double scale) {
   const Rows Q(q, "q"), K(k, "k"), V(v, "v"), O(out, "out");
-  TORCH_CHECK(lse.is_contiguous() && lse.scalar_type() == torch::kFloat && lse.dim() == 3, "lse: contiguous float32 (B, H, Lq)");
+  TORCH_CHECK(lse.is_contiguous() && lse.scalar_type() == at::kFloat && lse.dim() == 3, "lse: contiguous float32 (B, H, Lq)");
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), D = q.size(3), L = k.size(2), Dv = v.size(3);
   TORCH_CHECK(tile > 0 && row0 >= 0 && R >= 0 && row0 + R <= Lq, "rows row0 .. row0 + R of the queries, positive tiles");
-  std::vector<torch::Tensor> gs(xs.size());
+  std::vector<at::Tensor> gs(xs.size());
   const auto parts = make_parts(xs, gs, idxs, cqs, cks, luts, ints, B, R, L);
   const int64_t scratch_n = scratch_size(parts);
   float* lsep = lse.data_ptr<float>();
@@ -532,13 +537,13 @@ void term_attention_forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, s
 // with delta = rowsum(dO * O). q, dout, out (B, H, Lq, .), k, v (B, H, L, .): read in place; lse (B, H, Lq); dq written
 // at the rows, dk, dv added into (any row layout). A part shared by the batch gets the batch's dS summed first (one
 // scatter instead of B).
-void term_attention_backward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out, torch::Tensor dout,
-                             torch::Tensor lse, std::vector<torch::Tensor> xs, std::vector<torch::Tensor> gs,
-                             std::vector<torch::Tensor> idxs, std::vector<torch::Tensor> cqs, std::vector<torch::Tensor> cks,
-                             std::vector<torch::Tensor> luts, std::vector<int64_t> ints, torch::Tensor dq, torch::Tensor dk,
-                             torch::Tensor dv, int64_t row0, int64_t R, int64_t tile, double scale) {
+void term_attention_backward(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor out, at::Tensor dout,
+                             at::Tensor lse, std::vector<at::Tensor> xs, std::vector<at::Tensor> gs,
+                             std::vector<at::Tensor> idxs, std::vector<at::Tensor> cqs, std::vector<at::Tensor> cks,
+                             std::vector<at::Tensor> luts, std::vector<int64_t> ints, at::Tensor dq, at::Tensor dk,
+                             at::Tensor dv, int64_t row0, int64_t R, int64_t tile, double scale) {
   const Rows Q(q, "q"), K(k, "k"), V(v, "v"), O(out, "out"), DO(dout, "dout"), DQ(dq, "dq"), DK(dk, "dk"), DV(dv, "dv");
-  TORCH_CHECK(lse.is_contiguous() && lse.scalar_type() == torch::kFloat && lse.dim() == 3, "lse: contiguous float32 (B, H, Lq)");
+  TORCH_CHECK(lse.is_contiguous() && lse.scalar_type() == at::kFloat && lse.dim() == 3, "lse: contiguous float32 (B, H, Lq)");
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), D = q.size(3), L = k.size(2), Dv = v.size(3);
   TORCH_CHECK(tile > 0 && row0 >= 0 && R >= 0 && row0 + R <= Lq, "rows row0 .. row0 + R of the queries, positive tiles");
   const auto parts = make_parts(xs, gs, idxs, cqs, cks, luts, ints, B, R, L);
@@ -629,9 +634,9 @@ void small_bmm_range(const float* __restrict A, const float* __restrict Bm, floa
   }
 }
 
-void small_bmm(torch::Tensor a, torch::Tensor b, torch::Tensor out, bool accumulate) {
+void small_bmm(at::Tensor a, at::Tensor b, at::Tensor out, bool accumulate) {
   TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && out.dim() == 3, "small_bmm: (N, M, K) @ (N, K, 8) into (N, M, 8)");
-  TORCH_CHECK(a.scalar_type() == torch::kFloat && b.scalar_type() == torch::kFloat && out.scalar_type() == torch::kFloat,
+  TORCH_CHECK(a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
               "small_bmm: float32 tensors");
   const int64_t N = a.size(0), M = a.size(1), K = a.size(2);
   TORCH_CHECK(b.size(0) == N && b.size(1) == K && b.size(2) == 8 && b.stride(2) == 1,
@@ -652,15 +657,15 @@ void set_direct_blas(bool on) { direct_blas.store(on); }
 void set_pack_keys(bool on) { pack_keys.store(on); }
 bool has_direct_blas() { return find_sgemm() != nullptr; }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gather_term", &gather_term, "a block's term, read from its tables by index");
-  m.def("term_attention_forward", &term_attention_forward,
-        "the attention forward of a block of query rows with its term, in cache-sized tiles");
-  m.def("term_attention_backward", &term_attention_backward,
-        "the attention backward of a block of query rows with its term's gradient, in cache-sized tiles");
-  m.def("small_bmm", &small_bmm, "out (+)= a @ b for a batch of small products with 8 result columns");
-  m.def("set_pack_keys", &set_pack_keys,
-        "copy each (sample, head)'s strided keys and values once for all its tiles (default) or read them in place");
-  m.def("set_direct_blas", &set_direct_blas, "call the BLAS sgemm directly (default, where exported) or through at::mm");
-  m.def("has_direct_blas", &has_direct_blas, "whether PyTorch's BLAS exports the Fortran sgemm these kernels call");
+// One fixed namespace: a process loads one build (its CPU capability's). The functions write into their tensor
+// arguments; they are called only inside vispe's autograd functions and custom ops, never traced.
+TORCH_LIBRARY(vispe_native, m) {
+  m.def("gather_term", &gather_term);  // a block's term, read from its tables by index
+  m.def("term_attention_forward", &term_attention_forward);  // a block of query rows with its term, in tiles
+  m.def("term_attention_backward", &term_attention_backward);  // the same block's backward, the term's gradient too
+  m.def("small_bmm", &small_bmm);  // out (+)= a @ b for a batch of small products with 8 result columns
+  // copy each (sample, head)'s strided keys and values once for all its tiles (default) or read them in place
+  m.def("set_pack_keys", &set_pack_keys);
+  m.def("set_direct_blas", &set_direct_blas);  // call the BLAS sgemm directly (default, where exported) or via addmm_
+  m.def("has_direct_blas", &has_direct_blas);  // whether PyTorch's BLAS exports the Fortran sgemm these kernels call
 }
