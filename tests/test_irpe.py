@@ -256,3 +256,43 @@ def test_training_keeps_no_square_logit_tensor_per_layer():
     assert not square, f"tensors of shape (..., {L}, {L}) kept for backward: {square}"
     out.sum().backward()
     assert model.pos_encoding.table_k.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("opts", [{}, {"sides": "qk"}, {"method": "cross", "sides": "qk", "shared_head": False}])
+def test_one_hot_term_equals_the_gather(opts, monkeypatch):
+    """The contextual term as a product with one-hot buckets (CUDA's form: its gradient is a matmul, not a contended
+    scatter-add) gives the gather's outputs and gradients, eager and traced whole (the dense path: compiled CUDA
+    graphs take it; a compiled CPU step runs the blocked custom op, whose native kernels read the buckets)."""
+    import vispe.encodings.irpe as irpe_module
+
+    torch._dynamo.reset()
+    grid = PositionGrid((3, GRID_W), 1)
+    enc = create_encoding("irpe", EncodingContext(16, 2, 2, (3, GRID_W)), init_std=0.5, **opts).train()
+    g = torch.Generator().manual_seed(5)
+    q, k, v, w = (torch.randn(2, 2, grid.seq_len, 8, generator=g) for _ in range(4))
+
+    def attend(q, k, v):
+        return enc.attend(q, k, v, layer=1, state=enc.prepare(grid))
+
+    def run(fn, backend):
+        enc.set_attention_backend(backend)
+        enc.zero_grad(set_to_none=True)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves)
+        (out * w).sum().backward()
+        return out.detach(), [t.grad for t in leaves] + [p.grad for p in enc.parameters()]
+
+    ref_out, ref_grads = run(attend, "dense")  # the gather (CPU's form)
+    calls = []
+    one_hot_term = irpe_module._one_hot_term
+    monkeypatch.setattr(irpe_module, "ONE_HOT_TERM_DEVICES", frozenset({"cpu"}))
+    monkeypatch.setattr(irpe_module, "_one_hot_term", lambda *a: calls.append(1) or one_hot_term(*a))
+    compiled = torch.compile(attend, backend="aot_eager", fullgraph=True)
+    for fn, backend in ((attend, "dense"), (compiled, "dense")):
+        torch._dynamo.reset()
+        n = len(calls)
+        out, grads = run(fn, backend)
+        assert len(calls) > n, (backend, "the one-hot form was not taken")
+        assert torch.allclose(out, ref_out, atol=1e-5), (backend, (out - ref_out).abs().max())
+        for got, ref in zip(grads, ref_grads):
+            assert ref.abs().sum() > 0 and torch.allclose(got, ref, atol=1e-5), (backend, (got - ref).abs().max())
