@@ -269,7 +269,8 @@ def test_one_hot_term_equals_the_gather(opts, monkeypatch):
     grid = PositionGrid((3, GRID_W), 1)
     enc = create_encoding("irpe", EncodingContext(16, 2, 2, (3, GRID_W)), init_std=0.5, **opts).train()
     g = torch.Generator().manual_seed(5)
-    q, k, v, w = (torch.randn(2, 2, grid.seq_len, 8, generator=g) for _ in range(4))
+    # batch x heads >= buckets (50): the one-hot (rows, L, buckets) is then no larger than the term
+    q, k, v, w = (torch.randn(26, 2, grid.seq_len, 8, generator=g) for _ in range(4))
 
     def attend(q, k, v):
         return enc.attend(q, k, v, layer=1, state=enc.prepare(grid))
@@ -296,3 +297,20 @@ def test_one_hot_term_equals_the_gather(opts, monkeypatch):
         assert torch.allclose(out, ref_out, atol=1e-5), (backend, (out - ref_out).abs().max())
         for got, ref in zip(grads, ref_grads):
             assert ref.abs().sum() > 0 and torch.allclose(got, ref, atol=1e-5), (backend, (got - ref).abs().max())
+
+
+def test_one_hot_term_only_where_no_larger_than_the_term(monkeypatch):
+    """Batch x heads below the bucket count: the one-hot ``(rows, L, buckets)`` would outgrow the term, so the gather stays."""
+    import vispe.encodings.irpe as irpe_module
+
+    calls = []
+    one_hot_term = irpe_module._one_hot_term
+    monkeypatch.setattr(irpe_module, "ONE_HOT_TERM_DEVICES", frozenset({"cpu"}))
+    monkeypatch.setattr(irpe_module, "_one_hot_term", lambda *a: calls.append(a[0].shape) or one_hot_term(*a))
+    grid = PositionGrid((3, GRID_W), 1)
+    enc = create_encoding("irpe", EncodingContext(16, 2, 2, (3, GRID_W)), init_std=0.5)
+    enc.set_attention_backend("dense")
+    for batch, taken in ((2, False), (25, True)):  # 50 buckets; 2 heads
+        q, k, v = (torch.randn(batch, 2, grid.seq_len, 8) for _ in range(3))
+        enc.attend(q, k, v, layer=1, state=enc.prepare(grid))
+        assert (len(calls) == 1) == taken, (batch, calls)

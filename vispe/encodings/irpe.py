@@ -30,8 +30,10 @@ IRPE_SIDES = ("q", "k", "v")
 #: devices where a contextual term shared by the batch is built as a product with one-hot buckets
 #: (:func:`_one_hot_term`) instead of a gather. On CUDA a gather's gradient is a scatter-add whose atomics contend on
 #: the few buckets (~50 per row of 197 keys): 41 ms of a 67 ms compiled ViT-S/16 train step (batch 128, bf16
-#: autocast, H100), where the product's gradient is one batched matmul. CPU keeps the gathers (its index_add runs
-#: without atomics); with TF32 matmuls allowed, the product rounds ``z`` as every other TF32 matmul does.
+#: autocast, H100), where the product's gradient is one batched matmul. Taken while the one-hot ``(rows, L, nb)`` is no
+#: larger than the term ``(B, H, rows, L)`` (``B * H >= nb``: a small batch's scatter is small too). CPU keeps the
+#: gathers (its index_add runs without atomics); with TF32 matmuls allowed, the product rounds ``z`` as every other
+#: TF32 matmul does.
 ONE_HOT_TERM_DEVICES: frozenset[str] = frozenset({"cuda"})
 
 
@@ -166,7 +168,7 @@ def _irpe_term(b, h, i, j, *tensors, parts: tuple[tuple[str, str], ...], center:
                 term = x[h, bucket] if mode == "bias" else x[_batch_index(b, x), h, row, bucket]
             elif mode == "bias":
                 term = take_columns(x, bucket)  # (B|1, H, rows, L): one index_select on the table's columns
-            elif bucket.shape[0] == 1 and x.device.type in ONE_HOT_TERM_DEVICES:
+            elif bucket.shape[0] == 1 and x.device.type in ONE_HOT_TERM_DEVICES and x.shape[0] * x.shape[1] >= x.shape[-1]:
                 term = _one_hot_term(x, bucket[0, 0], side, i, j)
             elif bucket.shape[0] == 1 and not torch.compiler.is_compiling():
                 # eager, buckets shared by the batch: the term reads z flattened per (sample, head) at
