@@ -421,8 +421,24 @@ def test_gpu_plan_dry_run_builds_every_part_on_the_tiny_model():
     assert budget and budget <= 480
     assert {(p.config, p.cfg.img_size) for p in parts} == {("vit_s16", 224), ("vit_s16", 448), ("vit_b16", 224), ("vit_b16", 448)}
     assert all(p.batch == 128 for p in parts)
-    # the compiled part, which the GPU targets judge, says where each model's time goes
-    assert all(p.profile > 0 for p in parts if p.name.startswith("s16_224_compile_amp#"))
+    # the compiled part, which the GPU targets judge, holds every rotary and bias family in one group (one compiled
+    # reference) and says where each model's time goes
+    first = [p for p in parts if p.name.split("#")[0] == "s16_224_compile_amp"]
+    assert len(first) == 1 and first[0].profile > 0 and first[0].modes == ["compile"]
+    assert {label for label, _, _ in first[0].specs} == {"rope_axial", "rope_mixed", "comrope_ld", "irpe", "alibi_2d", "fire"}
+    assert "ape" in first[0].refs
+
+
+def test_dry_run_builds_the_tiny_model_at_depth_one(tmp_path):
+    """--dry-run shrinks a ViT-S/16 part to the small-image model at depth 1 (unless --depth says otherwise)."""
+    plan = tmp_path / "one.yaml"
+    plan.write_text("parts:\n  - {name: a, models: vit_s16, img_size: 224, encodings: [learned], timm_refs: [ape], bench: [train]}\n")
+    for extra, depth in (([], 1), (["--depth", "2"], 2)):
+        assert main(["speed", "--plan", str(plan), "--dry-run", *extra, "--out-dir", str(tmp_path), "--tag", "d"]) == 0
+        rows = json.loads((tmp_path / "d.json").read_text())["results"]
+        assert [r["model"] for r in rows] == ["timm:ape", "vispe:learned"] and all(r["img_size"] == 32 for r in rows)
+        per_block = 12 * 384 * 384 + 13 * 384  # a ViT-S block: qkv, proj and the MLP's weights and biases, two norms
+        assert all(abs(r["param_count_m"] * 1e6 - depth * per_block) < per_block / 2 for r in rows), (depth, rows)
 
 
 def test_plan_runs_parts_and_lists_those_past_the_budget(tmp_path):

@@ -762,6 +762,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_jobs(args, argv, configs, refs, specs_for, t_start, load_start, log)
     if args.plan:
         parts, budget = load_plan(args.plan, args, specs_for, device)
+        if args.dry_run and args.depth is None:
+            args.depth = 1  # the tiny model the dry run promises: the machinery, not the model, is what it checks
         if args.parts:
             wanted = _split(args.parts)
             known = list(dict.fromkeys(p.name.split("#")[0] for p in parts))
