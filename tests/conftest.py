@@ -58,3 +58,10 @@ def pytest_collection_finish(session) -> None:
     # collections that torch.compile's tracing triggers walk only what the tests made (~8 % of the compile tests' time)
     gc.collect()
     gc.freeze()
+
+
+def pytest_unconfigure(config) -> None:
+    from vispe.cli import exit_without_final_collection
+
+    # each xdist worker (and the controller) ends without the interpreter's last collection over the session's heap
+    exit_without_final_collection()

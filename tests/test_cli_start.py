@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from child_python import FAST_EXIT
 
 from vispe._checks import check_choice, did_you_mean
 
@@ -18,7 +19,7 @@ HEAVY = ("torch", "timm", "torchvision", "lightning")
 
 def _python(code: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    return subprocess.run([sys.executable, "-c", FAST_EXIT + code], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
 
 
 def _loaded_after(argv: list[str]) -> tuple[int, list[str]]:
@@ -55,6 +56,28 @@ def test_import_vispe_is_light_and_still_registers_models_in_timm_in_either_orde
     assert r.stdout.split() == ["[]", "VispeVisionTransformer", "True", "True"]
     r = _python("import timm, vispe; print(len(timm.list_models('vispe_vit_*')) > 0)")
     assert r.returncode == 0 and r.stdout.strip() == "True", r.stderr
+
+
+def test_the_entry_point_ends_without_the_final_collection_and_a_call_from_python_keeps_it():
+    """The console entry point (``main()`` reading ``sys.argv``) freezes the heap at exit, so the interpreter's last
+    collection does not walk torch's objects; ``main(argv)`` called from Python leaves the caller's exit alone."""
+    code = (
+        "import atexit, gc, io, contextlib, sys\n"
+        "from vispe.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    main(['recipes'])\n"
+        "atexit._run_exitfuncs()\n"
+        "called = gc.get_freeze_count()\n"
+        "sys.argv = ['vispe', 'recipes']\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    main()\n"
+        "atexit._run_exitfuncs()\n"
+        "print(called, gc.get_freeze_count() > 0)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, timeout=120, check=False)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["0", "True"]
 
 
 def test_did_you_mean_names_the_closest_choices():

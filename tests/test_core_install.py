@@ -12,6 +12,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from child_python import FAST_EXIT
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,7 +41,7 @@ _BLOCKER = textwrap.dedent(
 
 
 def _run(body: str) -> subprocess.CompletedProcess:
-    code = _BLOCKER + textwrap.dedent(body)
+    code = FAST_EXIT + _BLOCKER + textwrap.dedent(body)
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 

@@ -14,11 +14,12 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from vispe.integrations import hf as vhf
-from vispe.integrations.hf_hub import MODELING_FILE, TEXT_CONFIG_KEY
-
 import test_hf_families as fam  # noqa: E402
 import test_hf_integration as q2  # noqa: E402
+from child_python import FAST_EXIT  # noqa: E402
+
+from vispe.integrations import hf as vhf
+from vispe.integrations.hf_hub import MODELING_FILE, TEXT_CONFIG_KEY
 
 # every family, every switched scheme at least once; the own scheme with an option that changes it (Qwen2.5-VL's
 # exact time rule) is switched too; the own scheme with defaults saves as the family's own model
@@ -133,7 +134,7 @@ def _child(mode, hows, paths, tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / f"modules-{mode}"),
                PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     out = tmp_path / f"table-{mode}-{len(hows)}.json"  # one file per child
-    proc = subprocess.run([sys.executable, "-c", CHILD, mode, str(out), ",".join(hows), *paths], capture_output=True, text=True, env=env,
+    proc = subprocess.run([sys.executable, "-c", FAST_EXIT + CHILD, mode, str(out), ",".join(hows), *paths], capture_output=True, text=True, env=env,
                           stdin=subprocess.DEVNULL, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0 and out.exists(), proc.stderr[-3000:]
     return {tuple(k.split("|")): tuple(v) for k, v in json.loads(out.read_text()).items()}

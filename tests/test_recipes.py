@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from child_python import FAST_EXIT
 
 from vispe.benchmarks.grid import list_grids, load_grid
 from vispe.recipes import list_recipes, recipe_path
@@ -164,6 +165,6 @@ def test_recipes_resolve_and_parse_from_an_installed_copy(tmp_path):
     """)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = str(site)
-    run = subprocess.run([sys.executable, "-c", code], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300, check=False)
+    run = subprocess.run([sys.executable, "-c", FAST_EXIT + code], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.startswith("ok ")

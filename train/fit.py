@@ -15,9 +15,10 @@ try:
 except ModuleNotFoundError:  # running from a source checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vispe.cli import main
+from vispe.cli import exit_without_final_collection, main
 
 if __name__ == "__main__":
+    exit_without_final_collection()
     args = sys.argv[1:]
     if not args or args[0] not in ("fit", "validate", "test", "predict"):
         args = ["fit", *args]

@@ -13,6 +13,7 @@ with one sentence on stderr and exit code 2, not a traceback; ``--debug`` (anywh
 """
 from __future__ import annotations
 
+import atexit
 import importlib
 import os
 import sys
@@ -60,7 +61,24 @@ def _load(target: str) -> Callable[[Sequence[str]], int | None]:
     return getattr(importlib.import_module(module), func)
 
 
+def exit_without_final_collection() -> None:
+    """Make this process's exit skip Python's last cyclic garbage collection (call it in a process's entry point).
+
+    At exit the interpreter runs a full collection over every object still alive; with torch, Lightning and timm
+    imported that walk takes 2-3 s of a 2-core CPU, in every process: each CLI run and each rank of a distributed
+    one. Freezing the heap at exit (``gc.freeze``) leaves those objects to the operating system. Everything else
+    still runs: atexit handlers, the modules' teardown, the files our writers close themselves. Only objects held in
+    reference cycles are not finalized, which Python never promises at exit."""
+    import gc
+
+    if not getattr(exit_without_final_collection, "registered", False):
+        atexit.register(gc.freeze)  # atexit runs last-in first-out: this runs after every handler registered later
+        exit_without_final_collection.registered = True  # type: ignore[attr-defined]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    if argv is None:  # the process's entry point (the console script, ``python -m vispe.cli``), not a call from Python
+        exit_without_final_collection()
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())

@@ -382,9 +382,13 @@ def train_runs(tasks: Sequence[RunTask], jobs: int = 1, threads: int = 1,
     import multiprocessing
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
+    from vispe.cli import exit_without_final_collection
+
     todo = list(tasks)
+    # each worker ends without the interpreter's last collection (2-3 s a worker with torch and Lightning imported)
     with _environment(OMP_NUM_THREADS=str(threads), PYTHONHASHSEED="0"), \
-            ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
+                                initializer=exit_without_final_collection) as pool:
         running: dict[Any, RunTask] = {}
         while todo or running:
             while todo and len(running) < jobs:  # one start at a time, so the log says when each run began
