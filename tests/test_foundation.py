@@ -277,3 +277,31 @@ def test_bad_grid_and_registry_use():
         create_encoding("rope_axial", head_dim=16).prepare(PositionGrid((2, 2, 2)), None)
     with pytest.raises(ValueError, match="already registered"):
         vispe.register_encoding("rope_axial")(type("Other", (RotaryEncoding,), {}))
+
+
+def test_per_layer_rotary_tables_are_views_whose_gradient_is_the_indexed_tables():
+    """A per-layer state hands each layer a view of its table (no copy), and the gradient that reaches the angles
+    through those views is the one indexing the table per layer gives; ``replace`` with another table rebuilds
+    the layers from that table."""
+    from dataclasses import replace
+
+    from vispe.encodings.rotary import RotaryState, apply_rotary, rotary_table
+
+    gen = torch.Generator().manual_seed(0)
+    angles = torch.randn(3, 2, 5, 4, generator=gen, requires_grad=True)  # (depth, H, L, P)
+    xs = [torch.randn(2, 2, 5, 8, generator=gen) for _ in range(3)]
+
+    def loss(for_layer):
+        # two uses of one layer (q and k), one layer unused (a NoPE layer)
+        return sum((apply_rotary(x, for_layer(i)) * apply_rotary(x.flip(-2), for_layer(i))).sum() for i, x in
+                   zip((0, 2), xs))
+
+    table = rotary_table(angles)
+    state = RotaryState(table, per_layer=True)
+    assert all(state.for_layer(i)._base is table for i in range(3))
+    (got,) = torch.autograd.grad(loss(state.for_layer), angles)
+    (want,) = torch.autograd.grad(loss(lambda i: rotary_table(angles)[i]), angles)
+    torch.testing.assert_close(got, want)
+    assert got[1].abs().max() == 0
+    other = replace(state, table=table.conj())
+    torch.testing.assert_close(other.for_layer(2), table[2].conj())

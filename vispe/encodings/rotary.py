@@ -40,19 +40,22 @@ def rotary_table(angles: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, table: torch.Tensor, layout: str = "interleaved") -> torch.Tensor:
-    """Rotate the last dimension of ``x`` (``(..., L, 2P)``) by a complex ``table`` (``(..., L, P)``).
+    """Rotate the last dimension of ``x`` (``(..., L, 2P)``) by a complex ``table`` (``(..., L, P)``), or by its
+    real view ``(..., L, P, 2)`` (``torch.view_as_real``; what :meth:`RotaryState.rotation_table` gives under
+    ``torch.compile``).
 
     The table broadcasts against ``x``'s leading dimensions (batch, heads). Math runs in float32;
     the output has ``x``'s dtype.
     """
+    real = not table.is_complex()
     d = x.shape[-1]
-    p = table.shape[-1]
+    p = table.shape[-2] if real else table.shape[-1]
     if d != 2 * p:
         raise ValueError(f"rotary table has {p} pairs but the head dimension is {d} (needs {2 * p})")
     xf = x.float()
-    if torch.compiler.is_compiling():
+    if real or torch.compiler.is_compiling():
         # inductor generates no code for complex ops: the same rotation on real tensors fuses into one kernel
-        return _apply_rotary_real(xf, torch.view_as_real(table), layout).type_as(x)
+        return _apply_rotary_real(xf, table if real else torch.view_as_real(table), layout).type_as(x)
     if layout == "interleaved":
         xc = torch.view_as_complex(xf.reshape(*xf.shape[:-1], p, 2))
         out = torch.view_as_real(xc * table).flatten(-2)
@@ -96,8 +99,24 @@ class RotaryState:
     table: torch.Tensor
     per_layer: bool = False
 
+    def __post_init__(self) -> None:
+        # The tables of the layers as views, made once per state; plain attributes, not fields, so that anything
+        # rebuilding the state from its fields (dataclasses.replace, FSDP's casting of a block's inputs) builds
+        # them anew from the new table. Indexing the table per layer instead would give every use a backward that
+        # writes a zero-filled gradient of the whole (depth, ...) table (select's backward: depth^2 work, and complex
+        # ops inductor cannot fuse); unbind's backward stacks the layers' gradients once. The real views (..., P, 2)
+        # are what the rotation reads under torch.compile, so its backward stays in real arithmetic.
+        real = torch.view_as_real(self.table.resolve_conj())  # (a conjugate view has no real view of its own)
+        self.layers: tuple[torch.Tensor, ...] = self.table.unbind(0) if self.per_layer else (self.table,)
+        self.real_layers: tuple[torch.Tensor, ...] = real.unbind(0) if self.per_layer else (real,)
+
     def for_layer(self, layer: int) -> torch.Tensor:
-        return self.table[layer] if self.per_layer else self.table
+        """The complex table ``(..., L, P)`` of ``layer`` (the shared table for every layer unless ``per_layer``)."""
+        return self.layers[layer if self.per_layer else 0]
+
+    def rotation_table(self, layer: int) -> torch.Tensor:
+        """What :func:`apply_rotary` takes for ``layer``: :meth:`for_layer`, or its real view under torch.compile."""
+        return (self.real_layers if torch.compiler.is_compiling() else self.layers)[layer if self.per_layer else 0]
 
     def select(self, index: torch.Tensor) -> "RotaryState":
         """Per-sample token rows ``index`` ``(B, n)``: tables become ``(B, 1|H, n, P)`` (``(depth, B, H, n, P)``)."""
@@ -368,7 +387,7 @@ class RotaryEncoding(PositionalEncoding):
         return state.select(grid.sequence_index())
 
     def rotate(self, x: torch.Tensor, state: RotaryState, layer: int = 0) -> torch.Tensor:
-        return apply_rotary(x, state.for_layer(layer), self.layout)
+        return apply_rotary(x, state.rotation_table(layer), self.layout)
 
     @_scheduled_rotate_qk
     def rotate_qk(self, q: torch.Tensor, k: torch.Tensor, state: Any, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -271,7 +271,8 @@ class ComRopeBase(CoordinateAugmentation, RotaryEncoding):
                     f"(patch dropout must narrow the state through keep_tokens)"
                 )
             if state.basis_folded:  # q and k arrive in the eigenbasis: the phases alone
-                return apply_rotary(q, table), apply_rotary(k, table)
+                phases = state.rotary.rotation_table(layer)
+                return apply_rotary(q, phases), apply_rotary(k, phases)
             return rotate_pair_spectral(q, k, state.basis(layer), table)
         n_tok = state.flat_index.shape[-1] // state.num_blocks if state.token_index is None else state.token_index.shape[1]
         if n_tok != q.shape[-2]:
