@@ -27,20 +27,73 @@ def spectral_decomposition(skew: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     ``J`` is block-diagonal with 2x2 blocks ``[[0, -w_k], [w_k, 0]]``, so ``exp(c S) = Q rot(c w) Q^T``.
     Computed from the Hermitian ``i S`` in float64 (``eigh``; its eigenvalues are ``+-w_k``): for the
     eigenvector ``u_k`` of ``+w_k`` the columns ``2k, 2k+1`` of ``Q`` are ``sqrt(2) Re u_k`` and
-    ``sqrt(2) Im u_k``. Differentiable (the loss must not depend on the eigenvectors' phases, which
-    holds for attention logits: both q and k are expressed in the same basis).
+    ``sqrt(2) Im u_k``. Differentiable, in real arithmetic (:class:`_NormalForm`); the loss must not depend on
+    the rotation of ``Q``'s columns within each pair's plane (the eigenvectors' phases), which holds for attention
+    logits: both q and k are expressed in the same basis.
 
     Returns:
         ``(Q (..., b, b) float32, w (..., b/2) float32 >= 0, eigenvalues (..., b) float64 ascending)``.
     """
-    b = skew.shape[-1]
     with torch.autocast(device_type=skew.device.type, enabled=False):
+        basis, omega, evals = _NormalForm.apply(skew.double())
+        return basis.float(), omega.float(), evals
+
+
+class _NormalForm(torch.autograd.Function):
+    """``S -> (Q, w, eigenvalues)`` of :func:`spectral_decomposition`, float64, with its gradient in real arithmetic.
+
+    The complex ``eigh``'s own backward runs as some thirty ATen operations on complex tensors, which a compiled graph
+    dispatches one by one (each a launch on a GPU); this one is three matrix products and elementwise work that
+    inductor fuses. With ``Omega = Q^T dQ`` (skew) and ``M = Q^T dS Q``, ``S Q = Q J`` gives
+    ``M = Omega J - J Omega + dJ``: a diagonal 2x2 block of ``M`` is ``dJ_k`` (``dw_k = M_kk[1, 0]``), an
+    off-diagonal block is ``M_kl = Omega_kl J_l - J_k Omega_kl``. A 2x2 matrix is a part that commutes with
+    ``E = [[0, -1], [1, 0]]`` plus a part that anticommutes; the first is scaled by ``w_l - w_k``, the second by
+    ``w_l + w_k`` (both times ``E``), so ``Omega_kl`` is ``M_kl`` with each part divided by its scale (times
+    ``-E``). The backward is the adjoint: ``G_kl = C(A_kl E) / (w_l - w_k) + N(A_kl E) / (w_l + w_k)`` with
+    ``A = Q^T dL/dQ``, ``C`` and ``N`` the commuting and anticommuting parts, ``G_kk = dL/dw_k`` at ``[1, 0]``,
+    and ``dL/dS`` the skew part of ``Q G Q^T``. The diagonal blocks of ``Omega`` (the columns' rotation within
+    their plane) get no gradient, as ``eigh``'s backward gives the eigenvectors' phases none.
+    """
+
+    @staticmethod
+    def forward(ctx, s64: torch.Tensor):  # type: ignore[override]
+        b = s64.shape[-1]
         # i S built as complex(0, S): a Python complex scalar (1j * S) has no CUDA inductor lowering
-        s64 = skew.double()
         evals, evecs = torch.linalg.eigh(torch.complex(torch.zeros_like(s64), s64))
         top = evecs[..., b // 2 :]
         basis = torch.stack([top.real, top.imag], dim=-1).flatten(-2) * math.sqrt(2.0)
-        return basis.float(), evals[..., b // 2 :].float(), evals
+        omega = evals[..., b // 2 :]
+        ctx.save_for_backward(basis, omega)
+        ctx.mark_non_differentiable(evals)
+        return basis, omega, evals
+
+    @staticmethod
+    @autocast_off_in_backward
+    def backward(ctx, grad_basis: torch.Tensor | None, grad_omega: torch.Tensor | None, _grad_evals):  # type: ignore[override]
+        q, w = ctx.saved_tensors
+        n = w.shape[-1]
+        g = torch.zeros_like(q)
+        if grad_basis is not None:
+            a = (q.transpose(-1, -2) @ grad_basis.to(q.dtype)).unflatten(-1, (n, 2)).unflatten(-3, (n, 2))  # [.., k, i, l, j]
+            a00, a01, a10, a11 = a[..., 0, :, 0], a[..., 0, :, 1], a[..., 1, :, 0], a[..., 1, :, 1]  # (..., k, l)
+            # Z = A_kl E = [[a01, -a00], [a11, -a10]]; its commuting part p I + c E, anticommuting part r R + t R E
+            p, c = (a01 - a10) / 2, (a11 + a00) / 2
+            r, t = (a01 + a10) / 2, (a11 - a00) / 2
+            wk, wl = w[..., :, None], w[..., None, :]
+            off = ~torch.eye(n, dtype=torch.bool, device=q.device)
+            # the eigenvalue gap is checked by the caller (SPECTRAL_MIN_GAP); the diagonal is masked out here
+            inv_d = torch.where(off, 1.0 / torch.where(off, wl - wk, 1.0), 0.0)
+            inv_s = torch.where(off, 1.0 / (wl + wk).clamp_min(torch.finfo(w.dtype).tiny), 0.0)
+            pc, cc, rr, tt = p * inv_d, c * inv_d, r * inv_s, t * inv_s
+            # G_kl = [[pc + rr, -cc + tt], [cc + tt, pc - rr]]
+            g = torch.stack([torch.stack([pc + rr, tt - cc], -1), torch.stack([cc + tt, pc - rr], -1)], -3)  # (.., k, i, l, j)
+            g = g.flatten(-2).flatten(-3, -2)
+        if grad_omega is not None:
+            idx = torch.arange(n, device=q.device)
+            g = g.clone()
+            g[..., 2 * idx + 1, 2 * idx] = g[..., 2 * idx + 1, 2 * idx] + grad_omega.to(q.dtype)
+        full = q @ g @ q.transpose(-1, -2)
+        return (full - full.transpose(-1, -2)) / 2
 
 
 class _SpectralRotation(torch.autograd.Function):
