@@ -90,8 +90,7 @@ class _NormalForm(torch.autograd.Function):
             g = g.flatten(-2).flatten(-3, -2)
         if grad_omega is not None:
             idx = torch.arange(n, device=q.device)
-            g = g.clone()
-            g[..., 2 * idx + 1, 2 * idx] = g[..., 2 * idx + 1, 2 * idx] + grad_omega.to(q.dtype)
+            g[..., 2 * idx + 1, 2 * idx] += grad_omega.to(q.dtype)  # g is this backward's own tensor
         full = q @ g @ q.transpose(-1, -2)
         return (full - full.transpose(-1, -2)) / 2
 
