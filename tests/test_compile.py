@@ -148,6 +148,32 @@ def test_image_vit_compiles_whole(name):
     _check_eval_and_new_grid(model, trained, (x,), torch.randn(1, 3, 48, 40))
 
 
+#: one per family (rotary fixed and learned, learned rotation, attention biases, token encodings): the models a
+#: benchmark or a sweep compiles side by side in one process
+SIDE_BY_SIDE = ["rope_axial", "comrope_ld", "irpe", "rope_mixed", "alibi_2d", "learned"]
+
+
+@pytest.mark.slow
+def test_models_compiled_side_by_side_keep_one_graph_each():
+    """Every model of a class shares its forward's code objects with the others, so a graph break in one encoding's
+    code can split or recompile the graphs of models compiled before or after it (torch 2.11, ComRoPE's coordinate
+    property: every other model of the process then ran as two graphs). Compiled in turn (``fullgraph`` off, as a
+    user compiles), each model is one graph after its first steps, and stepping them all again compiles nothing."""
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    runs = {}
+    for name in SIDE_BY_SIDE:
+        counter = CompileCounterWithBackend("eager")
+        model = _image_model(name).train()
+        runs[name] = (torch.compile(model, backend=counter), counter)
+        for _ in range(2):  # the second call may take a cached-table path
+            runs[name][0](x).square().mean().backward()
+    graphs = {name: counter.frame_count for name, (_, counter) in runs.items()}
+    assert graphs == dict.fromkeys(SIDE_BY_SIDE, 1), graphs
+    for name, (compiled, _) in runs.items():
+        compiled(x).square().mean().backward()
+    assert {name: counter.frame_count for name, (_, counter) in runs.items()} == graphs
+
+
 @pytest.mark.parametrize("name", ["alibi_2d", "fire", "irpe"])
 @pytest.mark.slow
 def test_blocked_bias_training_compiles_whole_as_the_custom_op(name, monkeypatch):
