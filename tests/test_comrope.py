@@ -502,53 +502,64 @@ def test_spectral_path_under_patch_dropout_equals_full_rows(name):
 
 # -- the spectral basis folded into the qkv projection ----------------------------------------------------------
 def _fold_calls(monkeypatch) -> list[int]:
+    """Each call of the fold records how many layers it folded (1: one layer's projection; L: a stack of L)."""
     import vispe.models.layers as layers
 
     calls: list[int] = []
-    real = layers.fold_qk_basis_into_weights
+    real = layers._fold_layers
 
-    def counting(*args):
-        calls.append(1)
-        return real(*args)
+    def counting(weight, *args):
+        calls.append(1 if weight.ndim == 2 else weight.shape[0])
+        return real(weight, *args)
 
-    monkeypatch.setattr(layers, "fold_qk_basis_into_weights", counting)
+    monkeypatch.setattr(layers, "_fold_layers", counting)
     return calls
 
 
 @pytest.mark.parametrize("name", ["comrope_ap", "comrope_ld"])
 def test_folded_basis_equals_the_per_token_basis_change_in_logits_and_gradients(name, monkeypatch):
-    """A host with a plain qkv projection folds the spectral basis into its q/k weights (once per layer); the logits
-    and every parameter's gradient equal the per-token path's, which runs whenever a hook watches ``qkv``."""
+    """A host with plain qkv projections folds the spectral basis into its q/k weights: eager, layer by layer (the
+    folded weight rebuilt in the backward, not stored); compiled, all layers in one product; a layer whose ``qkv`` a
+    hook watches takes the per-token path. The logits and every parameter's gradient equal the per-token path's,
+    which every layer runs when hooks watch all of them."""
     calls = _fold_calls(monkeypatch)
     torch.manual_seed(0)
     model = timm.create_model(MODEL, pos_encoding=name, depth=3, qkv_bias=True).train()
     x, y = torch.randn(3, 3, 32, 32), torch.tensor([0, 1, 2])
 
-    def run():
+    def run(net=model):
         model.zero_grad()
-        out = model(x)
+        out = net(x)
         torch.nn.functional.cross_entropy(out, y).backward()
         return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     folded, g_folded = run()
-    assert len(calls) == 6  # one fold per layer in the forward, rebuilt once in the backward (not stored)
+    assert calls == [1] * 6  # one fold per layer in the forward, rebuilt once in the backward
+    hook = model.blocks[1].attn.qkv.register_forward_hook(lambda m, i, o: None)
+    mixed, g_mixed = run()
+    hook.remove()
+    assert calls[6:] == [1] * 4  # layers 0 and 2
+    del calls[:]
+    stacked, g_stacked = run(torch.compile(model, backend="aot_eager", fullgraph=True))
+    assert calls == [3]  # traced once: the stack of three layers, forward and backward
     seen: list[torch.dtype] = []
     hooks = [blk.attn.qkv.register_forward_hook(lambda m, i, o: seen.append(o.dtype)) for blk in model.blocks]
     per_token, g_per_token = run()
-    assert len(calls) == 6 and len(seen) == 3  # watched: the module is called, nothing folded
+    assert calls == [3] and len(seen) == 3  # watched: the module is called, nothing folded
     for h in hooks:
         h.remove()
-    assert torch.allclose(folded, per_token, atol=1e-5, rtol=1e-5)
-    assert g_folded.keys() == g_per_token.keys()
-    for n in g_folded:
-        scale = g_per_token[n].abs().max().clamp_min(1e-12)
-        assert ((g_folded[n] - g_per_token[n]).abs().max() / scale) < 1e-4, n
-    # bf16 autocast through the folded projection: finite, and close to float32
+    for out, grads in ((folded, g_folded), (mixed, g_mixed), (stacked, g_stacked)):
+        assert torch.allclose(out, per_token, atol=1e-5, rtol=1e-5)
+        assert grads.keys() == g_per_token.keys()
+        for n in grads:
+            scale = g_per_token[n].abs().max().clamp_min(1e-12)
+            assert ((grads[n] - g_per_token[n]).abs().max() / scale) < 1e-4, n
+    # bf16 autocast through the folded projections: finite, and close to float32
     model.zero_grad()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = model(x)
     torch.nn.functional.cross_entropy(out.float(), y).backward()
-    assert len(calls) == 12 and out.dtype == torch.bfloat16
+    assert calls[1:] == [1] * 6 and out.dtype == torch.bfloat16
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
     assert (out.float() - per_token).abs().max() < 0.05
 
