@@ -534,3 +534,43 @@ def test_compare_prints_before_to_after_of_each_encoding_and_report_rebuilds_it(
         main(["speed", "--compare", str(tmp_path / "other.json")])  # refused before any model is built
     with pytest.raises(ValueError, match=r"--compare '.*missing.json': no such file"):
         main(["speed", "--compare", str(tmp_path / "missing.json")])
+
+
+def test_compiled_rows_say_when_a_graph_broke_or_compiled_while_timed(tmp_path, monkeypatch, capsys):
+    """A compiled model that breaks its graph runs eager code between graphs, and one that compiles again in a timed
+    round times compilation: both give numbers with exit code 0, so the row records its graphs per train step and
+    its compilations while timed, and the table says so. Here the encoding's token step breaks the graph, and
+    dynamo's caches are cleared before timm's APE ViT's second timed round (it compiles again there)."""
+    from vispe.models import layers
+    from vispe.benchmarks import speed
+
+    real_compile, real_embed, real_timed = torch.compile, layers.encoding_embed_tokens, speed._timed
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: real_compile(model, backend="eager", **kw))
+
+    def breaking(encoding, x, *args):
+        torch._dynamo.graph_break()
+        return real_embed(encoding, x, *args)
+
+    calls = []
+
+    def timed(fn, n, device):  # calls 1-2: warm-up (APE, learned); 3-4: round 1; 5: learned, 6: APE (round 2)
+        calls.append(1)
+        if len(calls) == 6:
+            torch._dynamo.reset()
+        return real_timed(fn, n, device)
+
+    monkeypatch.setattr(layers, "encoding_embed_tokens", breaking)
+    monkeypatch.setattr(speed, "_timed", timed)
+    rc = main(["speed", "--models", "vit_s4_32", "--depth", "1", "--batch-size", "2", "--iters", "2", "--warmup", "0",
+               "--timm-refs", "ape", "--encodings", "learned", "--modes", "compile", "--bench", "train",
+               "--out-dir", str(tmp_path), "--tag", "graphs"])
+    assert rc == 0 and len(calls) == 6
+    rows = {r["model"]: r for r in json.loads((tmp_path / "graphs.json").read_text())["results"]}
+    ape, learned = rows["timm:ape"], rows["vispe:learned"]
+    assert ape["graphs_per_step"] == 1 and ape["compiles_in_timing"] >= 1
+    assert learned["graphs_per_step"] > 1 and learned["compiles_in_timing"] == 0
+    md = (tmp_path / "graphs.md").read_text()
+    n = learned["graphs_per_step"]
+    assert f"`vit_s4_32/compile/fp32/vispe:learned`: {n} graphs per train step (graph breaks)" in md
+    assert "`vit_s4_32/compile/fp32/timm:ape`: compiled" in md and "timm:ape`: 1 graphs" not in md
+    assert f"`vit_s4_32/compile/fp32/vispe:learned`: {n} graphs per train step (graph breaks)\n" in capsys.readouterr().out

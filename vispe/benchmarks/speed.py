@@ -159,8 +159,8 @@ def default_encoding_specs(every: bool = False, cfg: BenchConfig | None = None) 
     return ",".join(list_encodings(grid_ndim=cfg.grid_ndim) if every else cfg.default_encodings)
 
 
-from .speed_measure import PRECISIONS, Entry, infer_step, measure_peak, profile_step, train_step, _timed  # noqa: F401  (re-exported)
-from .speed_report import SKIPPED_PREFIX, _machine, format_markdown, format_table  # noqa: F401  (re-exported)
+from .speed_measure import PRECISIONS, Entry, graphs_compiled, infer_step, measure_peak, profile_step, train_step, _timed  # noqa: F401  (re-exported)
+from .speed_report import SKIPPED_PREFIX, _machine, compile_lines, format_markdown, format_table  # noqa: F401  (re-exported)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -316,9 +316,15 @@ def run_config(
                 continue
             if e.mode == "compile" and w == 0:
                 # compile, then recompile for the cached-table path (first call fills the caches)
-                for _ in range(2):
+                for call in range(2):
                     if do_train:
+                        before = graphs_compiled()
                         _guard(e, "train compile", lambda: train_step(e, x, y), log)
+                        if call == 0 and not e.error:
+                            e.graphs_per_step = graphs_compiled() - before
+                            if e.graphs_per_step > 1:
+                                log(f"  ! {e.config}/{e.mode}/{e.precision}/{e.label}: {e.graphs_per_step} compiled graphs per "
+                                    "train step (graph breaks; TORCH_LOGS=graph_breaks says where)")
                     if do_infer:
                         _guard(e, "infer compile", lambda: infer_step(e, x), log)
             if do_train:
@@ -334,6 +340,7 @@ def run_config(
         k = r % len(entries)
         order = entries[k:] + entries[:k]  # rotate so no model always runs first after a slow one
         for e in order:
+            compiled_before = graphs_compiled()
             if do_train:
                 t = _guard(e, "train", lambda: _timed(lambda: train_step(e, x, y), e.inner_train, device), log)
                 if t is not None:
@@ -344,6 +351,10 @@ def run_config(
                 if t is not None:
                     e.infer_s.append(t[0])
                     e.infer_cpu_s.append(t[1])
+            if e.mode == "compile" and graphs_compiled() > compiled_before:
+                e.compiles_in_timing += graphs_compiled() - compiled_before
+                log(f"  ! {e.config}/{e.mode}/{e.precision}/{e.label}: compiled {graphs_compiled() - compiled_before} "
+                    f"graph(s) in timed round {r + 1} (TORCH_LOGS=recompiles says why)")
         log(f"  round {r + 1}/{iters} done")
         if late():
             log(f"  time budget spent: timing stops after {r + 1} of {iters} rounds")
@@ -453,6 +464,9 @@ def summarise(
             "infer_peak_mb": None if e.infer_peak is None else e.infer_peak / 2**20,
             "error": e.error,
         }
+        if e.mode == "compile":
+            row["graphs_per_step"] = e.graphs_per_step
+            row["compiles_in_timing"] = e.compiles_in_timing
         if e.profile is not None and profile_top > 0:
             ref_profile = ref.profile if ref is not None and ref is not e else None
             # what profile_step counted: device events on CUDA, whichever clock the timing used
@@ -868,6 +882,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         plot_growth(rows, args.plot, meta)
         log(f"wrote {args.plot}")
     print(format_table(rows))
+    for line in compile_lines(rows):
+        print(line[2:])
     print(
         f"\nwall time {meta['wall_s']:.0f} s (process CPU {meta['process_cpu_s']:.0f} s) on {meta['machine']}, "
         f"{meta['threads']} threads; load average {load_start} -> {meta['loadavg_end']}"
@@ -985,6 +1001,8 @@ def run_jobs(args: argparse.Namespace, argv: list[str], configs: list[str], refs
         plot_growth(shown, args.plot, meta)
         log(f"wrote {args.plot}")
     print(format_table(shown))
+    for line in compile_lines(shown):
+        print(line[2:])
     print(f"\nwall time {meta['wall_s']:.0f} s (worker CPU {meta['process_cpu_s']:.0f} s) on {meta['machine']}, {len(procs)} "
           f"worker processes x {meta['threads']} threads; load average {load_start} -> {meta['loadavg_end']}")
     if failed:

@@ -46,6 +46,10 @@ class Entry:
     #: one profiled train step (``--profile``): op or kernel name -> {"ms": self time per step, "calls": per step}
     profile: dict[str, dict[str, float]] | None = None
     _cast: tuple[int, torch.Tensor] | None = None  # (id of the shared input, this entry's copy in its dtype)
+    #: compiled entries: the graphs dynamo captured for the first train step (1: the step compiled whole; more: graph
+    #: breaks, each with eager code between graphs) and the graphs compiled while timed (each a round that timed compilation)
+    graphs_per_step: int | None = None
+    compiles_in_timing: int = 0
 
     def input(self, x: torch.Tensor) -> torch.Tensor:
         """The benchmark input in this entry's dtype, cast once (not inside the timed steps)."""
@@ -60,6 +64,13 @@ class Entry:
             return contextlib.nullcontext()
         device = next((p.device.type for p in self.model.parameters()), "cpu")
         return torch.autocast(device_type=device, dtype=torch.bfloat16)
+
+
+def graphs_compiled() -> int:
+    """Graphs dynamo has captured in this process so far (a graph break or a recompilation adds one)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def _sync(device: torch.device) -> None:

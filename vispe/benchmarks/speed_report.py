@@ -99,6 +99,9 @@ def format_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     verdicts = growth_verdicts(rows)
     if verdicts:
         text += "\nTargets (ratios to timm's APE ViT of the same size, this run; vispe.benchmarks.speed_report.GROWTH_TARGETS):\n" + "\n".join(verdicts) + "\n"
+    compiled = compile_lines(rows)
+    if compiled:
+        text += "\nCompilation (a compiled model should be one graph per step, compiled before timing):\n" + "\n".join(compiled) + "\n"
     profiled = profile_lines(rows)
     if profiled:
         text += ("\nWhere the time goes (one profiled train step per model, `--profile`): the step's summed self time beside "
@@ -109,6 +112,19 @@ def format_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     if skipped:
         text += "\nNot measured (time budget):\n" + "\n".join(skipped) + "\n"
     return text
+
+
+def compile_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """One Markdown line per compiled model that broke its graph or compiled while timed: its times then include
+    eager code between graphs, or compilation."""
+    out = []
+    for r in rows:
+        where = f"`{r['config']}/{r['mode']}/{r['precision']}/{r['model']}`"
+        if (r.get("graphs_per_step") or 0) > 1:
+            out.append(f"- {where}: {r['graphs_per_step']} graphs per train step (graph breaks)")
+        if r.get("compiles_in_timing"):
+            out.append(f"- {where}: compiled {r['compiles_in_timing']} graph(s) while timed (its slowest rounds include compilation)")
+    return out
 
 
 def profile_lines(rows: list[dict[str, Any]], shown: int = 5) -> list[str]:
