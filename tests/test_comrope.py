@@ -512,6 +512,7 @@ def _fold_calls(monkeypatch) -> list[int]:
         calls.append(1 if weight.ndim == 2 else weight.shape[0])
         return real(weight, *args)
 
+    counting.real = real  # type: ignore[attr-defined]
     monkeypatch.setattr(layers, "_fold_layers", counting)
     return calls
 
@@ -542,13 +543,27 @@ def test_folded_basis_equals_the_per_token_basis_change_in_logits_and_gradients(
     del calls[:]
     stacked, g_stacked = run(torch.compile(model, backend="eager", fullgraph=True))
     assert calls == [3]  # traced once: the stack of three layers, forward and backward
+    # a block watched by a hook (FSDP2 gathers a block's parameters in one): compiled, every layer folds on its own
+    # (the per-layer fold runs inside an autograd.Function, where a compiled graph cannot count calls: the real fold)
+    import vispe.models.layers as layers
+
+    torch._dynamo.reset()
+    stacked_folds = []
+    real_stack = layers.fold_qk_bases_of_blocks
+    with monkeypatch.context() as patch:
+        patch.setattr(layers, "_fold_layers", layers._fold_layers.real)
+        patch.setattr(layers, "fold_qk_bases_of_blocks", lambda *a: stacked_folds.append(real_stack(*a)) or stacked_folds[-1])
+        hook = model.blocks[2].register_forward_pre_hook(lambda m, a: None)
+        hooked, g_hooked = run(torch.compile(model, backend="eager", fullgraph=True))
+        hook.remove()
+    assert stacked_folds == [None] and calls == [3]
     seen: list[torch.dtype] = []
     hooks = [blk.attn.qkv.register_forward_hook(lambda m, i, o: seen.append(o.dtype)) for blk in model.blocks]
     per_token, g_per_token = run()
     assert calls == [3] and len(seen) == 3  # watched: the module is called, nothing folded
     for h in hooks:
         h.remove()
-    for out, grads in ((folded, g_folded), (mixed, g_mixed), (stacked, g_stacked)):
+    for out, grads in ((folded, g_folded), (mixed, g_mixed), (stacked, g_stacked), (hooked, g_hooked)):
         assert torch.allclose(out, per_token, atol=1e-5, rtol=1e-5)
         assert grads.keys() == g_per_token.keys()
         for n in grads:

@@ -322,8 +322,8 @@ def fold_qk_bases_of_blocks(
 ) -> Optional[list[LayerPE]]:
     """Every layer's q/k basis (``fold_qk_basis``, ComRoPE's spectral basis) folded into its qkv weights in one
     batched product for the whole stack, each block's :class:`LayerPE` carrying its folded weights; ``None`` when
-    the layers do not all fold alike (a layer without a basis, a projection that cannot fold or is watched by hooks,
-    different shapes): :func:`encoding_project_qkv` then folds layer by layer. Per layer, the fold and its backward
+    the layers do not all fold alike (a layer without a basis, a projection that cannot fold, a block or projection
+    watched by hooks, different shapes): :func:`encoding_project_qkv` then folds layer by layer. Per layer, the fold and its backward
     are a handful of small products and copies that a compiled step launches one by one; for the stack they are a
     few (a compiled ViT-S/16 step: about 60 fewer operations). The stacked weights stay alive until the backward,
     a float32 copy of the qkv projections (ViT-S/16: 21 MB)."""
@@ -333,7 +333,9 @@ def fold_qk_bases_of_blocks(
     folds = []
     for i, blk in enumerate(layers):
         attn = getattr(blk, "attn", None)
-        if not isinstance(attn, PEAttention) or not attn.folds_qk_basis or _observed(attn.qkv):
+        # a watched block folds its own weights when it runs: its hooks may change them first (FSDP2 gathers a
+        # block's parameters in its pre-forward hook)
+        if not isinstance(attn, PEAttention) or not attn.folds_qk_basis or _observed(attn.qkv) or _observed(blk):
             return None
         basis, layer_state = encoding.fold_qk_basis(state, i)
         if basis is None:
