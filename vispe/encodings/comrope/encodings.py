@@ -188,9 +188,9 @@ class ComRopeBase(CoordinateAugmentation, RotaryEncoding):
     def augments_coordinates(self) -> bool:
         """A training-time move of the coordinates is on (and the module is in training mode): the shared
         coordinate options or the paper's per-line ``sigma``."""
-        # spelled out, not ``super().augments_coordinates``: dynamo in torch 2.11 cannot branch on a property
-        # read through super() and breaks the graph there (tests/test_compile.py under torch 2.11)
-        return bool(self.training) and (self.moves_coordinates or self.random_positions > 1 or self.sigma > 0)
+        # the base's getter called directly, not ``super().augments_coordinates``: dynamo in torch 2.11 cannot branch
+        # on a property read through super() and breaks the graph there (tests/test_compile.py under torch 2.11)
+        return CoordinateAugmentation.augments_coordinates.fget(self) or (self.training and self.sigma > 0)
 
     def line_offsets(self, grid: PositionGrid, device: torch.device | str | None) -> list[torch.Tensor] | None:
         """This forward's per-line coordinate offsets (:func:`line_offsets`), or ``None`` when nothing moves."""
