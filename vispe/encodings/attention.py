@@ -26,6 +26,7 @@ from torch.autograd.function import once_differentiable
 
 __all__ = [
     "sdpa",
+    "split_qkv",
     "merge_attn_mask",
     "fold_causal_mask",
     "autocast_off_in_backward",
@@ -38,6 +39,12 @@ __all__ = [
     "bias_function",
     "resolve_attention_backend",
 ]
+
+
+def split_qkv(qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v ``(B, H, L, dh)`` as views of a fused projection's output ``(B, L, 3, H, dh)`` (timm's split)."""
+    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+    return q, k, v
 
 
 def sdpa(

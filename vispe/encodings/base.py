@@ -47,6 +47,7 @@ from .attention import (
     save_as_recomputed,
     sdpa,
     sdpa_with_bias,
+    split_qkv,
 )
 from .coordinates import coordinate_option_rules
 from .grid import PositionGrid
@@ -71,6 +72,7 @@ __all__ = [
     "set_extrapolation",
     "check_context_fields",
     "sdpa",
+    "split_qkv",
     "merge_attn_mask",
     "sdpa_with_bias",
     "save_as_recomputed",
@@ -394,6 +396,43 @@ class PositionalEncoding(nn.Module):
         """Attention for ``q, k, v`` of shape ``(B, H, L, dh)``. Default: plain SDPA."""
         return sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale)
 
+    def attend_qkv(
+        self,
+        qkv: torch.Tensor,
+        *,
+        layer: int = 0,
+        state: Any = None,
+        attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """Attention from a fused projection's output ``(B, L, 3, H, dh)`` (timm's qkv), for hosts whose q and k go
+        straight from the projection to attention, so an encoding may fuse its work into the split. Default: q, k, v
+        as views (:func:`split_qkv`) and :meth:`attend`."""
+        q, k, v = split_qkv(qkv)
+        return self.attend(q, k, v, layer=layer, state=state, attn_mask=attn_mask, dropout_p=dropout_p,
+                           is_causal=is_causal, scale=scale)
+
+    #: A run-time choice of how the encoding computes, not of what it computes: the option's name (``None``: it
+    #: has none), taken by ``create_encoding`` and settable later with :meth:`set_backend`; not a hyperparameter.
+    backend_option: ClassVar[str | None] = None
+    #: the values ``backend_option`` takes
+    backend_choices: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def check_backend(cls, value: Any) -> None:
+        """Refuse a ``backend_option`` value this class cannot run, naming the valid ones (before anything is built)."""
+        if cls.backend_option is None:
+            raise TypeError(f"{cls.__name__} has no backend option")
+        if value not in cls.backend_choices:
+            raise ValueError(f"{cls.backend_option}={value!r} is not valid; choose one of {list(cls.backend_choices)}")
+
+    def set_backend(self, value: str) -> None:
+        """Set the ``backend_option`` (checked by :meth:`check_backend`)."""
+        type(self).check_backend(value)
+        setattr(self, type(self).backend_option, value)  # type: ignore[arg-type]
+
     def set_grid_size(self, grid_size: Sequence[int]) -> None:
         """Called by a host model's ``set_input_size``: adapt to a new training grid. Default: an encoding
         that keeps its training grid (``grid_size``) stores the new one; cached state is dropped."""
@@ -464,9 +503,14 @@ class AttentionBiasEncoding(PositionalEncoding):
     #: query rows per block of the blocked path (``None``: sized so a block's term stays near 8 MiB)
     attention_block_rows: int | None = None
 
+    backend_option = "attention_backend"
+    backend_choices = ATTENTION_BACKENDS
+
+    def set_backend(self, value: str) -> None:
+        self.set_attention_backend(value)
+
     def set_attention_backend(self, backend: str, block_rows: int | None = None) -> None:
-        if backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend={backend!r} is not valid; choose one of {list(ATTENTION_BACKENDS)}")
+        self.check_backend(backend)
         if block_rows is not None and (not isinstance(block_rows, int) or block_rows < 1):
             raise ValueError(f"attention block_rows must be a positive int or None, got {block_rows!r}")
         self.attention_backend = backend

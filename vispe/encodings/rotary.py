@@ -28,9 +28,13 @@ from .base import PositionalEncoding, save_as_recomputed, sdpa
 from .grid import PositionGrid
 
 __all__ = ["apply_rotary", "rotary_table", "RotaryEncoding", "RotaryState", "ROTARY_LAYOUTS", "LAYER_SCHEDULE_OPTIONS",
-           "LayerSchedule"]
+           "LayerSchedule", "ROTARY_BACKENDS"]
 
 ROTARY_LAYOUTS = ("interleaved", "half")
+#: How a pairwise rotary encoding rotates q and k (``rotary_backend``): ``'torch'``, PyTorch ops (the reference, any
+#: device); ``'triton'``, one fused kernel from the qkv projection's output to attention's inputs and one back
+#: (:mod:`vispe.encodings.triton_rotary`; CUDA, or CPU in Triton's interpreter).
+ROTARY_BACKENDS = ("torch", "triton")
 
 
 def rotary_table(angles: torch.Tensor) -> torch.Tensor:
@@ -331,6 +335,11 @@ class RotaryEncoding(PositionalEncoding):
     #: The constructor option ``layer_theta`` sets per layer.
     layer_theta_option: ClassVar[str] = "theta"
     layer_schedule: LayerSchedule = LayerSchedule()
+    backend_option = "rotary_backend"
+    backend_choices = ROTARY_BACKENDS
+    #: see :data:`ROTARY_BACKENDS`; a run-time choice (``create_encoding(name, rotary_backend=...)`` or
+    #: :meth:`set_backend`), not a constructor option
+    rotary_backend: str = "torch"
     option_checks = {
         "nope_layers": Seq(Int(), distinct=True, scalar_ok=True, optional=True),
         "rotary_fraction": Real(0, 1, low_open=True),
@@ -347,6 +356,50 @@ class RotaryEncoding(PositionalEncoding):
             if fn is not None and not getattr(fn, "_layer_schedule", False):
                 setattr(cls, name, wrap(fn))
         super().__init_subclass__(**kwargs)
+
+    @classmethod
+    def fuses_rotation(cls) -> bool:
+        """``rotary_backend='triton'`` applies: the class rotates by this base class's per-pair phases, untouched, or
+        says itself which layers do (:meth:`fused_phase_table`)."""
+        base = RotaryEncoding
+        if cls.attend is not base.attend or cls.attend_qkv is not base.attend_qkv:
+            return False
+        if cls.fused_phase_table is not base.fused_phase_table:
+            return True
+        return cls.pairwise_phases and cls.rotate is base.rotate and cls.rotate_qk is base.rotate_qk
+
+    def check_backend_device(self, device: torch.device | str | None) -> None:
+        """``rotary_backend='triton'`` on a device the kernel cannot run: refused in ``prepare``, before the first
+        layer, rather than inside attention."""
+        if self.rotary_backend == "triton" and not torch.compiler.is_compiling():
+            from .triton_rotary import triton_rotary_unavailable
+
+            why = triton_rotary_unavailable(device if device is not None else "cpu")
+            if why is not None:
+                raise ValueError(f"{self.registry_name or type(self).__name__}: rotary_backend='triton': {why}; "
+                                 "choose rotary_backend='torch'")
+
+    def fused_phase_table(self, state: Any, layer: int) -> torch.Tensor | None:
+        """The real table ``(cos, sin)`` ``(..., L, P, 2)`` by which this layer rotates q and k (``apply_rotary`` in
+        :attr:`layout`), what the fused kernel applies; ``None`` where the layer does something else (no rotation,
+        a partial one, a per-layer base), which then runs in PyTorch ops."""
+        sched = self.layer_schedule
+        if not isinstance(state, RotaryState) or layer in sched.nope_layers or sched.rotary_dim is not None:
+            return None
+        return state.real_layers[layer if state.per_layer else 0]
+
+    @classmethod
+    def check_backend(cls, value: Any) -> None:
+        super().check_backend(value)
+        if value == "triton":
+            if not cls.fuses_rotation():
+                raise ValueError(f"rotary_backend='triton' fuses the per-pair phase rotation; {cls.__name__} rotates q and k "
+                                 "its own way; choose rotary_backend='torch'")
+            from .triton_rotary import triton_rotary_unavailable
+
+            why = triton_rotary_unavailable()
+            if why is not None:
+                raise ValueError(f"rotary_backend='triton' needs Triton: {why}; choose rotary_backend='torch'")
 
     # -- to implement --------------------------------------------------------------------
     def angles(self, grid: PositionGrid, device: torch.device | None) -> torch.Tensor:
@@ -375,6 +428,7 @@ class RotaryEncoding(PositionalEncoding):
 
     def prepare(self, grid: PositionGrid, device: torch.device | None = None) -> RotaryState | LayerThetaState:
         self.check_grid(grid)
+        self.check_backend_device(device)
         per_theta = self._modules.get("layer_theta_encodings")
         if per_theta is not None:
             return LayerThetaState(tuple(e.prepare(grid, device) for e in per_theta), self.layer_schedule.theta_index)
@@ -404,3 +458,14 @@ class RotaryEncoding(PositionalEncoding):
         # SDPA would keep the rotated q/k for backward; re-rotating the unrotated ones is cheaper than the memory
         with save_as_recomputed((q, k), lambda: self.rotate_qk(q0, k0, state, layer)):
             return sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale)
+
+    def attend_qkv(self, qkv, *, layer=0, state=None, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
+        table = self.fused_phase_table(state, layer) if self.rotary_backend == "triton" and state is not None else None
+        if table is None:
+            return super().attend_qkv(qkv, layer=layer, state=state, attn_mask=attn_mask, dropout_p=dropout_p,
+                                      is_causal=is_causal, scale=scale)
+        from .triton_rotary import rotary_qkv
+
+        # attention keeps the kernel's outputs for its backward, as it keeps timm's q, k, v: nothing to recompute
+        q, k, v = rotary_qkv(qkv, table, self.layout)
+        return sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale)

@@ -27,10 +27,8 @@ from typing import Any, ClassVar, Mapping, Sequence, Union
 import torch.nn as nn
 
 from .._checks import OptionCheck, did_you_mean
-from .attention import ATTENTION_BACKENDS
 from .base import (  # the registry and its private helpers, shared with this layer
     _CONTEXT_KEYS,
-    AttentionBiasEncoding,
     EncodingContext,
     PositionalEncoding,
     _common_policies,
@@ -280,10 +278,10 @@ def create_encoding(spec: Any, context: EncodingContext | None = None, **kwargs:
         raise ValueError(f"encoding {name!r} takes {'/'.join(map(str, cls.grid_ndims))}-D grids, but the model's grid "
                          f"{tuple(context.grid_size)} is {grid_ndim}-D; choose one of {list_encodings(grid_ndim=grid_ndim)}"
                          f"{did_you_mean(name, list_encodings(grid_ndim=grid_ndim))}")
-    bias = issubclass(cls, AttentionBiasEncoding)
-    backend = kwargs.pop("attention_backend", None) if bias else None
+    option = cls.backend_option  # how it computes: applied after construction, kept out of the constructor's options
+    backend = kwargs.pop(option, None) if option else None
     accepted, var_kw = _init_params(cls)
-    own = sorted((accepted - _CONTEXT_KEYS) | ({"attention_backend"} if bias else set()))
+    own = sorted((accepted - _CONTEXT_KEYS) | ({option} if option else set()))
     unknown = [k for k in kwargs if k not in accepted and not var_kw]
     if unknown:
         raise TypeError(f"encoding {name!r} got unknown option(s) {unknown}; valid options: {own}")
@@ -294,11 +292,14 @@ def create_encoding(spec: Any, context: EncodingContext | None = None, **kwargs:
     if context is not None:
         args.update({k: v for k, v in context.as_kwargs().items() if k in accepted})
     args.update(kwargs)
-    if backend is not None and backend not in ATTENTION_BACKENDS:  # before any weight is built
-        raise ValueError(f"encoding {name!r}: attention_backend={backend!r} is not valid; choose one of {list(ATTENTION_BACKENDS)}")
+    if backend is not None:  # before any weight is built
+        try:
+            cls.check_backend(backend)
+        except ValueError as exc:
+            raise ValueError(f"encoding {name!r}: {exc}") from None
     enc = cls(**args)
     if backend is not None:
-        enc.set_attention_backend(backend)
+        enc.set_backend(backend)
     # how it was built: a meta-device model is initialised by building its encodings again (models.init_empty_weights)
     enc.construction = (cls, dict(args), backend)
     return enc

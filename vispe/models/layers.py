@@ -21,7 +21,7 @@ from timm.layers import Attention, PatchDropoutWithIndices, register_notrace_fun
 from timm.models.vision_transformer import Block
 from torch.utils.checkpoint import checkpoint
 
-from ..encodings.base import PositionalEncoding, autocast_off_in_backward, sdpa
+from ..encodings.base import PositionalEncoding, autocast_off_in_backward, sdpa, split_qkv
 
 __all__ = [
     "LayerPE",
@@ -33,6 +33,7 @@ __all__ = [
     "encoding_embed_tokens",
     "encoding_after_block",
     "encoding_attend",
+    "encoding_attend_qkv",
     "encoding_project_qkv",
     "fold_qk_basis_into_weights",
     "drop_patches",
@@ -79,6 +80,14 @@ def encoding_attend(
     is_causal: bool,
 ) -> torch.Tensor:
     return pe.encoding.attend(q, k, v, layer=pe.layer, state=pe.state, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal)
+
+
+@register_notrace_function
+def encoding_attend_qkv(
+    pe: "LayerPE", qkv: torch.Tensor, attn_mask: Optional[torch.Tensor], dropout_p: float, is_causal: bool
+) -> torch.Tensor:
+    """:func:`encoding_attend` from the fused projection's output ``(B, N, 3, H, dh)`` (q and k un-normalised)."""
+    return pe.encoding.attend_qkv(qkv, layer=pe.layer, state=pe.state, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal)
 
 
 def _per_block(rows: torch.Tensor, basis: torch.Tensor, lead: int = 0) -> torch.Tensor:
@@ -198,7 +207,7 @@ def encoding_project_qkv(pe: "LayerPE", qkv: nn.Linear, x: torch.Tensor, can_fol
 # torch.fx.wrap patches these names in this module's globals for any FX tracer (timm's registration
 # above only reaches modules whose forward the tracer enters through a module call)
 for _fn in ("encoding_prepare", "encoding_keep_tokens", "encoding_embed_tokens", "encoding_after_block", "encoding_attend",
-            "encoding_project_qkv", "drop_patches"):
+            "encoding_attend_qkv", "encoding_project_qkv", "drop_patches"):
     torch.fx.wrap(_fn)
 
 
@@ -250,14 +259,18 @@ class PEAttention(Attention):
             qkv = F.linear(x, *pe.folded_qkv)
         else:
             qkv, pe = encoding_project_qkv(pe, self.qkv, x, self.folds_qk_basis)
-        qkv = qkv.reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)
-        q, k = self.q_norm(q), self.k_norm(k)
+        qkv = qkv.reshape(B, N, 3, self.num_heads, self.head_dim)
         dropout_p = self.attn_drop.p if self.training else 0.0
-        if pe is None:
-            x = sdpa(q, k, v, attn_mask, dropout_p, is_causal)
+        if pe is not None and isinstance(self.q_norm, nn.Identity) and isinstance(self.k_norm, nn.Identity):
+            # the encoding gets the projection's output whole, so it may fuse its work into the split
+            x = encoding_attend_qkv(pe, qkv, attn_mask, dropout_p, is_causal)
         else:
-            x = encoding_attend(pe, q, k, v, attn_mask, dropout_p, is_causal)
+            q, k, v = split_qkv(qkv)
+            q, k = self.q_norm(q), self.k_norm(k)
+            if pe is None:
+                x = sdpa(q, k, v, attn_mask, dropout_p, is_causal)
+            else:
+                x = encoding_attend(pe, q, k, v, attn_mask, dropout_p, is_causal)
         x = x.transpose(1, 2).reshape(B, N, self.attn_dim)
         x = self.norm(x)
         if gate is not None:

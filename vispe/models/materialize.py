@@ -68,7 +68,7 @@ def _rebuild_encoding(enc: nn.Module) -> None:
     with torch.device("cpu"):
         fresh = cls(**args)
     if backend is not None:
-        fresh.set_attention_backend(backend)
+        fresh.set_backend(backend)
     mine = dict(enc.named_parameters(recurse=True)) | dict(enc.named_buffers(recurse=True))
     theirs = dict(fresh.named_parameters(recurse=True)) | dict(fresh.named_buffers(recurse=True))
     if mine.keys() != theirs.keys():

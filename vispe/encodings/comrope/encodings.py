@@ -3,7 +3,7 @@ AP / LD variants (``comrope_ap``, ``comrope_ld``, ``comrope_ld_3d``)."""
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.nn as nn
@@ -246,6 +246,7 @@ class ComRopeBase(CoordinateAugmentation, RotaryEncoding):
 
     def prepare(self, grid: PositionGrid, device: torch.device | None = None) -> ComRopeState | ComRopeSpectralState:
         self.check_grid(grid)
+        self.check_backend_device(device)
         key = ("comrope", grid.shape, grid.num_prefix_tokens, str(device))
         return self.cached(key, lambda: self.build_state(grid, device), uses_parameters=True)
 
@@ -262,6 +263,14 @@ class ComRopeBase(CoordinateAugmentation, RotaryEncoding):
             # as its diagonal blocks: the fold then costs m times fewer multiply-adds than with the dense matrix
             return state.blocks[layer], replace(state, basis_folded=True)
         return None, state
+
+    def fused_phase_table(self, state: Any, layer: int) -> torch.Tensor | None:
+        # once the host folded the basis into its projection, what is left is RoPE's per-pair phases
+        sched = self.layer_schedule
+        if (not isinstance(state, ComRopeSpectralState) or not state.basis_folded or layer in sched.nope_layers
+                or sched.rotary_dim is not None):
+            return None
+        return state.rotary.real_layers[layer if state.rotary.per_layer else 0]
 
     def rotate_qk(self, q: torch.Tensor, k: torch.Tensor, state: ComRopeState | ComRopeSpectralState,
                   layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
