@@ -252,3 +252,26 @@ def test_the_kernel_compiles_for_hopper_gpus_with_128_bit_accesses(interleaved, 
     accesses = re.findall(r"\b(ld|st)\.global(\.\w+)*", ptx)
     widths = set(re.findall(r"\b(?:ld|st)\.global(?:\.\w+)*?\.(v4\.b32|v2\.b32|b32|b16)\b", ptx))
     assert accesses and widths == {"v4.b32"}, widths
+
+
+def test_a_composition_runs_its_rotary_part_on_the_kernel():
+    torch.manual_seed(0)
+    ref = timm.create_model("vispe_vit_tiny_patch4_32", pos_encoding="learned+rope_axial", embed_dim=48, depth=2,
+                            num_heads=3, num_classes=5)
+    fused = timm.create_model("vispe_vit_tiny_patch4_32", pos_encoding="learned+rope_axial", embed_dim=48, depth=2,
+                              num_heads=3, num_classes=5)
+    fused.load_state_dict(ref.state_dict())
+    fused.pos_encoding.set_backend("triton")
+    assert fused.pos_encoding.parts[1].rotary_backend == "triton"
+    x = torch.randn(2, 3, 32, 32)
+    out_ref, grads_ref = _step(ref, x)
+    with _launches() as calls:
+        out, grads = _step(fused, x)
+    assert calls == [1, 1, -1, -1]
+    torch.testing.assert_close(out, out_ref, atol=1e-5, rtol=1e-5)
+    for key in grads_ref:
+        torch.testing.assert_close(grads[key], grads_ref[key], atol=1e-5, rtol=1e-4, msg=key)
+    tokens_only = timm.create_model("vispe_vit_tiny_patch4_32", pos_encoding="learned+cpe", embed_dim=48, depth=2,
+                                    num_heads=3, num_classes=5)
+    with pytest.raises(TypeError, match="no attention-side part"):
+        tokens_only.pos_encoding.set_backend("triton")

@@ -116,6 +116,22 @@ class ComposedEncoding(PositionalEncoding):
         return self.parts[i].attend(q, k, v, layer=layer, state=None if state is None else state[i], attn_mask=attn_mask,
                                     dropout_p=dropout_p, is_causal=is_causal, scale=scale)
 
+    def attend_qkv(self, qkv, *, layer=0, state=None, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
+        i = self.attention_index
+        if i is None:
+            return super().attend_qkv(qkv, layer=layer, state=state, attn_mask=attn_mask, dropout_p=dropout_p,
+                                      is_causal=is_causal, scale=scale)
+        return self.parts[i].attend_qkv(qkv, layer=layer, state=None if state is None else state[i], attn_mask=attn_mask,
+                                        dropout_p=dropout_p, is_causal=is_causal, scale=scale)
+
+    def set_backend(self, value: str) -> None:
+        """The attention-side part's backend option (``attention_backend`` or ``rotary_backend``): the composition's
+        only one."""
+        i = self.attention_index
+        if i is None or self.parts[i].backend_option is None:
+            raise TypeError(f"{self.registry_name or type(self).__name__} has no attention-side part with a backend option")
+        self.parts[i].set_backend(value)
+
     def uses_attention(self) -> bool:
         return self.attention_index is not None and self.parts[self.attention_index].uses_attention()
 
