@@ -26,8 +26,6 @@ from typing import Any
 
 import torch
 
-from .rotary import apply_rotary
-
 __all__ = ["interpreter_enabled", "rotary_qkv", "triton_rotary_unavailable"]
 
 
@@ -183,12 +181,13 @@ def _pairs(x: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tens
 
 def _table_grad(rotated: torch.Tensor, grad: torch.Tensor, table: torch.Tensor, interleaved: bool) -> torch.Tensor:
     """d loss / d (cos, sin) ``(B, H, N, P, 2)`` from one rotated output ``y = R x`` and its gradient ``g``: with
-    ``x = R^T y`` (``|table| = 1``; the shared rotation by the conjugate table), ``d/dcos = g_a x_a + g_b x_b`` and
-    ``d/dsin = g_b x_a - g_a x_b``."""
-    t = table.float()
-    x = apply_rotary(rotated.float(), torch.stack([t[..., 0], -t[..., 1]], dim=-1), "interleaved" if interleaved else "half")
-    xa, xb = _pairs(x, interleaved)
+    ``x = R^T y`` (``|table| = 1``), ``d/dcos = g_a x_a + g_b x_b`` and ``d/dsin = g_b x_a - g_a x_b``. (This module
+    does not import :mod:`vispe.encodings.rotary`, which imports it: the rotation back is written out.)"""
+    ya, yb = _pairs(rotated, interleaved)
     ga, gb = _pairs(grad, interleaved)
+    t = table.float()
+    c, s = t[..., 0], t[..., 1]
+    xa, xb = ya * c + yb * s, yb * c - ya * s
     return torch.stack([ga * xa + gb * xb, gb * xa - ga * xb], dim=-1)
 
 
