@@ -238,10 +238,15 @@ class PEAttention(Attention):
     """timm ``Attention`` whose score computation is delegated to the encoding's ``attend`` hook."""
 
     @property
+    def qk_unnormalised(self) -> bool:
+        """q and k go from the projection to attention as they are (no q/k norm between)."""
+        return isinstance(self.q_norm, nn.Identity) and isinstance(self.k_norm, nn.Identity)
+
+    @property
     def folds_qk_basis(self) -> bool:
         """An encoding's per-head q/k basis may be folded into the projection: q and k come straight out of one
         plain linear layer (no q/k norm between the projection and the rotation)."""
-        return (type(self.qkv) is nn.Linear and isinstance(self.q_norm, nn.Identity) and isinstance(self.k_norm, nn.Identity)
+        return (type(self.qkv) is nn.Linear and self.qk_unnormalised
                 and self.qkv.out_features == 3 * self.num_heads * self.head_dim)
 
     def forward(
@@ -261,7 +266,7 @@ class PEAttention(Attention):
             qkv, pe = encoding_project_qkv(pe, self.qkv, x, self.folds_qk_basis)
         qkv = qkv.reshape(B, N, 3, self.num_heads, self.head_dim)
         dropout_p = self.attn_drop.p if self.training else 0.0
-        if pe is not None and isinstance(self.q_norm, nn.Identity) and isinstance(self.k_norm, nn.Identity):
+        if pe is not None and self.qk_unnormalised:
             # the encoding gets the projection's output whole, so it may fuse its work into the split
             x = encoding_attend_qkv(pe, qkv, attn_mask, dropout_p, is_causal)
         else:

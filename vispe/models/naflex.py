@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..encodings.base import PositionalEncoding, split_qkv
+from ..encodings.base import PositionalEncoding
 from ..encodings.grid import PositionGrid
 from .layers import embed_grid, run_blocks
 
@@ -192,10 +192,8 @@ class GroupedEncoding:
             out = _scatter_rows(out, g.index, og, dim=2)
         return out
 
-    def attend_qkv(self, qkv, *, layer=0, state=None, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
-        q, k, v = split_qkv(qkv)
-        return self.attend(q, k, v, layer=layer, state=state, attn_mask=attn_mask, dropout_p=dropout_p,
-                           is_causal=is_causal, scale=scale)
+    # the q/k/v views and the grouped attend above (the base class's hook, which needs nothing else of this class)
+    attend_qkv = PositionalEncoding.attend_qkv
 
     def after_block(self, index: int, x: torch.Tensor, grid: Any, state: Any = None) -> torch.Tensor:
         if not self.acts_after_blocks:
