@@ -314,3 +314,24 @@ def test_one_hot_term_only_where_no_larger_than_the_term(monkeypatch):
         q, k, v = (torch.randn(batch, 2, grid.seq_len, 8) for _ in range(3))
         enc.attend(q, k, v, layer=1, state=enc.prepare(grid))
         assert (len(calls) == 1) == taken, (batch, calls)
+
+
+@pytest.mark.parametrize("side", ["k", "q"])
+def test_one_hot_term_reads_a_blocks_rows(side):
+    """A block of rows reads ``z`` at its own rows (a query block on the key side, all keys on the query side); the
+    block of every row reads ``z`` whole, without indexing: both equal the gather."""
+    import vispe.encodings.irpe as irpe_module
+
+    g = torch.Generator().manual_seed(3)
+    length, nb = 9, 6
+    z = torch.randn(2, 3, length, nb, generator=g, dtype=torch.float64)
+    for start, stop in ((2, 7), (0, length)):
+        i = torch.arange(start, stop).view(1, 1, -1, 1)
+        j = torch.arange(length).view(1, 1, 1, -1)
+        bucket = torch.randint(0, nb, (stop - start, length), generator=g)
+        got = irpe_module._one_hot_term(z, bucket, side, i, j)
+        if side == "k":  # z at the query's row
+            ref = torch.gather(z[:, :, start:stop], -1, bucket.expand(2, 3, -1, -1))
+        else:  # z at the key's row: ref[b, h, r, c] = z[b, h, c, bucket[r, c]]
+            ref = torch.gather(z, -1, bucket.t().expand(2, 3, -1, -1)).transpose(-1, -2)
+        assert torch.allclose(got, ref), (side, start, stop)

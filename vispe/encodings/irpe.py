@@ -196,8 +196,17 @@ def _one_hot_term(z: torch.Tensor, bucket: torch.Tensor, side: str, i: torch.Ten
     nonzero per sum). ``bucket``: ``(rows, L)``; key side reads ``z`` at the query's row, query side at the key's."""
     one_hot = F.one_hot(bucket, z.shape[-1]).to(z.dtype)  # (rows, L, nb)
     if side == "k":
-        return torch.einsum("bhrn,rcn->bhrc", z.index_select(2, i.reshape(-1)), one_hot)
-    return torch.einsum("bhcn,rcn->bhrc", z.index_select(2, j.reshape(-1)), one_hot)
+        return torch.einsum("bhrn,rcn->bhrc", _rows_of(z, i), one_hot)
+    return torch.einsum("bhcn,rcn->bhrc", _rows_of(z, j), one_hot)
+
+
+def _rows_of(z: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``z``'s rows at ``index`` (a block's ``arange(start, stop)``). A block of all ``L`` rows is ``arange(0, L)``: ``z``
+    itself, without the ``index_select`` whose backward, an ``index_add`` over ``(B, H, L, nb)``, took 0.85 ms of a
+    compiled ViT-S/16 train step's 25.7 ms on an H200 (batch 128, bf16), where the dense term is one block."""
+    if index.numel() == z.shape[2]:
+        return z
+    return z.index_select(2, index.reshape(-1))
 
 
 def _flat_bucket(bucket: torch.Tensor, side: str, i: torch.Tensor, j: torch.Tensor, nb: int) -> torch.Tensor:
