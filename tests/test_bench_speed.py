@@ -426,8 +426,8 @@ def test_gpu_plan_dry_run_builds_every_part_on_the_tiny_model():
     first = [p for p in parts if p.name.split("#")[0] == "s16_224_compile_amp"]
     assert len(first) == 1 and first[0].profile > 0 and first[0].modes == ["compile"]
     assert {label for label, _, _ in first[0].specs} == {
-        "rope_axial", "rope_axial[rotary_backend=triton]", "rope_mixed[rotary_backend=triton]", "comrope_ld",
-        "comrope_ld[rotary_backend=triton]", "irpe", "alibi_2d", "fire"}
+        "rope_axial", "rope_axial[rotary_backend=triton]", "rope_mixed[rotary_backend=triton]",
+        "comrope_ld[rotary_backend=triton]", "irpe", "irpe[attention_backend=triton]", "alibi_2d", "fire"}
     assert "ape" in first[0].refs
 
 

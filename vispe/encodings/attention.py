@@ -264,8 +264,10 @@ def save_as_recomputed(tensors: Sequence[torch.Tensor], rebuild: Callable[[], Se
 #: How :func:`attend_indexed_bias` evaluates an :class:`IndexedBias`: ``'auto'`` picks per call (below);
 #: ``'dense'`` materialises the term and hands it to SDPA as ``attn_mask`` (the oracle); ``'blocked'`` runs
 #: queries in blocks, builds the term per block and rebuilds it in backward (memory O(L * block));
-#: ``'flex'`` is PyTorch's FlexAttention with the term as its ``score_mod`` (CUDA; CPU inference only).
-ATTENTION_BACKENDS = ("auto", "dense", "blocked", "flex")
+#: ``'flex'`` is PyTorch's FlexAttention with the term as its ``score_mod`` (CUDA; CPU inference only); ``'triton'``
+#: runs a lattice term (one part of a ``gather`` rule, read at the query's row) in fused flash-attention kernels that
+#: read it per tile (:mod:`vispe.encodings.triton_bias`; CUDA, or CPU in Triton's interpreter; opt-in).
+ATTENTION_BACKENDS = ("auto", "dense", "blocked", "flex", "triton")
 #: Elements of one block's ``(B, H, rows, L)`` term for ``'blocked'`` (and the size under which ``'auto'`` stays
 #: dense): 2^19 floats = 2 MiB, so the few block-sized temporaries of the backward stay within a few percent of a
 #: ViT-S training step's activations at 1,024 tokens (and near the CPU's cache).
@@ -897,6 +899,32 @@ DENSE_TERM_ELEMENTS = 1 << 28
 FLEX_KERNEL_OPTIONS: dict[str, Any] = {}
 
 
+def _triton_term_attention(q, k, v, spec: IndexedBias, attn_mask, is_causal, scale) -> torch.Tensor:
+    """``attention_backend='triton'``: the term's one ``gather`` part -- a per-head table ``(H, C)`` or per-row vectors
+    ``(B|1, H, L, C)`` read at the query's row, at :class:`OffsetIds` -- in the fused kernels. Anything else is refused
+    here, before a kernel runs, with the reason."""
+    from .triton_bias import term_attention
+
+    other = [b for b in ATTENTION_BACKENDS if b != "triton"]
+
+    def refuse(why: str) -> ValueError:
+        return ValueError(f"attention_backend='triton' {why}; choose one of {other}")
+
+    if attn_mask is not None or is_causal:
+        raise refuse("takes no attention mask and no causal masking")
+    if q.shape != k.shape:
+        raise refuse(f"needs q and k of one shape (one head count, one length); got {tuple(q.shape)} and {tuple(k.shape)}")
+    if spec.gather is None:
+        raise refuse("runs terms stated by a gather rule (lattice biases, iRPE); this term has none")
+    tensors = spec.tensors()
+    parts = spec.gather(0, q.shape[-2], k.shape[-2], tensors)
+    if len(parts) != 1 or not isinstance(parts[0][1], OffsetIds) or parts[0][2]:
+        raise refuse("runs a term of one lattice part read at the query's row (e.g. iRPE with sides='k' and one table); "
+                     f"this term has {len(parts)} part(s)" + (" read at the key's row" if any(p[2] for p in parts) else ""))
+    n, ids, _ = parts[0]
+    return term_attention(q, k, v, tensors[n], ids.codes_q, ids.codes_k, ids.center, ids.fill, ids.lut, scale)
+
+
 def _flex_attention(q, k, v, spec: IndexedBias, attn_mask, is_causal, scale) -> torch.Tensor:
     """FlexAttention with the term as ``score_mod`` (compiled; inside a compiled model the model's compile covers it)."""
     global _COMPILED_FLEX
@@ -953,6 +981,15 @@ def resolve_attention_backend(backend: str, q: torch.Tensor, k: torch.Tensor, sp
         if dropout_p > 0:
             raise ValueError("attention_backend='flex' has no attention dropout; use 'blocked' or 'auto' with attn_drop > 0")
         return "flex"
+    if backend == "triton":
+        from .triton_bias import triton_bias_unavailable
+
+        why = None if torch.compiler.is_compiling() else triton_bias_unavailable(q.device)  # eager checks it first
+        if why is not None:
+            raise ValueError(f"attention_backend='triton': {why}; choose one of {[b for b in ATTENTION_BACKENDS if b != 'triton']}")
+        if dropout_p > 0:
+            raise ValueError("attention_backend='triton' has no attention dropout; use 'blocked' or 'auto' with attn_drop > 0")
+        return "triton"
     if backend != "auto":
         return backend
     if q.device.type == "cuda" and torch.compiler.is_compiling():
@@ -998,6 +1035,8 @@ def attend_indexed_bias(
         return sdpa(q, k, v, merge_attn_mask(attn_mask, spec.dense(bsz, heads, lq, lk, q.device), q.dtype), dropout_p, is_causal, scale)
     if path == "flex":
         return _flex_attention(q, k, v, spec, attn_mask, is_causal, scale)
+    if path == "triton":
+        return _triton_term_attention(q, k, v, spec, attn_mask, is_causal, scale)
     if q.shape[:-2] != k.shape[:-2]:  # grouped keys: the dense path broadcasts them
         return sdpa(q, k, v, merge_attn_mask(attn_mask, spec.dense(bsz, heads, lq, lk, q.device), q.dtype), dropout_p, is_causal, scale)
     rows = _row_blocks(q, k, spec.per_sample, block_rows)

@@ -489,7 +489,7 @@ class AttentionBiasEncoding(PositionalEncoding):
     :class:`~vispe.encodings.attention.IndexedBias`, ``bias[b, h, i, j]`` as a function of the indices and small
     tables -- so attention never needs it as a ``(B, H, L, L)`` tensor: :meth:`attend` runs it on the path
     ``attention_backend`` names (:data:`~vispe.encodings.attention.ATTENTION_BACKENDS`: ``'auto'``, ``'dense'``
-    -- the float ``attn_mask`` of SDPA, the oracle --, ``'blocked'``, ``'flex'``). :meth:`bias` is the dense term
+    -- the float ``attn_mask`` of SDPA, the oracle --, ``'blocked'``, ``'flex'``, ``'triton'``). :meth:`bias` is the dense term
     (by default the indexed one evaluated everywhere). A subclass with only :meth:`bias` gets the dense path.
     ``attention_backend`` is an option of every bias encoding (``create_encoding('alibi_2d',
     attention_backend='blocked')``, ``pos_encoding={'name': 'fire', 'attention_backend': 'dense'}``) and an
@@ -505,6 +505,17 @@ class AttentionBiasEncoding(PositionalEncoding):
 
     backend_option = "attention_backend"
     backend_choices = ATTENTION_BACKENDS
+
+    @classmethod
+    def check_backend(cls, value: Any) -> None:
+        super().check_backend(value)
+        if value == "triton":
+            from .triton_bias import triton_bias_unavailable
+
+            why = triton_bias_unavailable()
+            if why is not None:
+                raise ValueError(f"attention_backend='triton' needs Triton: {why}; choose one of "
+                                 f"{[b for b in ATTENTION_BACKENDS if b != 'triton']}")
 
     def set_backend(self, value: str) -> None:
         self.set_attention_backend(value)

@@ -19,59 +19,18 @@ Encodings choose this path with ``rotary_backend='triton'`` (:class:`~vispe.enco
 """
 from __future__ import annotations
 
-import contextlib
-import functools
-import os
 from typing import Any
 
 import torch
 
+from .triton_support import interpreter_enabled, kernel_for, on_device, triton_unavailable
+
 __all__ = ["interpreter_enabled", "rotary_qkv", "triton_rotary_unavailable"]
-
-
-def interpreter_enabled() -> bool:
-    """``TRITON_INTERPRET=1``: Triton kernels may run CPU tensors in its interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
-
-
-@functools.cache
-def _triton_import_error() -> str | None:
-    try:
-        import triton.language  # noqa: F401  (Triton ships with PyTorch's CUDA builds)
-    except Exception as exc:  # noqa: BLE001  (ImportError, or whatever a broken install raises)
-        return f"{type(exc).__name__}: {exc}"
-    return None
 
 
 def triton_rotary_unavailable(device: torch.device | str | None = None) -> str | None:
     """Why the fused kernel cannot run on ``device`` (``None``: it can); without a device, only whether Triton imports."""
-    err = _triton_import_error()
-    if err is not None:
-        return f"Triton does not import ({err})"
-    if device is None:
-        return None
-    kind = torch.device(device).type
-    if kind == "cuda" or (kind == "cpu" and interpreter_enabled()):
-        return None
-    return f"the fused rotary kernel runs CUDA tensors (CPU ones only in Triton's interpreter, TRITON_INTERPRET=1), not {kind}"
-
-
-@functools.cache
-def _compiled_kernel() -> Any:
-    import triton
-
-    from ._triton_rotary_kernel import rotate_qkv_kernel
-
-    return triton.jit(rotate_qkv_kernel)
-
-
-@functools.cache
-def _interpreted_kernel() -> Any:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    from ._triton_rotary_kernel import rotate_qkv_kernel
-
-    return InterpretedFunction(rotate_qkv_kernel)
+    return triton_unavailable("the fused rotary kernel", device)
 
 
 def _bhn_strides(t: torch.Tensor) -> tuple[int, int, int]:
@@ -87,12 +46,14 @@ def _launch(ins: tuple[torch.Tensor, ...], outs: tuple[torch.Tensor, ...], table
     why = triton_rotary_unavailable(ins[0].device)
     if why is not None:
         raise RuntimeError(why)
-    kernel = _compiled_kernel() if ins[0].device.type == "cuda" else _interpreted_kernel()
+    from ._triton_rotary_kernel import rotate_qkv_kernel
+
+    kernel = kernel_for(rotate_qkv_kernel, ins[0].device.type == "cuda")
     block_p = 1 << max(pairs - 1, 0).bit_length()
     block_n = max(1, min(64, 4096 // (2 * block_p)))
     grid = (bsz * heads, -(-tokens // block_n))
     strides = [s for t in (*ins, *outs, table) for s in _bhn_strides(t)]
-    with torch.cuda.device(ins[0].device) if ins[0].device.type == "cuda" else contextlib.nullcontext():
+    with on_device(ins[0]):
         kernel[grid](*ins, *outs, table, *strides, heads, tokens, pairs,
                      SIGN=sign, INTERLEAVED=interleaved, BLOCK_N=block_n, BLOCK_P=block_p)
 

@@ -1,0 +1,123 @@
+"""One attention layer with a lattice bias term, forward and backward: the dense term a compiled model hands SDPA
+against the fused kernels (``attention_backend='triton'``, :mod:`vispe.encodings.triton_bias`).
+
+One layer of ViT-S/16 at 224 px, batch 128 (q, k, v: 128 x 6 heads x 197 tokens x 64, bf16, a class token), through
+the encoding's own ``attend`` (iRPE builds its per-row projection ``z = s q r`` inside it, so its cost is counted).
+Variants, each timed as forward + backward with the gradient of the output given:
+
+- ``sdpa``: no term (SDPA's fused kernel; APE's attention, the floor every variant is read against);
+- ``dense_compiled``: ``attention_backend='dense'`` under ``torch.compile``, what a compiled model runs on CUDA;
+- ``triton``: the fused kernels; for iRPE also ``triton_atomic`` (the term's gradient per row by atomic adds
+  instead of one-hot sums: ``triton_bias.ROW_GRAD``).
+
+First, per encoding, that the kernels compute the layer on this device: bf16 inputs against the float32 dense path,
+outputs and the gradients of q, k, v and the encoding's parameters. Reports the median of ``REPS`` runs (CUDA events).
+
+Usage: ``PYTHONPATH=. python results/speed/gpu-term-attention-2026-11-28.py OUT.json [REPS]``; without CUDA it runs a
+tiny version in Triton's interpreter (float16: the interpreter's bfloat16 products are wrong) to check the script.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from vispe.encodings import (
+    EncodingContext,
+    PositionGrid,
+    create_encoding,
+    triton_bias,
+)
+
+
+def attend_fn(enc, grid, device):
+    def fn(q, k, v):  # the state per call, as a model's forward builds it (FIRE's tables carry the MLP's graph)
+        return enc.attend(q, k, v, layer=0, state=enc.prepare(grid, device))
+
+    return fn
+
+
+def timed(fn, inputs, grad, reps: int) -> float:
+    def once():
+        out = fn(*inputs)
+        torch.autograd.backward(out, grad)
+
+    for _ in range(3):
+        once()
+    if not CUDA:
+        t0 = time.perf_counter()
+        once()
+        return (time.perf_counter() - t0) * 1e3
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        once()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main() -> None:
+    out_path = sys.argv[1]
+    reps = int(sys.argv[2]) if len(sys.argv) > 2 else 30
+    device = torch.device("cuda" if CUDA else "cpu")
+    half = torch.bfloat16 if CUDA else torch.float16
+    bsz, heads, side, dh = (128, 6, 14, 64) if CUDA else (2, 2, 3, 16)
+    grid = PositionGrid((side, side), 1)
+    tokens = grid.seq_len
+    ctx = EncodingContext(dim=heads * dh, num_heads=heads, depth=1, grid_size=(side, side), num_prefix_tokens=1)
+    rows = []
+    g = torch.Generator(device=device).manual_seed(0)
+    base = [torch.randn(bsz, heads, tokens, dh, device=device, generator=g) for _ in range(3)]
+    grad = torch.randn(bsz, heads, tokens, dh, device=device, generator=g)
+    for name, options in (("irpe", {"init_std": 0.5}), ("alibi_2d", {}), ("fire", {})):
+        enc = create_encoding(name, ctx, **options).to(device)
+        fn = attend_fn(enc, grid, device)
+        # on this device, bf16 kernels against the float32 dense path: outputs and every gradient
+        results = {}
+        for label, backend, dtype in (("reference", "dense", torch.float32), ("triton", "triton", half)):
+            enc.set_attention_backend(backend)
+            enc.zero_grad(set_to_none=True)
+            leaves = [t.detach().to(dtype).requires_grad_() for t in base]
+            with torch.autocast(device.type, dtype=half, enabled=dtype != torch.float32):
+                out = fn(*leaves)
+            torch.autograd.backward(out, grad.to(out.dtype))
+            results[label] = [out.float()] + [t.grad.float() for t in leaves] + [p.grad.float() for p in enc.parameters()
+                                                                                 if p.grad is not None]
+        worst = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+                    for a, b in zip(results["triton"], results["reference"]))
+        print(f"{name}: kernels ({half}) vs float32 dense path, largest relative difference {worst:.2e}")
+        rows.append({"encoding": name, "variant": "check", "max_rel_diff_vs_float32": worst})
+        inputs = [t.detach().to(half).requires_grad_() for t in base]
+        g_half = grad.to(half)
+        variants = [("sdpa", lambda q, k, v: F.scaled_dot_product_attention(q, k, v), None)]
+        variants += [("dense_compiled", torch.compile(fn), "dense"), ("triton", fn, "triton")]
+        if name == "irpe":
+            variants += [("triton_atomic", fn, "triton")]
+        for variant, call, backend in variants:
+            if backend is not None:
+                enc.set_attention_backend(backend)
+            triton_bias.ROW_GRAD = "atomic" if variant == "triton_atomic" else "one_hot"
+            ms = timed(call, inputs, g_half, reps)
+            rows.append({"encoding": name, "variant": variant, "ms": round(ms, 4)})
+            print(f"{name:10s} {variant:16s} {ms:8.3f} ms")
+        triton_bias.ROW_GRAD = "one_hot"
+    meta = {"device": torch.cuda.get_device_name() if CUDA else "cpu (interpreter check)", "torch": torch.__version__,
+            "shape": [bsz, heads, tokens, dh], "dtype": str(half), "reps": reps}
+    with open(out_path, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

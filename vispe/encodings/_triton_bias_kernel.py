@@ -1,0 +1,180 @@
+"""The Triton source of :mod:`vispe.encodings.triton_bias`'s kernels, in a module of its own: it imports Triton
+(imported only when a kernel is built) and keeps its annotations as objects, which Triton reads to find the
+compile-time constants (a module with postponed annotations would give it strings).
+
+Every kernel adds the lattice term ``table[b, h, i, bucket(i, j)]`` to the logits of a tile, with
+``bucket(i, j) = lut[codes[i] - codes[j] + center]`` (``fill`` for a pair with a prefix token, whose code is negative;
+no ``lut``: the offset id itself). q, k, v and their gradients are addressed by (batch, head, token) strides with
+contiguous channels; the table by (batch, head, row) strides (0 where it is shared) with contiguous columns.
+"""
+import triton.language as tl
+
+# Triton's own combine functions, named directly rather than through tl.sum / tl.max / tl.zeros: those are jit
+# functions of Triton's standard library, which the interpreter can call only when TRITON_INTERPRET was set before
+# Triton was imported (a test sets it later); it recognises these combines and reduces with numpy
+_SUM = tl.standard._sum_combine
+_MAX = tl.standard._elementwise_max
+
+
+def term_tile(table, codes_q, codes_k, lut, t_b, t_h, t_l, cq_b, ck_b, b, h, rows, cols, tokens, center, fill,
+               HAS_LUT: tl.constexpr):
+    """The term of one (query rows x key columns) tile in float32, and each pair's bucket (its table column). The
+    kernels take it as their ``TERM_TILE`` argument: ``triton.jit(term_tile)`` when compiled, itself when interpreted."""
+    row_ok = rows < tokens
+    col_ok = cols < tokens
+    cq = tl.load(codes_q + b * cq_b + rows, mask=row_ok, other=-1)
+    ck = tl.load(codes_k + b * ck_b + cols, mask=col_ok, other=-1)
+    pair = cq[:, None] - ck[None, :] + center
+    pair = tl.where((cq[:, None] >= 0) & (ck[None, :] >= 0), pair, fill)
+    both = row_ok[:, None] & col_ok[None, :]
+    if HAS_LUT:
+        bucket = tl.load(lut + pair, mask=both, other=0)
+    else:
+        bucket = pair
+    term = tl.load(table + b * t_b + h * t_h + rows[:, None] * t_l + bucket, mask=both, other=0.0)
+    return term.to(tl.float32), bucket
+
+
+def term_attention_forward_kernel(
+    q, k, v, out, lse, table, codes_q, codes_k, lut,
+    q_b, q_h, q_n, k_b, k_h, k_n, v_b, v_h, v_n, o_b, o_h, o_n,
+    t_b, t_h, t_l, cq_b, ck_b,
+    heads, tokens, head_dim, center, fill, scale,
+    TERM_TILE: tl.constexpr, HAS_LUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One (sample, head, block of query rows): softmax(q k^T s + term) v with a running maximum and sum (nothing of
+    size rows x keys leaves the chip), and each row's log-sum-exp for the backward."""
+    bh = tl.program_id(1)
+    b = bh // heads
+    h = bh % heads
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    row_ok = rows < tokens
+    d_ok = d < head_dim
+    qt = tl.load(q + b * q_b + h * q_h + rows[:, None] * q_n + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.full((BLOCK_M,), 0.0, tl.float32)
+    acc = tl.full((BLOCK_M, BLOCK_D), 0.0, tl.float32)
+    for start in range(0, tokens, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        col_ok = cols < tokens
+        kv_mask = col_ok[:, None] & d_ok[None, :]
+        kt = tl.load(k + b * k_b + h * k_h + cols[:, None] * k_n + d[None, :], mask=kv_mask, other=0.0)
+        vt = tl.load(v + b * v_b + h * v_h + cols[:, None] * v_n + d[None, :], mask=kv_mask, other=0.0)
+        term, _ = TERM_TILE(table, codes_q, codes_k, lut, t_b, t_h, t_l, cq_b, ck_b, b, h, rows, cols, tokens, center,
+                             fill, HAS_LUT)
+        s = tl.dot(qt, tl.trans(kt)) * scale + term
+        s = tl.where(col_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.reduce(p, 1, _SUM)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+        m_i = m_new
+    acc = acc / l_i[:, None]
+    tl.store(out + b * o_b + h * o_h + rows[:, None] * o_n + d[None, :], acc.to(out.dtype.element_ty),
+             mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(lse + bh * tokens + rows, m_i + tl.log(l_i), mask=row_ok)
+
+
+def term_attention_dkdv_kernel(
+    q, k, v, dout, lse, delta, dk, dv, table, codes_q, codes_k, lut,
+    q_b, q_h, q_n, k_b, k_h, k_n, v_b, v_h, v_n, do_b, do_h, do_n, dk_b, dk_h, dk_n, dv_b, dv_h, dv_n,
+    t_b, t_h, t_l, cq_b, ck_b,
+    heads, tokens, head_dim, center, fill, scale,
+    TERM_TILE: tl.constexpr, HAS_LUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One (sample, head, block of keys): dV = P^T dO and dK = s dS^T q over every query block, P rebuilt from the
+    log-sum-exp and dS = P (dP - delta), delta = rowsum(dO * O)."""
+    bh = tl.program_id(1)
+    b = bh // heads
+    h = bh % heads
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, BLOCK_D)
+    col_ok = cols < tokens
+    d_ok = d < head_dim
+    kv_mask = col_ok[:, None] & d_ok[None, :]
+    kt = tl.load(k + b * k_b + h * k_h + cols[:, None] * k_n + d[None, :], mask=kv_mask, other=0.0)
+    vt = tl.load(v + b * v_b + h * v_h + cols[:, None] * v_n + d[None, :], mask=kv_mask, other=0.0)
+    dk_acc = tl.full((BLOCK_N, BLOCK_D), 0.0, tl.float32)
+    dv_acc = tl.full((BLOCK_N, BLOCK_D), 0.0, tl.float32)
+    for start in range(0, tokens, BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        row_ok = rows < tokens
+        q_mask = row_ok[:, None] & d_ok[None, :]
+        qt = tl.load(q + b * q_b + h * q_h + rows[:, None] * q_n + d[None, :], mask=q_mask, other=0.0)
+        dot_ = tl.load(dout + b * do_b + h * do_h + rows[:, None] * do_n + d[None, :], mask=q_mask, other=0.0)
+        m = tl.load(lse + bh * tokens + rows, mask=row_ok, other=0.0)
+        dl = tl.load(delta + bh * tokens + rows, mask=row_ok, other=0.0)
+        term, _ = TERM_TILE(table, codes_q, codes_k, lut, t_b, t_h, t_l, cq_b, ck_b, b, h, rows, cols, tokens, center,
+                             fill, HAS_LUT)
+        s = tl.dot(qt, tl.trans(kt)) * scale + term
+        p = tl.where(row_ok[:, None] & col_ok[None, :], tl.exp(s - m[:, None]), 0.0)
+        dv_acc += tl.dot(tl.trans(p.to(dot_.dtype)), dot_)
+        dp = tl.dot(dot_, tl.trans(vt))
+        ds = p * (dp - dl[:, None])
+        dk_acc += tl.dot(tl.trans(ds.to(qt.dtype)), qt)
+    tl.store(dk + b * dk_b + h * dk_h + cols[:, None] * dk_n + d[None, :], (dk_acc * scale).to(dk.dtype.element_ty), mask=kv_mask)
+    tl.store(dv + b * dv_b + h * dv_h + cols[:, None] * dv_n + d[None, :], dv_acc.to(dv.dtype.element_ty), mask=kv_mask)
+
+
+def term_attention_dq_kernel(
+    q, k, v, dout, lse, delta, dq, dterm, table, codes_q, codes_k, lut,
+    q_b, q_h, q_n, k_b, k_h, k_n, v_b, v_h, v_n, do_b, do_h, do_n, dq_b, dq_h, dq_n,
+    t_b, t_h, t_l, cq_b, ck_b,
+    heads, tokens, head_dim, columns, center, fill, scale,
+    TERM_TILE: tl.constexpr, HAS_LUT: tl.constexpr, TERM_GRAD: tl.constexpr, PAIR_BATCH: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """One (sample, head, block of query rows): dQ = s dS k over every key block, and the term's gradient as
+    ``TERM_GRAD`` says. 1 and 2: per query row, ``dterm[b, h, i, c]`` = the sum of dS over the row's pairs whose
+    bucket is ``c`` (the block owns its rows), by a one-hot sum over the tile's keys (1) or by atomic adds (2). 3: dS
+    per pair, ``dterm[b', h, i, j]``, summed over the batch by atomic adds (``PAIR_BATCH`` false: ``b' = 0``; the
+    caller turns pairs into table columns) or stored per sample."""
+    bh = tl.program_id(1)
+    b = bh // heads
+    h = bh % heads
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    row_ok = rows < tokens
+    d_ok = d < head_dim
+    q_mask = row_ok[:, None] & d_ok[None, :]
+    qt = tl.load(q + b * q_b + h * q_h + rows[:, None] * q_n + d[None, :], mask=q_mask, other=0.0)
+    dot_ = tl.load(dout + b * do_b + h * do_h + rows[:, None] * do_n + d[None, :], mask=q_mask, other=0.0)
+    m = tl.load(lse + bh * tokens + rows, mask=row_ok, other=0.0)
+    dl = tl.load(delta + bh * tokens + rows, mask=row_ok, other=0.0)
+    dq_acc = tl.full((BLOCK_M, BLOCK_D), 0.0, tl.float32)
+    c = tl.arange(0, BLOCK_C)
+    dterm_acc = tl.full((BLOCK_M, BLOCK_C), 0.0, tl.float32)
+    term_rows = dterm + (bh * tokens + rows[:, None]) * columns
+    if PAIR_BATCH:
+        pair_rows = dterm + (bh * tokens + rows[:, None]) * tokens
+    else:
+        pair_rows = dterm + (h * tokens + rows[:, None]) * tokens
+    for start in range(0, tokens, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        col_ok = cols < tokens
+        both = row_ok[:, None] & col_ok[None, :]
+        kv_mask = col_ok[:, None] & d_ok[None, :]
+        kt = tl.load(k + b * k_b + h * k_h + cols[:, None] * k_n + d[None, :], mask=kv_mask, other=0.0)
+        vt = tl.load(v + b * v_b + h * v_h + cols[:, None] * v_n + d[None, :], mask=kv_mask, other=0.0)
+        term, bucket = TERM_TILE(table, codes_q, codes_k, lut, t_b, t_h, t_l, cq_b, ck_b, b, h, rows, cols, tokens,
+                                 center, fill, HAS_LUT)
+        s = tl.dot(qt, tl.trans(kt)) * scale + term
+        p = tl.where(both, tl.exp(s - m[:, None]), 0.0)
+        dp = tl.dot(dot_, tl.trans(vt))
+        ds = p * (dp - dl[:, None])
+        dq_acc += tl.dot(ds.to(kt.dtype), kt)
+        if TERM_GRAD == 1:
+            hit = bucket[:, :, None] == c[None, None, :]
+            dterm_acc += tl.reduce(tl.where(hit, ds[:, :, None], 0.0), 1, _SUM)
+        if TERM_GRAD == 2:
+            tl.atomic_add(term_rows + bucket, ds, mask=both, sem="relaxed")
+        if TERM_GRAD == 3:
+            if PAIR_BATCH:
+                tl.store(pair_rows + cols[None, :], ds, mask=both)
+            else:
+                tl.atomic_add(pair_rows + cols[None, :], ds, mask=both, sem="relaxed")
+    tl.store(dq + b * dq_b + h * dq_h + rows[:, None] * dq_n + d[None, :], (dq_acc * scale).to(dq.dtype.element_ty), mask=q_mask)
+    if TERM_GRAD == 1:
+        tl.store(term_rows + c[None, :], dterm_acc, mask=row_ok[:, None] & (c[None, :] < columns))

@@ -1,0 +1,239 @@
+"""Attention with a lattice logit term in fused Triton kernels (flash-attention style): the term is read per tile from
+its small table and never exists as a ``(B, H, L, L)`` tensor, forward or backward.
+
+The term is ``table[b, h, i, bucket(i, j)]`` with ``bucket(i, j) = lut[codes[i] - codes[j] + center]`` (``fill`` when
+either token is a prefix token, whose code is negative; without ``lut`` the offset id itself): the form of every
+lattice bias (ALiBi-2D, FIRE, ... read a per-head table ``(H, C)`` at the offset) and of iRPE's contextual term (its
+projection ``z = s q r`` ``(B, H, L, buckets)`` read at the query's row). This is the form
+:class:`~vispe.encodings.attention.IndexedBias` states through its ``gather`` rule; ``attention_backend='triton'``
+runs such a term here.
+
+Why: on a GPU a compiled model otherwise hands SDPA the dense term, which only PyTorch's memory-efficient kernel
+differentiates. For iRPE (ViT-S/16, batch 128, bf16, H200) that kernel's forward and backward took 6.8 ms a step
+over timm's APE model (16 ms), besides the term's gathers and their gradients. Here the forward is one kernel (the
+online softmax of flash attention) and the backward two (keys' and queries' gradients), which rebuild the
+probabilities from the saved log-sum-exp. The term's gradient is summed in the queries' kernel: per query row for a
+table per row with at most :data:`MAX_GRAD_COLUMNS` columns (``dterm[b, h, i, c]``, the sum of dS over the row's
+pairs whose bucket is ``c``; the kernel owns those rows), else per pair (dS summed over the batch by atomic adds,
+then one ``index_add`` onto the table's columns).
+
+The operators are ``torch.ops.vispe.term_attention`` / ``torch.ops.vispe.term_attention_backward`` (custom ops with
+fake kernels and autograd: opaque to ``torch.compile``). They run CUDA tensors, and CPU tensors in Triton's
+interpreter when ``TRITON_INTERPRET=1`` (slow; for tests).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .triton_support import kernel_for, on_device, triton_unavailable
+
+__all__ = ["MAX_GRAD_COLUMNS", "term_attention", "triton_bias_unavailable"]
+
+#: the most columns of a table per row (iRPE's ``z``: 50 buckets by default) whose gradient the queries' kernel sums per
+#: row; a wider one, and a table shared by the rows (lattice biases: one column per offset), gets its gradient per pair
+MAX_GRAD_COLUMNS = 128
+#: how the queries' kernel sums a table-per-row's gradient: ``'one_hot'`` (each tile's dS against every column, in
+#: registers) or ``'atomic'`` (one atomic add per pair into the row's columns)
+ROW_GRAD = "one_hot"
+#: tiles (query rows, keys) per kernel; ``num_warps`` is Triton's default. The queries' backward with one-hot sums
+#: takes 16 rows: it holds rows x keys x columns values per step
+FORWARD_TILES = (64, 64)
+DKDV_TILES = (32, 64)
+DQ_TILES = (64, 32)
+DQ_ONE_HOT_TILES = (16, 32)
+
+
+def triton_bias_unavailable(device: torch.device | str | None = None) -> str | None:
+    """Why the fused term kernels cannot run on ``device`` (``None``: they can); without a device, only whether Triton
+    imports."""
+    return triton_unavailable("the fused attention-term kernels", device)
+
+
+def _pow2(n: int, least: int = 16) -> int:
+    return max(least, 1 << max(n - 1, 0).bit_length())
+
+
+def _bhn(t: torch.Tensor) -> list[int]:
+    """(batch, head, token) strides of a ``(B, H, L, ...)`` tensor; 0 along a size-1 dimension."""
+    return [0 if t.shape[i] == 1 else t.stride(i) for i in range(3)]
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _term_args(table: torch.Tensor, codes_q: torch.Tensor, codes_k: torch.Tensor, lut: torch.Tensor | None) -> list[Any]:
+    """The term's pointers and strides as the kernels take them (after their q/k/v strides)."""
+    return [table, codes_q, codes_k, codes_q if lut is None else lut]
+
+
+def _term_strides(table: torch.Tensor, codes_q: torch.Tensor, codes_k: torch.Tensor) -> list[int]:
+    return [*_bhn(table), 0 if codes_q.shape[0] == 1 else codes_q.stride(0), 0 if codes_k.shape[0] == 1 else codes_k.stride(0)]
+
+
+def _kernel(name: str, device: torch.device) -> tuple[Any, Any]:
+    """The kernel ``name`` and the tile helper it takes, built for ``device``."""
+    why = triton_bias_unavailable(device)
+    if why is not None:
+        raise RuntimeError(why)
+    from . import _triton_bias_kernel as source
+
+    compiled = device.type == "cuda"
+    return kernel_for(getattr(source, name), compiled), (kernel_for(source.term_tile, True) if compiled else source.term_tile)
+
+
+def _attention_layout(like: torch.Tensor) -> torch.Tensor:
+    """An empty tensor shaped as ``like`` ``(B, H, L, dh)``, stored token-major (as q/k/v sliced from timm's fused
+    projection are), so the head merge after attention is a view."""
+    return torch.empty_permuted(like.shape, (0, 2, 1, 3), dtype=like.dtype, device=like.device)
+
+
+@torch.library.custom_op("vispe::term_attention", mutates_args=())
+def _term_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, codes_q: torch.Tensor,
+                       codes_k: torch.Tensor, lut: torch.Tensor | None, center: int, fill: int, scale: float
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    q, k, v = _rows(q), _rows(k), _rows(v)
+    bsz, heads, tokens, dh = q.shape
+    out = _attention_layout(q)
+    lse = torch.empty((bsz, heads, tokens), dtype=torch.float32, device=q.device)
+    kernel, tile = _kernel("term_attention_forward_kernel", q.device)
+    bm, bn = FORWARD_TILES
+    with on_device(q):
+        kernel[(-(-tokens // bm), bsz * heads)](
+            q, k, v, out, lse, *_term_args(table, codes_q, codes_k, lut),
+            *_bhn(q), *_bhn(k), *_bhn(v), *_bhn(out), *_term_strides(table, codes_q, codes_k),
+            heads, tokens, dh, center, fill, scale,
+            TERM_TILE=tile, HAS_LUT=lut is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=_pow2(dh))
+    return out, lse
+
+
+@_term_attention_op.register_fake
+def _(q, k, v, table, codes_q, codes_k, lut, center, fill, scale):
+    return _attention_layout(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+def _pair_buckets(codes_q: torch.Tensor, codes_k: torch.Tensor, lut: torch.Tensor | None, center: int, fill: int) -> torch.Tensor:
+    """Every pair's bucket ``(B|1, L, L)``, as the kernels compute it per tile."""
+    pair = codes_q[:, :, None] - codes_k[:, None, :] + center
+    pair = torch.where((codes_q[:, :, None] >= 0) & (codes_k[:, None, :] >= 0), pair, fill)
+    return pair if lut is None else lut[pair]
+
+
+def _term_grad_mode(table: torch.Tensor, tokens: int) -> int:
+    """How the queries' kernel returns the term's gradient (its ``TERM_GRAD``): per query row (1: one-hot sums, 2:
+    atomic adds; see :data:`ROW_GRAD`) for a table per row with few columns, else per pair (3), turned into table
+    columns here."""
+    if table.shape[2] == tokens and tokens > 1 and table.shape[-1] <= MAX_GRAD_COLUMNS:
+        return {"one_hot": 1, "atomic": 2}[ROW_GRAD]
+    return 3
+
+
+@torch.library.custom_op("vispe::term_attention_backward", mutates_args=())
+def _term_attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                                lse: torch.Tensor, table: torch.Tensor, codes_q: torch.Tensor, codes_k: torch.Tensor,
+                                lut: torch.Tensor | None, center: int, fill: int, scale: float, term_grad: bool
+                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    q, k, v, dout = _rows(q), _rows(k), _rows(v), _rows(dout)
+    bsz, heads, tokens, dh = q.shape
+    columns = table.shape[-1]
+    delta = (dout.float() * out.float()).sum(-1)  # rowsum(dO * O), (B, H, L)
+    dq, dk, dv = _attention_layout(q), _attention_layout(k), _attention_layout(v)
+    mode = _term_grad_mode(table, tokens) if term_grad else 0
+    # per pair: one (L, L) map per sample where the buckets or the table differ per sample, else summed over the batch
+    pair_batch = mode == 3 and (codes_q.shape[0] > 1 or codes_k.shape[0] > 1 or table.shape[0] > 1)
+    if mode in (1, 2):
+        dterm = (torch.empty if mode == 1 else torch.zeros)((bsz, heads, tokens, columns), dtype=torch.float32, device=q.device)
+    elif mode == 3:
+        dterm = torch.zeros((bsz if pair_batch else 1, heads, tokens, tokens), dtype=torch.float32, device=q.device)
+    else:
+        dterm = q.new_empty(0, dtype=torch.float32)
+    term = [*_term_args(table, codes_q, codes_k, lut)]
+    term_strides = _term_strides(table, codes_q, codes_k)
+    block_d = _pow2(dh)
+    dkdv, tile = _kernel("term_attention_dkdv_kernel", q.device)
+    dq_kernel, _ = _kernel("term_attention_dq_kernel", q.device)
+    with on_device(q):
+        bm, bn = DKDV_TILES
+        dkdv[(-(-tokens // bn), bsz * heads)](
+            q, k, v, dout, lse, delta, dk, dv, *term,
+            *_bhn(q), *_bhn(k), *_bhn(v), *_bhn(dout), *_bhn(dk), *_bhn(dv), *term_strides,
+            heads, tokens, dh, center, fill, scale,
+            TERM_TILE=tile, HAS_LUT=lut is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d)
+        bm, bn = DQ_ONE_HOT_TILES if mode == 1 else DQ_TILES
+        dq_kernel[(-(-tokens // bm), bsz * heads)](
+            q, k, v, dout, lse, delta, dq, dterm, *term,
+            *_bhn(q), *_bhn(k), *_bhn(v), *_bhn(dout), *_bhn(dq), *term_strides,
+            heads, tokens, dh, columns, center, fill, scale,
+            TERM_TILE=tile, HAS_LUT=lut is not None, TERM_GRAD=mode, PAIR_BATCH=pair_batch,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, BLOCK_C=_pow2(columns, 1) if mode == 1 else 1)
+    if mode == 3:
+        dterm = _pair_grad_to_table(dterm, table, _pair_buckets(codes_q, codes_k, lut, center, fill))
+    return dq, dk, dv, dterm.sum_to_size(table.shape) if mode in (1, 2) else dterm
+
+
+@_term_attention_backward_op.register_fake
+def _(dout, q, k, v, out, lse, table, codes_q, codes_k, lut, center, fill, scale, term_grad):
+    dterm = q.new_empty(table.shape if term_grad else (0,), dtype=torch.float32)
+    return _attention_layout(q), _attention_layout(k), _attention_layout(v), dterm
+
+
+def _pair_grad_to_table(dpair: torch.Tensor, table: torch.Tensor, bucket: torch.Tensor) -> torch.Tensor:
+    """The table's gradient (float32, ``table``'s shape) from the pairs' ``dpair`` ``(B|1, H, L, L)`` and buckets
+    ``(B|1, L, L)``: each pair's gradient onto its bucket's column (a table per row: in that row)."""
+    tb, heads, tl_, columns = table.shape
+    pb, _, tokens, _ = dpair.shape
+    bucket = bucket.expand(pb, tokens, tokens)
+    if tl_ == 1:  # a table shared by the rows: one index_add over every pair of each head
+        ids = bucket + (torch.arange(pb, device=bucket.device)[:, None, None] * columns if tb > 1 else 0)
+        out = dpair.new_zeros(heads, tb * columns).index_add_(1, ids.reshape(-1), dpair.transpose(0, 1).reshape(heads, -1))
+        return out.view(heads, tb, 1, columns).transpose(0, 1)
+    out = dpair.new_zeros(max(tb, pb), heads, tokens, columns)
+    return out.scatter_add_(-1, bucket[:, None].expand_as(dpair), dpair).sum_to_size(table.shape)
+
+
+def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
+    q, k, v, table, codes_q, codes_k, lut, center, fill, scale = inputs
+    ctx.center, ctx.fill, ctx.scale, ctx.has_lut = center, fill, scale, lut is not None
+    ctx.table_shape, ctx.table_dtype = table.shape, table.dtype
+    ctx.save_for_backward(q, k, v, output[0], output[1], table, codes_q, codes_k, *((lut,) if lut is not None else ()))
+
+
+def _backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None):
+    q, k, v, out, lse, table, codes_q, codes_k, *lut = ctx.saved_tensors
+    term_grad = ctx.needs_input_grad[3]
+    dq, dk, dv, dterm = _term_attention_backward_op(dout, q, k, v, out, lse, table, codes_q, codes_k,
+                                                    lut[0] if ctx.has_lut else None, ctx.center, ctx.fill, ctx.scale,
+                                                    term_grad)
+    dtable = dterm.to(ctx.table_dtype) if term_grad else None
+    return dq, dk, dv, dtable, None, None, None, None, None, None
+
+
+_term_attention_op.register_autograd(_backward, setup_context=_setup)
+
+
+def term_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, codes_q: torch.Tensor,
+                   codes_k: torch.Tensor, center: int, fill: int, lut: torch.Tensor | None = None,
+                   scale: float | None = None) -> torch.Tensor:
+    """``softmax(q k^T s + term) v`` for q, k, v ``(B, H, L, dh)`` (one head count, one length), the term being
+    ``table[b, h, i, bucket(i, j)]``: ``table`` is per head ``(H, C)`` or ``(B|1, H, L|1, C)``; ``codes_q`` /
+    ``codes_k`` ``(B|1, L)`` are the tokens' lattice codes (negative: a prefix token); ``bucket = lut[codes_q[i] -
+    codes_k[j] + center]`` (``fill`` for a pair with a prefix token; without ``lut`` the offset id). Gradients reach q,
+    k, v and the table. Computed in float32, output in q's dtype."""
+    if q.ndim != 4 or k.shape != q.shape or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"term_attention takes q, k, v (B, H, L, dh) of one shape; got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    bsz, heads, tokens, _ = q.shape
+    if table.ndim == 2:
+        table = table[None, :, None]  # (1, H, 1, C): shared by the batch and the rows
+    if table.ndim != 4 or table.shape[1] != heads or table.shape[0] not in (1, bsz) or table.shape[2] not in (1, tokens):
+        raise ValueError(f"term_attention's table must be (H, C) or (B|1, H, L|1, C) for B={bsz}, H={heads}, L={tokens}; "
+                         f"got {tuple(table.shape)}")
+    for name, c in (("codes_q", codes_q), ("codes_k", codes_k)):
+        if c.ndim != 2 or c.shape[0] not in (1, bsz) or c.shape[1] != tokens:
+            raise ValueError(f"term_attention's {name} must be (B|1, L) for B={bsz}, L={tokens}; got {tuple(c.shape)}")
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    out, _ = _term_attention_op(q, k, v, _rows(table), codes_q.contiguous(), codes_k.contiguous(),
+                                None if lut is None else lut.contiguous(), int(center), int(fill), scale)
+    return out
