@@ -234,6 +234,7 @@ def term_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: tor
         if c.ndim != 2 or c.shape[0] not in (1, bsz) or c.shape[1] != tokens:
             raise ValueError(f"term_attention's {name} must be (B|1, L) for B={bsz}, L={tokens}; got {tuple(c.shape)}")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    out, _ = _term_attention_op(q, k, v, _rows(table), codes_q.contiguous(), codes_k.contiguous(),
-                                None if lut is None else lut.contiguous(), int(center), int(fill), scale)
+    # int32 codes and buckets: the kernels gather them per pair, half the bytes of int64
+    out, _ = _term_attention_op(q, k, v, _rows(table), codes_q.int().contiguous(), codes_k.int().contiguous(),
+                                None if lut is None else lut.int().contiguous(), int(center), int(fill), scale)
     return out
