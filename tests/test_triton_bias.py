@@ -180,6 +180,8 @@ def test_refusals_name_the_bad_setting(monkeypatch):
         enc.attend(q, k, v, layer=1, state=state, dropout_p=0.1)
     with pytest.raises(ValueError, match="no attention mask and no causal masking"):
         enc.attend(q, k, v, layer=1, state=state, is_causal=True)
+    with pytest.raises(ValueError, match=r"needs q, k and v of one shape .*\(2, 2, 13, 8\), \(2, 2, 13, 8\) and \(2, 2, 13, 4\)"):
+        enc.attend(q, k, v[..., :4], layer=1, state=state)
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match=r"runs CUDA tensors .*not cpu; choose one of \['auto', 'dense', 'blocked', 'flex'\]"):
         enc.attend(q, k, v, layer=1, state=state)

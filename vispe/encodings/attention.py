@@ -912,8 +912,9 @@ def _triton_term_attention(q, k, v, spec: IndexedBias, attn_mask, is_causal, sca
 
     if attn_mask is not None or is_causal:
         raise refuse("takes no attention mask and no causal masking")
-    if q.shape != k.shape:
-        raise refuse(f"needs q and k of one shape (one head count, one length); got {tuple(q.shape)} and {tuple(k.shape)}")
+    if q.shape != k.shape or v.shape != q.shape:
+        raise refuse(f"needs q, k and v of one shape (one head count, length and width); got {tuple(q.shape)}, "
+                     f"{tuple(k.shape)} and {tuple(v.shape)}")
     if spec.gather is None:
         raise refuse("runs terms stated by a gather rule (lattice biases, iRPE); this term has none")
     tensors = spec.tensors()

@@ -221,7 +221,7 @@ def term_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: tor
     ``codes_k`` ``(B|1, L)`` are the tokens' lattice codes (negative: a prefix token); ``bucket = lut[codes_q[i] -
     codes_k[j] + center]`` (``fill`` for a pair with a prefix token; without ``lut`` the offset id). Gradients reach q,
     k, v and the table. Computed in float32, output in q's dtype."""
-    if q.ndim != 4 or k.shape != q.shape or v.shape[:3] != q.shape[:3]:
+    if q.ndim != 4 or k.shape != q.shape or v.shape != q.shape:
         raise ValueError(f"term_attention takes q, k, v (B, H, L, dh) of one shape; got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
     bsz, heads, tokens, _ = q.shape
