@@ -243,10 +243,13 @@ def test_the_kernels_compile_for_hopper_gpus(monkeypatch):
     pointers = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "out": "*bf16", "dout": "*bf16", "dq": "*bf16", "dk": "*bf16",
                 "dv": "*bf16", "lse": "*fp32", "delta": "*fp32", "dterm": "*fp32", "table": "*bf16", "codes_q": "*i32",
                 "codes_k": "*i32", "lut": "*i32", "scale": "fp32"}
-    plans = [("term_attention_forward_kernel", {"BLOCK_M": 64, "BLOCK_N": 64})]
-    plans += [("term_attention_dkdv_kernel", {"BLOCK_M": 32, "BLOCK_N": 64})]
-    plans += [("term_attention_dq_kernel", {"BLOCK_M": 16 if mode == 1 else 64, "BLOCK_N": 32, "TERM_GRAD": mode,
-                                            "PAIR_BATCH": False, "BLOCK_C": 64 if mode == 1 else 1}) for mode in (0, 1, 2, 3)]
+    launch = triton_bias.LAUNCH  # the tiles the operators launch
+    plans = [("term_attention_forward_kernel", {"BLOCK_M": launch["forward"][0], "BLOCK_N": launch["forward"][1]})]
+    plans += [("term_attention_dkdv_kernel", {"BLOCK_M": launch["dkdv"][0], "BLOCK_N": launch["dkdv"][1]})]
+    for mode in (0, 1, 2, 3):
+        bm, bn, _ = launch["dq_one_hot" if mode == 1 else "dq"]
+        plans += [("term_attention_dq_kernel", {"BLOCK_M": bm, "BLOCK_N": bn, "TERM_GRAD": mode, "PAIR_BATCH": False,
+                                                "BLOCK_C": 64 if mode == 1 else 1})]
     for name, constants in plans:
         kernel = triton.jit(getattr(source, name))
         names = kernel.arg_names

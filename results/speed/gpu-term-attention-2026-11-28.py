@@ -8,7 +8,8 @@ Variants, each timed as forward + backward with the gradient of the output given
 - ``sdpa``: no term (SDPA's fused kernel; APE's attention, the floor every variant is read against);
 - ``dense_compiled``: ``attention_backend='dense'`` under ``torch.compile``, what a compiled model runs on CUDA;
 - ``triton``: the fused kernels; for iRPE also ``triton_atomic`` (the term's gradient per row by atomic adds
-  instead of one-hot sums: ``triton_bias.ROW_GRAD``).
+  instead of one-hot sums: ``triton_bias.ROW_GRAD``), and then other tiles and warps per kernel
+  (``triton_bias.LAUNCH``, one kernel changed at a time).
 
 First, per encoding, that the kernels compute the layer on this device: bf16 inputs against the float32 dense path,
 outputs and the gradients of q, k, v and the encoding's parameters. Reports the median of ``REPS`` runs (CUDA events).
@@ -113,6 +114,24 @@ def main() -> None:
             rows.append({"encoding": name, "variant": variant, "ms": round(ms, 4)})
             print(f"{name:10s} {variant:16s} {ms:8.3f} ms")
         triton_bias.ROW_GRAD = "one_hot"
+    # iRPE's launch choices (tiles, warps) one kernel at a time, the others at their defaults: which to keep
+    enc = create_encoding("irpe", ctx, init_std=0.5).to(device)
+    enc.set_attention_backend("triton")
+    fn = attend_fn(enc, grid, device)
+    inputs = [t.detach().to(half).requires_grad_() for t in base]
+    default = dict(triton_bias.LAUNCH)
+    sweep = {"forward": [(128, 64, 8), (64, 32, 4), (128, 32, 4)], "dkdv": [(64, 64, 4), (16, 64, 4), (64, 128, 8)],
+             "dq_one_hot": [(32, 32, 8), (16, 16, 4), (16, 64, 8)]}
+    for kernel, choices in sweep.items():
+        for choice in choices:
+            triton_bias.LAUNCH = {**default, kernel: choice}
+            try:
+                ms = round(timed(fn, inputs, grad.to(half), reps), 4)
+            except Exception as exc:  # noqa: BLE001  (a tile this GPU cannot hold: say so, keep sweeping)
+                ms = f"failed: {type(exc).__name__}: {str(exc)[:120]}"
+            rows.append({"encoding": "irpe", "variant": "launch", "kernel": kernel, "launch": list(choice), "ms": ms})
+            print(f"irpe launch {kernel:10s} {choice}: {ms} ms (default {default[kernel]})")
+    triton_bias.LAUNCH = default
     meta = {"device": torch.cuda.get_device_name() if CUDA else "cpu (interpreter check)", "torch": torch.__version__,
             "shape": [bsz, heads, tokens, dh], "dtype": str(half), "reps": reps}
     with open(out_path, "w") as f:

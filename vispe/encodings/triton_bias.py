@@ -37,12 +37,10 @@ MAX_GRAD_COLUMNS = 128
 #: how the queries' kernel sums a table-per-row's gradient: ``'one_hot'`` (each tile's dS against every column, in
 #: registers) or ``'atomic'`` (one atomic add per pair into the row's columns)
 ROW_GRAD = "one_hot"
-#: tiles (query rows, keys) per kernel; ``num_warps`` is Triton's default. The queries' backward with one-hot sums
-#: takes 16 rows: it holds rows x keys x columns values per step
-FORWARD_TILES = (64, 64)
-DKDV_TILES = (32, 64)
-DQ_TILES = (64, 32)
-DQ_ONE_HOT_TILES = (16, 32)
+#: per kernel, its tile (query rows, keys) and warps; the queries' backward with one-hot sums takes 16 rows: it holds
+#: rows x keys x columns values per step. Untimed choices (the GPU probe, results/speed/gpu-term-attention-*.py, times
+#: alternatives)
+LAUNCH = {"forward": (64, 64, 4), "dkdv": (32, 64, 4), "dq": (64, 32, 4), "dq_one_hot": (16, 32, 4)}
 
 
 def triton_bias_unavailable(device: torch.device | str | None = None) -> str | None:
@@ -99,13 +97,13 @@ def _term_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table:
     out = _attention_layout(q)
     lse = torch.empty((bsz, heads, tokens), dtype=torch.float32, device=q.device)
     kernel, tile = _kernel("term_attention_forward_kernel", q.device)
-    bm, bn = FORWARD_TILES
+    bm, bn, warps = LAUNCH["forward"]
     with on_device(q):
         kernel[(-(-tokens // bm), bsz * heads)](
             q, k, v, out, lse, *_term_args(table, codes_q, codes_k, lut),
             *_bhn(q), *_bhn(k), *_bhn(v), *_bhn(out), *_term_strides(table, codes_q, codes_k),
             heads, tokens, dh, center, fill, scale,
-            TERM_TILE=tile, HAS_LUT=lut is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=_pow2(dh))
+            TERM_TILE=tile, HAS_LUT=lut is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=_pow2(dh), num_warps=warps)
     return out, lse
 
 
@@ -155,19 +153,19 @@ def _term_attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Te
     dkdv, tile = _kernel("term_attention_dkdv_kernel", q.device)
     dq_kernel, _ = _kernel("term_attention_dq_kernel", q.device)
     with on_device(q):
-        bm, bn = DKDV_TILES
+        bm, bn, warps = LAUNCH["dkdv"]
         dkdv[(-(-tokens // bn), bsz * heads)](
             q, k, v, dout, lse, delta, dk, dv, *term,
             *_bhn(q), *_bhn(k), *_bhn(v), *_bhn(dout), *_bhn(dk), *_bhn(dv), *term_strides,
             heads, tokens, dh, center, fill, scale,
-            TERM_TILE=tile, HAS_LUT=lut is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d)
-        bm, bn = DQ_ONE_HOT_TILES if mode == 1 else DQ_TILES
+            TERM_TILE=tile, HAS_LUT=lut is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, num_warps=warps)
+        bm, bn, warps = LAUNCH["dq_one_hot" if mode == 1 else "dq"]
         dq_kernel[(-(-tokens // bm), bsz * heads)](
             q, k, v, dout, lse, delta, dq, dterm, *term,
             *_bhn(q), *_bhn(k), *_bhn(v), *_bhn(dout), *_bhn(dq), *term_strides,
             heads, tokens, dh, columns, center, fill, scale,
             TERM_TILE=tile, HAS_LUT=lut is not None, TERM_GRAD=mode, PAIR_BATCH=pair_batch,
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, BLOCK_C=_pow2(columns, 1) if mode == 1 else 1)
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, BLOCK_C=_pow2(columns, 1) if mode == 1 else 1, num_warps=warps)
     if mode == 3:
         dterm = _pair_grad_to_table(dterm, table, _pair_buckets(codes_q, codes_k, lut, center, fill))
     return dq, dk, dv, dterm.sum_to_size(table.shape) if mode in (1, 2) else dterm
