@@ -9,6 +9,8 @@ from __future__ import annotations
 import collections
 import os
 
+import pytest
+
 
 def _worker_threads() -> int | None:
     """torch threads for this process: its share of the cores under xdist, ``None`` outside xdist or when
@@ -65,3 +67,16 @@ def pytest_unconfigure(config) -> None:
 
     # each xdist worker (and the controller) ends without the interpreter's last collection over the session's heap
     exit_without_final_collection()
+
+
+
+@pytest.fixture
+def triton_interpreter(monkeypatch):
+    """Triton kernels run CPU tensors in Triton's interpreter for the test (``TRITON_INTERPRET=1``); dynamo starts and
+    ends clean, so no graph compiled around one kernel path is reused by another test."""
+    import torch
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

@@ -21,7 +21,8 @@ import vispe
 from vispe.encodings import PositionGrid, triton_bias
 from vispe.encodings.triton_bias import term_attention, triton_bias_unavailable
 
-pytestmark = pytest.mark.skipif(triton_bias_unavailable() is not None, reason="Triton does not import")
+pytestmark = [pytest.mark.skipif(triton_bias_unavailable() is not None, reason="Triton does not import"),
+              pytest.mark.usefixtures("triton_interpreter")]  # tests/conftest.py
 
 BIAS = vispe.list_encodings(kind="bias")
 #: options whose term the kernels take (one lattice part read at the query's row) ...
@@ -33,14 +34,6 @@ TAKEN = [(n, {}) for n in BIAS] + [
 #: ... and those it refuses, naming why: a query-side part, two tables
 REFUSED = [("irpe", {"sides": "qk"}), ("irpe", {"mode": "bias", "method": "cross"})]
 TOL = {"atol": 2e-5, "rtol": 2e-5}
-
-
-@pytest.fixture(autouse=True)
-def _interpreter(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def _buckets(codes_q, codes_k, lut, center, fill):

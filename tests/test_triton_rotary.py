@@ -21,20 +21,13 @@ from vispe.encodings import create_encoding, get_encoding_class
 from vispe.encodings.rotary import RotaryEncoding, apply_rotary, rotary_table
 from vispe.encodings.triton_rotary import rotary_qkv, triton_rotary_unavailable
 
-pytestmark = pytest.mark.skipif(triton_rotary_unavailable() is not None, reason="Triton does not import")
+pytestmark = [pytest.mark.skipif(triton_rotary_unavailable() is not None, reason="Triton does not import"),
+              pytest.mark.usefixtures("triton_interpreter")]  # tests/conftest.py
 
 FUSED = [n for n in vispe.list_encodings() if issubclass(get_encoding_class(n), RotaryEncoding)
          and get_encoding_class(n).fuses_rotation()]
 NOT_FUSED = [n for n in vispe.list_encodings() if issubclass(get_encoding_class(n), RotaryEncoding)
              and not get_encoding_class(n).fuses_rotation()]
-
-
-@pytest.fixture(autouse=True)
-def _interpreter(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def _reference(qkv: torch.Tensor, angles: torch.Tensor, layout: str):
