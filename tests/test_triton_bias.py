@@ -185,11 +185,13 @@ def test_refusals_name_the_bad_setting(monkeypatch):
 MODEL = "vispe_vit_tiny_patch4_32"
 
 
-def test_a_model_trains_the_same_eager_and_compiled_whole():
-    """iRPE (its per-row projection and bucket lookup) in a ViT: logits and every parameter gradient equal the dense
-    path's, eager and compiled (one graph: the kernels are opaque operators); the backward keeps no (L, L) tensor."""
+@pytest.mark.parametrize("encoding", [{"name": "irpe", "init_std": 0.5}, {"name": "fire"}], ids=["irpe", "fire"])
+def test_a_model_trains_the_same_eager_and_compiled_whole(encoding):
+    """In a ViT, iRPE (its per-row projection, bucket lookup and per-row gradient) and FIRE (a learned per-head table,
+    its gradient per pair): logits and every parameter gradient equal the dense path's, eager and compiled (one
+    graph: the kernels are opaque operators); the backward keeps no (L, L) tensor."""
     torch.manual_seed(0)
-    kw = {"pos_encoding": {"name": "irpe", "init_std": 0.5}, "embed_dim": 48, "depth": 2, "num_heads": 3, "num_classes": 5}
+    kw = {"pos_encoding": encoding, "embed_dim": 48, "depth": 2, "num_heads": 3, "num_classes": 5}
     ref = timm.create_model(MODEL, **kw)
     model = timm.create_model(MODEL, **kw)
     model.load_state_dict(ref.state_dict())

@@ -168,7 +168,8 @@ def _term_attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Te
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, BLOCK_C=_pow2(columns, 1) if mode == 1 else 1, num_warps=warps)
     if mode == 3:
         dterm = _pair_grad_to_table(dterm, table, _pair_buckets(codes_q, codes_k, lut, center, fill))
-    return dq, dk, dv, dterm.sum_to_size(table.shape) if mode in (1, 2) else dterm
+    # contiguous, as the fake kernel states it (a compiled graph checks the layout of what an operator returns)
+    return dq, dk, dv, (dterm.sum_to_size(table.shape) if mode in (1, 2) else dterm).contiguous()
 
 
 @_term_attention_backward_op.register_fake
