@@ -6,7 +6,7 @@ source the GPU compiles. Checked, in float32: the operator on its own (tables pe
 a bucket lookup, prefix tokens, per-sample codes as after patch dropout, shapes that fill no tile, every way the
 backward returns the table's gradient), every bias encoding through its ``attend`` (outputs and the gradients of q, k,
 v and every parameter) and a model eager and compiled whole; bfloat16 within its rounding; what the backward keeps;
-the refusals; and that Triton compiles the three kernels for a Hopper GPU. Skipped where Triton does not import.
+the refusals; and that Triton compiles the four kernels for a Hopper GPU. Skipped where Triton does not import.
 """
 from __future__ import annotations
 
@@ -221,7 +221,7 @@ def test_a_model_trains_the_same_eager_and_compiled_whole(encoding):
 
 
 def test_the_kernels_compile_for_hopper_gpus(monkeypatch):
-    # what the interpreter cannot show: Triton's compiler takes the three kernels (no GPU needed to compile), with
+    # what the interpreter cannot show: Triton's compiler takes the four kernels (no GPU needed to compile), with
     # the tile helper passed as a compile-time argument, every gradient mode of the queries' kernel included; with the
     # strides and head width a ViT gives (multiples of 16, which Triton's launcher specialises on) the q/k/v tiles
     # load 16 bytes at a time and the products run on tensor cores
@@ -241,6 +241,7 @@ def test_the_kernels_compile_for_hopper_gpus(monkeypatch):
     launch = triton_bias.LAUNCH  # the tiles the operators launch
     plans = [("term_attention_forward_kernel", {"BLOCK_M": launch["forward"][0], "BLOCK_N": launch["forward"][1]})]
     plans += [("term_attention_dkdv_kernel", {"BLOCK_M": launch["dkdv"][0], "BLOCK_N": launch["dkdv"][1]})]
+    plans += [("term_attention_delta_kernel", {"BLOCK_M": launch["delta"][0]})]
     for mode in (0, 1, 2, 3):
         bm, bn, _ = launch["dq_one_hot" if mode == 1 else "dq"]
         plans += [("term_attention_dq_kernel", {"BLOCK_M": bm, "BLOCK_N": bn, "TERM_GRAD": mode, "PAIR_BATCH": False,
@@ -251,8 +252,11 @@ def test_the_kernels_compile_for_hopper_gpus(monkeypatch):
         signature = {n: pointers.get(n, "constexpr" if n.isupper() else "i32") for n in names}
         sixteen = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
                    if n in pointers and n != "scale" or n[-2:] in ("_b", "_h", "_n") or n == "head_dim"}
-        constexprs = {"TERM_TILE": tile, "HAS_LUT": True, "BLOCK_D": 64, **constants}
+        constexprs = {"BLOCK_D": 64, **constants}
+        if "TERM_TILE" in names:
+            constexprs.update(TERM_TILE=tile, HAS_LUT=True)
         ptx = triton.compile(ASTSource(fn=kernel, signature=signature, attrs=sixteen, constexprs=constexprs),
                              target=GPUTarget("cuda", 90, 32)).asm["ptx"]
         assert re.search(r"\bld\.global(\.\w+)*\.v4\.b32\b", ptx), (name, constants, "no 16-byte tile loads")
-        assert "wgmma.mma_async" in ptx or "mma.sync" in ptx, (name, constants, "no tensor-core products")
+        if name != "term_attention_delta_kernel":  # row sums: no products
+            assert "wgmma.mma_async" in ptx or "mma.sync" in ptx, (name, constants, "no tensor-core products")

@@ -178,3 +178,21 @@ def term_attention_dq_kernel(
     tl.store(dq + b * dq_b + h * dq_h + rows[:, None] * dq_n + d[None, :], (dq_acc * scale).to(dq.dtype.element_ty), mask=q_mask)
     if TERM_GRAD == 1:
         tl.store(term_rows + c[None, :], dterm_acc, mask=row_ok[:, None] & (c[None, :] < columns))
+
+
+def term_attention_delta_kernel(
+    out, dout, delta, o_b, o_h, o_n, do_b, do_h, do_n, heads, tokens, head_dim,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One (sample, head, block of rows): ``delta = rowsum(dO * O)`` in float32, which both backward kernels read (one
+    pass over O and dO, where PyTorch ops would write float32 copies of both first)."""
+    bh = tl.program_id(1)
+    b = bh // heads
+    h = bh % heads
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    row_ok = rows < tokens
+    mask = row_ok[:, None] & (d[None, :] < head_dim)
+    o = tl.load(out + b * o_b + h * o_h + rows[:, None] * o_n + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(dout + b * do_b + h * do_h + rows[:, None] * do_n + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(delta + bh * tokens + rows, tl.reduce(o * g, 1, _SUM), mask=row_ok)

@@ -11,8 +11,8 @@ runs such a term here.
 Why: on a GPU a compiled model otherwise hands SDPA the dense term, which only PyTorch's memory-efficient kernel
 differentiates. For iRPE (ViT-S/16, batch 128, bf16, H200) that kernel's forward and backward took 6.8 ms a step
 over timm's APE model (16 ms), besides the term's gathers and their gradients. Here the forward is one kernel (the
-online softmax of flash attention) and the backward two (keys' and queries' gradients), which rebuild the
-probabilities from the saved log-sum-exp. The term's gradient is summed in the queries' kernel: per query row for a
+online softmax of flash attention) and the backward three (``rowsum(dO * O)``, then keys' and queries' gradients,
+which rebuild the probabilities from the saved log-sum-exp). The term's gradient is summed in the queries' kernel: per query row for a
 table per row with at most :data:`MAX_GRAD_COLUMNS` columns (``dterm[b, h, i, c]``, the sum of dS over the row's
 pairs whose bucket is ``c``; the kernel owns those rows), else per pair (dS summed over the batch by atomic adds,
 then one ``index_add`` onto the table's columns).
@@ -37,10 +37,10 @@ MAX_GRAD_COLUMNS = 128
 #: how the queries' kernel sums a table-per-row's gradient: ``'one_hot'`` (each tile's dS against every column, in
 #: registers) or ``'atomic'`` (one atomic add per pair into the row's columns)
 ROW_GRAD = "one_hot"
-#: per kernel, its tile (query rows, keys) and warps; the queries' backward with one-hot sums takes 16 rows: it holds
-#: rows x keys x columns values per step. Untimed choices (the GPU probe, results/speed/gpu-term-attention-*.py, times
+#: per kernel, its tile (query rows, keys; the row sums of ``delta`` read no keys) and warps; the queries' backward with
+#: one-hot sums takes 16 rows: it holds rows x keys x columns values per step. Untimed choices (the GPU probe, results/speed/gpu-term-attention-*.py, times
 #: alternatives)
-LAUNCH = {"forward": (64, 64, 4), "dkdv": (32, 64, 4), "dq": (64, 32, 4), "dq_one_hot": (16, 32, 4)}
+LAUNCH = {"forward": (64, 64, 4), "dkdv": (32, 64, 4), "dq": (64, 32, 4), "dq_one_hot": (16, 32, 4), "delta": (64, 0, 4)}
 
 
 def triton_bias_unavailable(device: torch.device | str | None = None) -> str | None:
@@ -136,7 +136,8 @@ def _term_attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Te
     q, k, v, dout = _rows(q), _rows(k), _rows(v), _rows(dout)
     bsz, heads, tokens, dh = q.shape
     columns = table.shape[-1]
-    delta = (dout.float() * out.float()).sum(-1)  # rowsum(dO * O), (B, H, L)
+    out = _rows(out)
+    delta = torch.empty((bsz, heads, tokens), dtype=torch.float32, device=q.device)  # rowsum(dO * O)
     dq, dk, dv = _attention_layout(q), _attention_layout(k), _attention_layout(v)
     mode = _term_grad_mode(table, tokens) if term_grad else 0
     # per pair: one (L, L) map per sample where the buckets or the table differ per sample, else summed over the batch
@@ -152,7 +153,11 @@ def _term_attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Te
     block_d = _pow2(dh)
     dkdv, tile = _kernel("term_attention_dkdv_kernel", q.device)
     dq_kernel, _ = _kernel("term_attention_dq_kernel", q.device)
+    delta_kernel, _ = _kernel("term_attention_delta_kernel", q.device)
     with on_device(q):
+        bm = LAUNCH["delta"][0]
+        delta_kernel[(-(-tokens // bm), bsz * heads)](out, dout, delta, *_bhn(out), *_bhn(dout), heads, tokens, dh,
+                                                     BLOCK_M=bm, BLOCK_D=block_d, num_warps=LAUNCH["delta"][2])
         bm, bn, warps = LAUNCH["dkdv"]
         dkdv[(-(-tokens // bn), bsz * heads)](
             q, k, v, dout, lse, delta, dk, dv, *term,
