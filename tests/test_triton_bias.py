@@ -61,7 +61,7 @@ def _codes(kind: str, bsz: int, tokens: int, g: torch.Generator) -> torch.Tensor
     return torch.stack(rows)
 
 
-@pytest.mark.parametrize("row_grad", ["one_hot", "atomic"])
+@pytest.mark.parametrize("row_grad", ["one_hot", "atomic", "matmul"])
 @pytest.mark.parametrize("codes_kind", ["shared", "per_sample"])
 @pytest.mark.parametrize("table_kind", ["per_row", "per_row_shared", "per_row_wide", "per_head", "per_head_lut"])
 def test_operator_equals_the_dense_oracle_with_gradients(table_kind, codes_kind, row_grad, monkeypatch):
@@ -79,6 +79,9 @@ def test_operator_equals_the_dense_oracle_with_gradients(table_kind, codes_kind,
     q, k, v = (torch.randn(bsz, heads, tokens, dh, generator=g).requires_grad_() for _ in range(3))
     codes = _codes(codes_kind, bsz, tokens, g)
     w = torch.randn(bsz, heads, tokens, dh, generator=g)
+    by_matmul = []
+    matmul = triton_bias._row_grad_by_matmul
+    monkeypatch.setattr(triton_bias, "_row_grad_by_matmul", lambda *a: by_matmul.append(1) or matmul(*a))
     got = term_attention(q, k, v, table, codes, codes, center, fill, lut, scale=0.3)
     want = _dense(q, k, v, table, codes, lut, center, fill, scale=0.3)
     torch.testing.assert_close(got, want, **TOL)
@@ -88,6 +91,8 @@ def test_operator_equals_the_dense_oracle_with_gradients(table_kind, codes_kind,
     for name, a, b in zip(("q", "k", "v", "table"), grads, refs):
         assert b.abs().sum() > 0
         torch.testing.assert_close(a, b, **TOL, msg=lambda m, n=name: f"gradient of {n}: {m}")
+    # the batched product takes a narrow table per row whose buckets the batch shares; the rest is summed in the kernel
+    assert bool(by_matmul) == (row_grad == "matmul" and codes_kind == "shared" and table_kind in ("per_row", "per_row_shared"))
 
 
 def test_half_precision_within_its_rounding():
@@ -242,14 +247,16 @@ def test_the_kernels_compile_for_hopper_gpus(monkeypatch):
     plans = [("term_attention_forward_kernel", {"BLOCK_M": launch["forward"][0], "BLOCK_N": launch["forward"][1]})]
     plans += [("term_attention_dkdv_kernel", {"BLOCK_M": launch["dkdv"][0], "BLOCK_N": launch["dkdv"][1]})]
     plans += [("term_attention_delta_kernel", {"BLOCK_M": launch["delta"][0]})]
-    for mode in (0, 1, 2, 3):
+    for mode in (0, 1, 2, 3, 4):
         bm, bn, _ = launch["dq_one_hot" if mode == 1 else "dq"]
         plans += [("term_attention_dq_kernel", {"BLOCK_M": bm, "BLOCK_N": bn, "TERM_GRAD": mode, "PAIR_BATCH": False,
                                                 "BLOCK_C": 64 if mode == 1 else 1})]
     for name, constants in plans:
         kernel = triton.jit(getattr(source, name))
         names = kernel.arg_names
-        signature = {n: pointers.get(n, "constexpr" if n.isupper() else "i32") for n in names}
+        # mode 4 stores dS in the table's dtype (bf16 on a GPU)
+        types = {**pointers, "dterm": "*bf16"} if constants.get("TERM_GRAD") == 4 else pointers
+        signature = {n: types.get(n, "constexpr" if n.isupper() else "i32") for n in names}
         sixteen = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
                    if n in pointers and n != "scale" or n[-2:] in ("_b", "_h", "_n") or n == "head_dim"}
         constexprs = {"BLOCK_D": 64, **constants}

@@ -7,9 +7,10 @@ Variants, each timed as forward + backward with the gradient of the output given
 
 - ``sdpa``: no term (SDPA's fused kernel; APE's attention, the floor every variant is read against);
 - ``dense_compiled``: ``attention_backend='dense'`` under ``torch.compile``, what a compiled model runs on CUDA;
-- ``triton``: the fused kernels; for iRPE also ``triton_atomic`` (the term's gradient per row by atomic adds
-  instead of one-hot sums: ``triton_bias.ROW_GRAD``), and then other tiles and warps per kernel
-  (``triton_bias.LAUNCH``, one kernel changed at a time).
+- ``triton``: the fused kernels; for iRPE also ``triton_one_hot`` and ``triton_atomic`` (the term's gradient per
+  row summed in the kernel by one-hot sums or atomic adds instead of the stored dS and a batched matmul:
+  ``triton_bias.ROW_GRAD``), and then other tiles and warps per kernel (``triton_bias.LAUNCH``, one kernel changed
+  at a time).
 
 First, per encoding, that the kernels compute the layer on this device: bf16 inputs against the float32 dense path,
 outputs and the gradients of q, k, v and the encoding's parameters. Reports the median of ``REPS`` runs (CUDA events).
@@ -105,15 +106,15 @@ def main() -> None:
         variants = [("sdpa", lambda q, k, v: F.scaled_dot_product_attention(q, k, v), None)]
         variants += [("dense_compiled", torch.compile(fn), "dense"), ("triton", fn, "triton")]
         if name == "irpe":
-            variants += [("triton_atomic", fn, "triton")]
+            variants += [("triton_one_hot", fn, "triton"), ("triton_atomic", fn, "triton")]
         for variant, call, backend in variants:
             if backend is not None:
                 enc.set_attention_backend(backend)
-            triton_bias.ROW_GRAD = "atomic" if variant == "triton_atomic" else "one_hot"
+            triton_bias.ROW_GRAD = {"triton_atomic": "atomic", "triton_one_hot": "one_hot"}.get(variant, "matmul")
             ms = timed(call, inputs, g_half, reps)
             rows.append({"encoding": name, "variant": variant, "ms": round(ms, 4)})
             print(f"{name:10s} {variant:16s} {ms:8.3f} ms")
-        triton_bias.ROW_GRAD = "one_hot"
+        triton_bias.ROW_GRAD = "matmul"
     # iRPE's launch choices (tiles, warps) one kernel at a time, the others at their defaults: which to keep
     enc = create_encoding("irpe", ctx, init_std=0.5).to(device)
     enc.set_attention_backend("triton")
@@ -121,7 +122,7 @@ def main() -> None:
     inputs = [t.detach().to(half).requires_grad_() for t in base]
     default = dict(triton_bias.LAUNCH)
     sweep = {"forward": [(128, 64, 8), (64, 32, 4), (128, 32, 4)], "dkdv": [(64, 64, 4), (16, 64, 4), (64, 128, 8)],
-             "dq_one_hot": [(32, 32, 8), (16, 16, 4), (16, 64, 8)]}
+             "dq": [(32, 32, 4), (64, 64, 4), (128, 32, 8)]}
     for kernel, choices in sweep.items():
         for choice in choices:
             triton_bias.LAUNCH = {**default, kernel: choice}

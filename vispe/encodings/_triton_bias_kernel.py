@@ -130,7 +130,9 @@ def term_attention_dq_kernel(
     ``TERM_GRAD`` says. 1 and 2: per query row, ``dterm[b, h, i, c]`` = the sum of dS over the row's pairs whose
     bucket is ``c`` (the block owns its rows), by a one-hot sum over the tile's keys (1) or by atomic adds (2). 3: dS
     per pair, ``dterm[b', h, i, j]``, summed over the batch by atomic adds (``PAIR_BATCH`` false: ``b' = 0``; the
-    caller turns pairs into table columns) or stored per sample."""
+    caller turns pairs into table columns) or stored per sample. 4: dS per pair stored query-major,
+    ``dterm[i, b * heads + h, j]`` with rows of ``columns`` (>= tokens) entries, for the caller's batched product with
+    the buckets."""
     bh = tl.program_id(1)
     b = bh // heads
     h = bh % heads
@@ -151,6 +153,7 @@ def term_attention_dq_kernel(
         pair_rows = dterm + (bh * tokens + rows[:, None]) * tokens
     else:
         pair_rows = dterm + (h * tokens + rows[:, None]) * tokens
+    by_row = dterm + (rows[:, None] * tl.num_programs(1) + bh) * columns  # mode 4: row-major (query, sample x head, key)
     for start in range(0, tokens, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         col_ok = cols < tokens
@@ -175,6 +178,8 @@ def term_attention_dq_kernel(
                 tl.store(pair_rows + cols[None, :], ds, mask=both)
             else:
                 tl.atomic_add(pair_rows + cols[None, :], ds, mask=both, sem="relaxed")
+        if TERM_GRAD == 4:
+            tl.store(by_row + cols[None, :], ds.to(dterm.dtype.element_ty), mask=both)
     tl.store(dq + b * dq_b + h * dq_h + rows[:, None] * dq_n + d[None, :], (dq_acc * scale).to(dq.dtype.element_ty), mask=q_mask)
     if TERM_GRAD == 1:
         tl.store(term_rows + c[None, :], dterm_acc, mask=row_ok[:, None] & (c[None, :] < columns))

@@ -12,10 +12,11 @@ Why: on a GPU a compiled model otherwise hands SDPA the dense term, which only P
 differentiates. For iRPE (ViT-S/16, batch 128, bf16, H200) that kernel's forward and backward took 6.8 ms a step
 over timm's APE model (16 ms), besides the term's gathers and their gradients. Here the forward is one kernel (the
 online softmax of flash attention) and the backward three (``rowsum(dO * O)``, then keys' and queries' gradients,
-which rebuild the probabilities from the saved log-sum-exp). The term's gradient is summed in the queries' kernel: per query row for a
-table per row with at most :data:`MAX_GRAD_COLUMNS` columns (``dterm[b, h, i, c]``, the sum of dS over the row's
-pairs whose bucket is ``c``; the kernel owns those rows), else per pair (dS summed over the batch by atomic adds,
-then one ``index_add`` onto the table's columns).
+which rebuild the probabilities from the saved log-sum-exp). For a table per row with at most
+:data:`MAX_GRAD_COLUMNS` columns the term's gradient is ``dterm[b, h, i, c]``, the sum of dS over the row's pairs
+whose bucket is ``c``: by default the queries' kernel stores dS and one batched matmul with the one-hot buckets sums
+it (:data:`ROW_GRAD`); any other table gets dS per pair summed over the batch by atomic adds, then one ``index_add``
+onto the table's columns.
 
 The operators are ``torch.ops.vispe.term_attention`` / ``torch.ops.vispe.term_attention_backward`` (custom ops with
 fake kernels and autograd: opaque to ``torch.compile``). They run CUDA tensors, and CPU tensors in Triton's
@@ -34,12 +35,15 @@ __all__ = ["MAX_GRAD_COLUMNS", "term_attention", "triton_bias_unavailable"]
 #: the most columns of a table per row (iRPE's ``z``: 50 buckets by default) whose gradient the queries' kernel sums per
 #: row; a wider one, and a table shared by the rows (lattice biases: one column per offset), gets its gradient per pair
 MAX_GRAD_COLUMNS = 128
-#: how the queries' kernel sums a table-per-row's gradient: ``'one_hot'`` (each tile's dS against every column, in
-#: registers) or ``'atomic'`` (one atomic add per pair into the row's columns)
-ROW_GRAD = "one_hot"
-#: per kernel, its tile (query rows, keys; the row sums of ``delta`` read no keys) and warps; the queries' backward with
-#: one-hot sums takes 16 rows: it holds rows x keys x columns values per step. Untimed choices (the GPU probe, results/speed/gpu-term-attention-*.py, times
-#: alternatives)
+#: how a table-per-row's gradient is summed: in the queries' kernel, ``'one_hot'`` (each tile's dS against every column,
+#: in registers: ~2 C operations per pair) or ``'atomic'`` (one atomic add per pair into the row's columns); or
+#: ``'matmul'``: the kernel stores dS query-major and one batched matmul with the one-hot buckets sums it on tensor
+#: cores (buckets shared by the batch; else ``'one_hot'``). Estimated for iRPE at ViT-S/16, batch 128, on an H200:
+#: one-hot ~130 us a layer of CUDA-core work, the stored dS ~30 us of traffic; the GPU probe times all three
+ROW_GRAD = "matmul"
+#: per kernel, its tile (query rows, keys; the row sums of ``delta`` read no keys) and warps; the queries' backward
+#: with one-hot sums takes 16 rows: it holds rows x keys x columns values per step. Untimed choices (the GPU probe,
+#: results/speed/gpu-term-attention-*.py, times alternatives)
 LAUNCH = {"forward": (64, 64, 4), "dkdv": (32, 64, 4), "dq": (64, 32, 4), "dq_one_hot": (16, 32, 4), "delta": (64, 0, 4)}
 
 
@@ -119,13 +123,33 @@ def _pair_buckets(codes_q: torch.Tensor, codes_k: torch.Tensor, lut: torch.Tenso
     return pair if lut is None else lut[pair]
 
 
-def _term_grad_mode(table: torch.Tensor, tokens: int) -> int:
-    """How the queries' kernel returns the term's gradient (its ``TERM_GRAD``): per query row (1: one-hot sums, 2:
-    atomic adds; see :data:`ROW_GRAD`) for a table per row with few columns, else per pair (3), turned into table
-    columns here."""
+def _term_grad_mode(table: torch.Tensor, tokens: int, shared_buckets: bool) -> int:
+    """How the queries' kernel returns the term's gradient (its ``TERM_GRAD``), for a table per row with few columns
+    as :data:`ROW_GRAD` says: summed per query row in the kernel (1: one-hot sums, 2: atomic adds), or dS per pair,
+    query-major, then one batched product with the one-hot buckets here (4: buckets shared by the batch only); for
+    any other table dS per pair (3), turned into table columns here."""
     if table.shape[2] == tokens and tokens > 1 and table.shape[-1] <= MAX_GRAD_COLUMNS:
-        return {"one_hot": 1, "atomic": 2}[ROW_GRAD]
+        if ROW_GRAD == "matmul" and shared_buckets:
+            return 4
+        return 2 if ROW_GRAD == "atomic" else 1
     return 3
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _row_grad_by_matmul(ds_rows: torch.Tensor, bucket: torch.Tensor, table: torch.Tensor, bsz: int, heads: int) -> torch.Tensor:
+    """The per-row table's gradient from dS stored query-major ``(L, B * H, Lp)`` (``Lp >= L``: rows padded for aligned
+    products) and the buckets ``(1, L, L)``: for each query row, its dS against the one-hot of its buckets, all rows
+    in one batched matmul ``(L, B*H, Lp) @ (L, Lp, Cp)``. Exact: each pair has one bucket."""
+    tokens, _, padded = ds_rows.shape
+    columns = table.shape[-1]
+    one_hot = ds_rows.new_zeros(tokens, padded, _round_up(columns, 8))
+    one_hot[:, :tokens].scatter_(-1, bucket[0].long().unsqueeze(-1), 1.0)
+    ds_rows[..., tokens:] = 0  # the padding the kernel does not write
+    dz = torch.bmm(ds_rows, one_hot)[..., :columns]  # (L, B*H, C)
+    return dz.view(tokens, bsz, heads, columns).permute(1, 2, 0, 3).float()
 
 
 @torch.library.custom_op("vispe::term_attention_backward", mutates_args=())
@@ -139,13 +163,16 @@ def _term_attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Te
     out = _rows(out)
     delta = torch.empty((bsz, heads, tokens), dtype=torch.float32, device=q.device)  # rowsum(dO * O)
     dq, dk, dv = _attention_layout(q), _attention_layout(k), _attention_layout(v)
-    mode = _term_grad_mode(table, tokens) if term_grad else 0
+    shared_buckets = codes_q.shape[0] == 1 and codes_k.shape[0] == 1
+    mode = _term_grad_mode(table, tokens, shared_buckets) if term_grad else 0
     # per pair: one (L, L) map per sample where the buckets or the table differ per sample, else summed over the batch
-    pair_batch = mode == 3 and (codes_q.shape[0] > 1 or codes_k.shape[0] > 1 or table.shape[0] > 1)
+    pair_batch = mode == 3 and (not shared_buckets or table.shape[0] > 1)
     if mode in (1, 2):
         dterm = (torch.empty if mode == 1 else torch.zeros)((bsz, heads, tokens, columns), dtype=torch.float32, device=q.device)
     elif mode == 3:
         dterm = torch.zeros((bsz if pair_batch else 1, heads, tokens, tokens), dtype=torch.float32, device=q.device)
+    elif mode == 4:  # dS in the table's dtype (as the dense path's term gradient), rows padded to 16 bytes
+        dterm = torch.empty((tokens, bsz * heads, _round_up(tokens, 8)), dtype=table.dtype, device=q.device)
     else:
         dterm = q.new_empty(0, dtype=torch.float32)
     term = [*_term_args(table, codes_q, codes_k, lut)]
@@ -168,13 +195,15 @@ def _term_attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Te
         dq_kernel[(-(-tokens // bm), bsz * heads)](
             q, k, v, dout, lse, delta, dq, dterm, *term,
             *_bhn(q), *_bhn(k), *_bhn(v), *_bhn(dout), *_bhn(dq), *term_strides,
-            heads, tokens, dh, columns, center, fill, scale,
+            heads, tokens, dh, dterm.shape[-1] if mode == 4 else columns, center, fill, scale,
             TERM_TILE=tile, HAS_LUT=lut is not None, TERM_GRAD=mode, PAIR_BATCH=pair_batch,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, BLOCK_C=_pow2(columns, 1) if mode == 1 else 1, num_warps=warps)
     if mode == 3:
         dterm = _pair_grad_to_table(dterm, table, _pair_buckets(codes_q, codes_k, lut, center, fill))
+    elif mode == 4:
+        dterm = _row_grad_by_matmul(dterm, _pair_buckets(codes_q, codes_k, lut, center, fill), table, bsz, heads)
     # contiguous, as the fake kernel states it (a compiled graph checks the layout of what an operator returns)
-    return dq, dk, dv, (dterm.sum_to_size(table.shape) if mode in (1, 2) else dterm).contiguous()
+    return dq, dk, dv, (dterm.sum_to_size(table.shape) if mode in (1, 2, 4) else dterm).contiguous()
 
 
 @_term_attention_backward_op.register_fake
