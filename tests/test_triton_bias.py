@@ -261,9 +261,21 @@ def test_the_kernels_compile_for_hopper_gpus(monkeypatch):
                    if n in pointers and n != "scale" or n[-2:] in ("_b", "_h", "_n") or n == "head_dim"}
         constexprs = {"BLOCK_D": 64, **constants}
         if "TERM_TILE" in names:
-            constexprs.update(TERM_TILE=tile, HAS_LUT=True)
+            constexprs.update(TERM_TILE=tile, HAS_LUT=True, DOT_PRECISION="ieee")
         ptx = triton.compile(ASTSource(fn=kernel, signature=signature, attrs=sixteen, constexprs=constexprs),
                              target=GPUTarget("cuda", 90, 32)).asm["ptx"]
         assert re.search(r"\bld\.global(\.\w+)*\.v4\.b32\b", ptx), (name, constants, "no 16-byte tile loads")
         if name != "term_attention_delta_kernel":  # row sums: no products
             assert "wgmma.mma_async" in ptx or "mma.sync" in ptx, (name, constants, "no tensor-core products")
+
+
+def test_float32_products_follow_pytorchs_tf32_setting():
+    # float32 attention through the kernels multiplies as PyTorch's CUDA matmuls do: exactly unless TF32 is allowed
+    allowed = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        assert triton_bias._dot_precision() == "ieee"
+        torch.backends.cuda.matmul.allow_tf32 = True
+        assert triton_bias._dot_precision() == "tf32"
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = allowed

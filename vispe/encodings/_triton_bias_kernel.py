@@ -5,7 +5,9 @@ compile-time constants (a module with postponed annotations would give it string
 Every kernel adds the lattice term ``table[b, h, i, bucket(i, j)]`` to the logits of a tile, with
 ``bucket(i, j) = lut[codes[i] - codes[j] + center]`` (``fill`` for a pair with a prefix token, whose code is negative;
 no ``lut``: the offset id itself). q, k, v and their gradients are addressed by (batch, head, token) strides with
-contiguous channels; the table by (batch, head, row) strides (0 where it is shared) with contiguous columns.
+contiguous channels; the table by (batch, head, row) strides (0 where it is shared) with contiguous columns. Products of
+float32 tiles take ``DOT_PRECISION`` (``'ieee'``, or ``'tf32'`` where PyTorch allows TF32 matmuls); 16-bit tiles
+multiply exactly with float32 sums either way.
 """
 import triton.language as tl
 
@@ -40,7 +42,7 @@ def term_attention_forward_kernel(
     q_b, q_h, q_n, k_b, k_h, k_n, v_b, v_h, v_n, o_b, o_h, o_n,
     t_b, t_h, t_l, cq_b, ck_b,
     heads, tokens, head_dim, center, fill, scale,
-    TERM_TILE: tl.constexpr, HAS_LUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    TERM_TILE: tl.constexpr, HAS_LUT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """One (sample, head, block of query rows): softmax(q k^T s + term) v with a running maximum and sum (nothing of
     size rows x keys leaves the chip), and each row's log-sum-exp for the backward."""
@@ -63,13 +65,13 @@ def term_attention_forward_kernel(
         vt = tl.load(v + b * v_b + h * v_h + cols[:, None] * v_n + d[None, :], mask=kv_mask, other=0.0)
         term, _ = TERM_TILE(table, codes_q, codes_k, lut, t_b, t_h, t_l, cq_b, ck_b, b, h, rows, cols, tokens, center,
                              fill, HAS_LUT)
-        s = tl.dot(qt, tl.trans(kt)) * scale + term
+        s = tl.dot(qt, tl.trans(kt), input_precision=DOT_PRECISION) * scale + term
         s = tl.where(col_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.reduce(p, 1, _SUM)
-        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PRECISION)
         m_i = m_new
     acc = acc / l_i[:, None]
     tl.store(out + b * o_b + h * o_h + rows[:, None] * o_n + d[None, :], acc.to(out.dtype.element_ty),
@@ -82,7 +84,7 @@ def term_attention_dkdv_kernel(
     q_b, q_h, q_n, k_b, k_h, k_n, v_b, v_h, v_n, do_b, do_h, do_n, dk_b, dk_h, dk_n, dv_b, dv_h, dv_n,
     t_b, t_h, t_l, cq_b, ck_b,
     heads, tokens, head_dim, center, fill, scale,
-    TERM_TILE: tl.constexpr, HAS_LUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    TERM_TILE: tl.constexpr, HAS_LUT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """One (sample, head, block of keys): dV = P^T dO and dK = s dS^T q over every query block, P rebuilt from the
     log-sum-exp and dS = P (dP - delta), delta = rowsum(dO * O)."""
@@ -108,10 +110,10 @@ def term_attention_dkdv_kernel(
         dl = tl.load(delta + bh * tokens + rows, mask=row_ok, other=0.0)
         term, _ = TERM_TILE(table, codes_q, codes_k, lut, t_b, t_h, t_l, cq_b, ck_b, b, h, rows, cols, tokens, center,
                              fill, HAS_LUT)
-        s = tl.dot(qt, tl.trans(kt)) * scale + term
+        s = tl.dot(qt, tl.trans(kt), input_precision=DOT_PRECISION) * scale + term
         p = tl.where(row_ok[:, None] & col_ok[None, :], tl.exp(s - m[:, None]), 0.0)
         dv_acc += tl.dot(tl.trans(p.to(dot_.dtype)), dot_)
-        dp = tl.dot(dot_, tl.trans(vt))
+        dp = tl.dot(dot_, tl.trans(vt), input_precision=DOT_PRECISION)
         ds = p * (dp - dl[:, None])
         dk_acc += tl.dot(tl.trans(ds.to(qt.dtype)), qt)
     tl.store(dk + b * dk_b + h * dk_h + cols[:, None] * dk_n + d[None, :], (dk_acc * scale).to(dk.dtype.element_ty), mask=kv_mask)
@@ -123,7 +125,7 @@ def term_attention_dq_kernel(
     q_b, q_h, q_n, k_b, k_h, k_n, v_b, v_h, v_n, do_b, do_h, do_n, dq_b, dq_h, dq_n,
     t_b, t_h, t_l, cq_b, ck_b,
     heads, tokens, head_dim, columns, center, fill, scale,
-    TERM_TILE: tl.constexpr, HAS_LUT: tl.constexpr, TERM_GRAD: tl.constexpr, PAIR_BATCH: tl.constexpr,
+    TERM_TILE: tl.constexpr, HAS_LUT: tl.constexpr, DOT_PRECISION: tl.constexpr, TERM_GRAD: tl.constexpr, PAIR_BATCH: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """One (sample, head, block of query rows): dQ = s dS k over every key block, and the term's gradient as
@@ -163,11 +165,11 @@ def term_attention_dq_kernel(
         vt = tl.load(v + b * v_b + h * v_h + cols[:, None] * v_n + d[None, :], mask=kv_mask, other=0.0)
         term, bucket = TERM_TILE(table, codes_q, codes_k, lut, t_b, t_h, t_l, cq_b, ck_b, b, h, rows, cols, tokens,
                                  center, fill, HAS_LUT)
-        s = tl.dot(qt, tl.trans(kt)) * scale + term
+        s = tl.dot(qt, tl.trans(kt), input_precision=DOT_PRECISION) * scale + term
         p = tl.where(both, tl.exp(s - m[:, None]), 0.0)
-        dp = tl.dot(dot_, tl.trans(vt))
+        dp = tl.dot(dot_, tl.trans(vt), input_precision=DOT_PRECISION)
         ds = p * (dp - dl[:, None])
-        dq_acc += tl.dot(ds.to(kt.dtype), kt)
+        dq_acc += tl.dot(ds.to(kt.dtype), kt, input_precision=DOT_PRECISION)
         if TERM_GRAD == 1:
             hit = bucket[:, :, None] == c[None, None, :]
             dterm_acc += tl.reduce(tl.where(hit, ds[:, :, None], 0.0), 1, _SUM)

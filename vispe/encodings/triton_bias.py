@@ -86,6 +86,11 @@ def _kernel(name: str, device: torch.device) -> tuple[Any, Any]:
     return kernel_for(getattr(source, name), compiled), (kernel_for(source.term_tile, True) if compiled else source.term_tile)
 
 
+def _dot_precision() -> str:
+    """How the kernels multiply float32 tiles: as PyTorch's CUDA matmuls do (TF32 only where PyTorch allows it)."""
+    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+
+
 def _attention_layout(like: torch.Tensor) -> torch.Tensor:
     """An empty tensor shaped as ``like`` ``(B, H, L, dh)``, stored token-major (as q/k/v sliced from timm's fused
     projection are), so the head merge after attention is a view."""
@@ -107,7 +112,8 @@ def _term_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table:
             q, k, v, out, lse, *_term_args(table, codes_q, codes_k, lut),
             *_bhn(q), *_bhn(k), *_bhn(v), *_bhn(out), *_term_strides(table, codes_q, codes_k),
             heads, tokens, dh, center, fill, scale,
-            TERM_TILE=tile, HAS_LUT=lut is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=_pow2(dh), num_warps=warps)
+            TERM_TILE=tile, HAS_LUT=lut is not None, DOT_PRECISION=_dot_precision(), BLOCK_M=bm, BLOCK_N=bn,
+            BLOCK_D=_pow2(dh), num_warps=warps)
     return out, lse
 
 
@@ -190,13 +196,14 @@ def _term_attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Te
             q, k, v, dout, lse, delta, dk, dv, *term,
             *_bhn(q), *_bhn(k), *_bhn(v), *_bhn(dout), *_bhn(dk), *_bhn(dv), *term_strides,
             heads, tokens, dh, center, fill, scale,
-            TERM_TILE=tile, HAS_LUT=lut is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, num_warps=warps)
+            TERM_TILE=tile, HAS_LUT=lut is not None, DOT_PRECISION=_dot_precision(), BLOCK_M=bm, BLOCK_N=bn,
+            BLOCK_D=block_d, num_warps=warps)
         bm, bn, warps = LAUNCH["dq_one_hot" if mode == 1 else "dq"]
         dq_kernel[(-(-tokens // bm), bsz * heads)](
             q, k, v, dout, lse, delta, dq, dterm, *term,
             *_bhn(q), *_bhn(k), *_bhn(v), *_bhn(dout), *_bhn(dq), *term_strides,
             heads, tokens, dh, dterm.shape[-1] if mode == 4 else columns, center, fill, scale,
-            TERM_TILE=tile, HAS_LUT=lut is not None, TERM_GRAD=mode, PAIR_BATCH=pair_batch,
+            TERM_TILE=tile, HAS_LUT=lut is not None, DOT_PRECISION=_dot_precision(), TERM_GRAD=mode, PAIR_BATCH=pair_batch,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, BLOCK_C=_pow2(columns, 1) if mode == 1 else 1, num_warps=warps)
     if mode == 3:
         dterm = _pair_grad_to_table(dterm, table, _pair_buckets(codes_q, codes_k, lut, center, fill))
