@@ -32,8 +32,8 @@ from .triton_support import kernel_for, on_device, triton_unavailable
 
 __all__ = ["MAX_GRAD_COLUMNS", "term_attention", "triton_bias_unavailable"]
 
-#: the most columns of a table per row (iRPE's ``z``: 50 buckets by default) whose gradient the queries' kernel sums per
-#: row; a wider one, and a table shared by the rows (lattice biases: one column per offset), gets its gradient per pair
+#: the most columns of a table per row (iRPE's ``z``: 50 buckets by default) whose gradient is summed per row
+#: (:data:`ROW_GRAD`); a wider one, and a table shared by the rows (lattice biases: one column per offset), gets it per pair
 MAX_GRAD_COLUMNS = 128
 #: how a table-per-row's gradient is summed: in the queries' kernel, ``'one_hot'`` (each tile's dS against every column,
 #: in registers: ~2 C operations per pair) or ``'atomic'`` (one atomic add per pair into the row's columns); or
@@ -67,7 +67,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def _term_args(table: torch.Tensor, codes_q: torch.Tensor, codes_k: torch.Tensor, lut: torch.Tensor | None) -> list[Any]:
-    """The term's pointers and strides as the kernels take them (after their q/k/v strides)."""
+    """The term's pointers as the kernels take them (after the q/k/v ones); without a lookup table a stand-in pointer."""
     return [table, codes_q, codes_k, codes_q if lut is None else lut]
 
 
