@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
-import time
 
 import torch
 
@@ -30,6 +28,7 @@ CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from vispe.benchmarks.speed_measure import median_call_ms
 from vispe.encodings.rotary import apply_rotary, rotary_table
 from vispe.encodings.triton_rotary import rotary_qkv
 
@@ -52,21 +51,7 @@ def timed(fn, qkv, table, grads, reps: int) -> float:
         outs = fn(qkv, table)
         torch.autograd.backward(outs, grads)
 
-    for _ in range(3):
-        once()
-    if not CUDA:
-        t0 = time.perf_counter()
-        once()
-        return (time.perf_counter() - t0) * 1e3
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        once()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return median_call_ms(once, reps)
 
 
 def main() -> None:

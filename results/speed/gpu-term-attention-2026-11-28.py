@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +31,7 @@ CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from vispe.benchmarks.speed_measure import median_call_ms
 from vispe.encodings import (
     EncodingContext,
     PositionGrid,
@@ -53,21 +52,7 @@ def timed(fn, inputs, grad, reps: int) -> float:
         out = fn(*inputs)
         torch.autograd.backward(out, grad)
 
-    for _ in range(3):
-        once()
-    if not CUDA:
-        t0 = time.perf_counter()
-        once()
-        return (time.perf_counter() - t0) * 1e3
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        once()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return median_call_ms(once, reps)
 
 
 def main() -> None:

@@ -3,6 +3,7 @@ timing on the chosen clock and peak memory (see :mod:`vispe.benchmarks.speed` fo
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Iterable
@@ -76,6 +77,27 @@ def graphs_compiled() -> int:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def median_call_ms(once: Callable[[], None], reps: int, warmup: int = 3) -> float:
+    """Milliseconds of one call of ``once`` (kernel-level probes, results/speed/gpu-*.py): after ``warmup`` calls, the
+    median of ``reps`` calls timed by CUDA events when CUDA is available, else the wall time of one call (a CPU run
+    only checks that the probe works)."""
+    for _ in range(warmup):
+        once()
+    if not torch.cuda.is_available():
+        t0 = time.perf_counter()
+        once()
+        return (time.perf_counter() - t0) * 1e3
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        once()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return float(statistics.median(times))
 
 
 def train_step(entry: Entry, x: torch.Tensor, y: torch.Tensor) -> None:
