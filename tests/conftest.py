@@ -11,6 +11,15 @@ import os
 
 import pytest
 
+# Triton's interpreter runs the Triton kernels' tests on CPU tensors; Triton builds its functions (its own library's
+# included) as interpreted ones only when this is set before it is imported, so it is set here, before any test
+# module imports Triton (timm and lightning do). Not on a machine with CUDA, whose kernels would then be interpreted.
+if "TRITON_INTERPRET" not in os.environ:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
 
 def _worker_threads() -> int | None:
     """torch threads for this process: its share of the cores under xdist, ``None`` outside xdist or when
@@ -70,13 +79,44 @@ def pytest_unconfigure(config) -> None:
 
 
 
+def _stored_tensors(kernel, kwargs: dict) -> list[str] | None:
+    """The tensor arguments an interpreted kernel of vispe's writes, read from its source (``None``: not one of
+    vispe's interpreted kernels, or a store the source does not resolve)."""
+    import torch
+    from triton.runtime.jit import JITFunction
+    from triton_compile import stored_arguments
+
+    while not isinstance(kernel, JITFunction) and hasattr(kernel, "fn"):  # an Autotuner around the kernel
+        kernel = kernel.fn
+    if not isinstance(kernel, JITFunction) or not hasattr(kernel, "interpreted"):
+        return None
+    stored = stored_arguments(kernel.src, list(kwargs))
+    return None if stored is None else [n for n in stored if isinstance(kwargs[n], torch.Tensor)]
+
+
 @pytest.fixture
 def triton_interpreter(monkeypatch):
-    """Triton kernels run CPU tensors in Triton's interpreter for the test (``TRITON_INTERPRET=1``); dynamo starts and
-    ends clean, so no graph compiled around one kernel path is reused by another test."""
+    """Triton kernels run CPU tensors in Triton's interpreter for the test (``TRITON_INTERPRET=1``, set above before
+    Triton's import); dynamo starts and ends clean, so no graph compiled around one kernel path is reused by another
+    test. A compiled graph learns which tensors a kernel writes as on a GPU: there PyTorch reads it from the kernel's
+    Triton IR, which needs a GPU driver; here from the kernel's stores in its source (PyTorch's own fallback assumes
+    every argument written, which no GPU run does)."""
     import torch
+    import torch._higher_order_ops.triton_kernel_wrap as wrap
+
+    from vispe.encodings.triton_support import triton_unavailable
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    why = triton_unavailable("Triton's interpreter", "cpu")
+    if why is not None:  # a CUDA machine: Triton was built for its compiler
+        pytest.skip(why)
+    pytorch_analysis = wrap.get_mutated_tensors
+
+    def mutated(kernel_idx, constant_args_idx, kwargs, *args, **kw):
+        stored = _stored_tensors(wrap.kernel_side_table.get_kernel(kernel_idx), kwargs)
+        return pytorch_analysis(kernel_idx, constant_args_idx, kwargs, *args, **kw) if stored is None else stored
+
+    monkeypatch.setattr(wrap, "get_mutated_tensors", mutated)
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()

@@ -15,6 +15,7 @@ import timm
 import torch
 import torch.nn.functional as F
 from bias_checks import attention_inputs, bias_encoding, bias_grid_shape
+from functorch.compile import make_boxed_func
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import vispe
@@ -206,7 +207,7 @@ def test_a_model_trains_the_same_eager_and_compiled_whole(encoding):
     tokens = model.patch_embed.num_patches + model.num_prefix_tokens
     ref(x).sum().backward()
     want = {n: p.grad for n, p in ref.named_parameters()}
-    counter = CompileCounterWithBackend("aot_eager")
+    counter = CompileCounterWithBackend("aot_eager_decomp_partition")  # inductor's decompositions and partitioner
     for fn in (model, torch.compile(model, backend=counter, fullgraph=True)):
         model.zero_grad(set_to_none=True)
         saved = []
@@ -225,45 +226,94 @@ def test_a_model_trains_the_same_eager_and_compiled_whole(encoding):
     assert counter.frame_count == 1
 
 
-def test_the_kernels_compile_for_hopper_gpus(monkeypatch):
-    # what the interpreter cannot show: Triton's compiler takes the four kernels (no GPU needed to compile), with
-    # the tile helper passed as a compile-time argument, every gradient mode of the queries' kernel included; with the
-    # strides and head width a ViT gives (multiples of 16, which Triton's launcher specialises on) the q/k/v tiles
-    # load 16 bytes at a time and the products run on tensor cores
-    monkeypatch.delenv("TRITON_INTERPRET")
-    import re
+def test_a_compiled_model_launches_the_kernels_itself_and_builds_the_buckets_once():
+    # the operators are traced (triton_op): the compiled graphs hold the kernel launches, and the backward's
+    # position-only work -- every pair's bucket and its one-hot, the same in every layer -- is computed once
+    import collections
 
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.decomposition import select_decomp_table
+
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    def backend(gm, example_inputs):  # inductor's decompositions and partitioner, the graphs kept
+        return aot_module_simplified(gm, example_inputs, fw_compiler=keep, bw_compiler=keep,
+                                     partition_fn=min_cut_rematerialization_partition, decompositions=select_decomp_table())
+
+    depth = 3
+    model = timm.create_model(MODEL, pos_encoding="irpe", embed_dim=48, depth=depth, num_heads=3, num_classes=5)
+    model.pos_encoding.set_backend("triton")
+    torch.compile(model, backend=backend, fullgraph=True)(torch.randn(2, 3, 32, 32)).sum().backward()
+    forward, backward = (collections.Counter(str(n.target) for n in g.graph.nodes if n.op == "call_function") for g in graphs)
+    assert not [op for op in (*forward, *backward) if op.startswith("vispe.")]  # no opaque operator left
+    assert forward["triton_kernel_wrapper_functional"] == depth  # the forward kernel per layer
+    assert backward["triton_kernel_wrapper_functional"] == 3 * depth  # row sums, keys', queries' kernels per layer
+    assert backward["aten.scatter.value"] == 1 and backward["aten.index.Tensor"] == 1  # the one-hot, the lookup: once
+
+
+def test_pytorch_reads_what_each_kernel_writes_as_the_test_session_does():
+    # a compiled graph copies what a kernel writes; PyTorch reads it from the kernel's Triton IR, which needs a GPU
+    # target (in a child process here), and the test session from the source (tests/conftest.py): the two agree, and
+    # the kernels write only their outputs. Two exceptions, both on the safe side: the source reading counts dterm for
+    # the queries' kernel without a term gradient (a store a constant disables), and PyTorch counts the term's inputs
+    # as written where atomic adds go to a column loaded from them (ROW_GRAD='atomic', not the default: 4 is)
+    import inspect
+
+    from triton_compile import pytorch_written_arguments, stored_arguments
 
     import vispe.encodings._triton_bias_kernel as source
 
-    tile = triton.jit(source.term_tile)
+    tensors = {n: "bfloat16" for n in ("q", "k", "v", "out", "dout", "dq", "dk", "dv", "table")}
+    tensors |= {"lse": "float32", "delta": "float32", "dterm": "float32", "codes_q": "int32", "codes_k": "int32", "lut": "int32"}
+    constexprs = {"HAS_LUT": True, "DOT_PRECISION": "ieee", "BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_D": 64, "PAIR_BATCH": False,
+                  "BLOCK_C": 1, "scale": 0.125}
+    plans = {name: {"tensors": tensors, "constexprs": constexprs} for name in
+             ("term_attention_forward_kernel", "term_attention_dkdv_kernel", "term_attention_delta_kernel")}
+    plans |= {f"term_attention_dq_kernel:{m}": {"tensors": tensors, "constexprs": {**constexprs, "TERM_GRAD": m,
+                                                                                 "BLOCK_C": 64 if m == 1 else 1}}
+              for m in (0, 1, 2, 3, 4)}
+    found = pytorch_written_arguments("vispe.encodings._triton_bias_kernel", plans)
+    outputs = {"term_attention_forward_kernel": ["lse", "out"], "term_attention_dkdv_kernel": ["dk", "dv"],
+               "term_attention_delta_kernel": ["delta"]} | {f"term_attention_dq_kernel:{m}": ["dq", "dterm"] for m in (1, 2, 3, 4)}
+    atomic = "term_attention_dq_kernel:2"
+    assert found == outputs | {"term_attention_dq_kernel:0": ["dq"], atomic: ["codes_k", "codes_q", "dq", "dterm", "lut", "table"]}
+    for key in found:
+        fn = getattr(source, key.split(":")[0]).fn
+        read = stored_arguments(inspect.getsource(fn), list(inspect.signature(fn).parameters))
+        assert read == sorted(outputs.get(key, ["dq", "dterm"])), key
+
+
+def test_the_kernels_compile_for_hopper_gpus():
+    # what the interpreter cannot show: Triton's compiler takes the four kernels (no GPU needed to compile), with
+    # the tile helper they call, every gradient mode of the queries' kernel included; with the strides and head width
+    # a ViT gives (multiples of 16, which Triton's launcher specialises on) the q/k/v tiles load 16 bytes at a time
+    # and the products run on tensor cores
+    import re
+
+    from triton_compile import hopper_ptx
+
     pointers = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "out": "*bf16", "dout": "*bf16", "dq": "*bf16", "dk": "*bf16",
                 "dv": "*bf16", "lse": "*fp32", "delta": "*fp32", "dterm": "*fp32", "table": "*bf16", "codes_q": "*i32",
                 "codes_k": "*i32", "lut": "*i32", "scale": "fp32"}
+    aligned = [n for n in pointers if n != "scale"] + ["head_dim"]  # and the (batch, head, token) strides
     launch = triton_bias.LAUNCH  # the tiles the operators launch
-    plans = [("term_attention_forward_kernel", {"BLOCK_M": launch["forward"][0], "BLOCK_N": launch["forward"][1]})]
-    plans += [("term_attention_dkdv_kernel", {"BLOCK_M": launch["dkdv"][0], "BLOCK_N": launch["dkdv"][1]})]
-    plans += [("term_attention_delta_kernel", {"BLOCK_M": launch["delta"][0]})]
+    term = {"HAS_LUT": True, "DOT_PRECISION": "ieee", "BLOCK_D": 64}
+    plans = [("term_attention_forward_kernel", {**term, "BLOCK_M": launch["forward"][0], "BLOCK_N": launch["forward"][1]})]
+    plans += [("term_attention_dkdv_kernel", {**term, "BLOCK_M": launch["dkdv"][0], "BLOCK_N": launch["dkdv"][1]})]
+    plans += [("term_attention_delta_kernel", {"BLOCK_M": launch["delta"][0], "BLOCK_D": 64})]
     for mode in (0, 1, 2, 3, 4):
         bm, bn, _ = launch["dq_one_hot" if mode == 1 else "dq"]
-        plans += [("term_attention_dq_kernel", {"BLOCK_M": bm, "BLOCK_N": bn, "TERM_GRAD": mode, "PAIR_BATCH": False,
-                                                "BLOCK_C": 64 if mode == 1 else 1})]
-    for name, constants in plans:
-        kernel = triton.jit(getattr(source, name))
-        names = kernel.arg_names
-        # mode 4 stores dS in the table's dtype (bf16 on a GPU)
-        types = {**pointers, "dterm": "*bf16"} if constants.get("TERM_GRAD") == 4 else pointers
-        signature = {n: types.get(n, "constexpr" if n.isupper() else "i32") for n in names}
-        sixteen = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-                   if n in pointers and n != "scale" or n[-2:] in ("_b", "_h", "_n") or n == "head_dim"}
-        constexprs = {"BLOCK_D": 64, **constants}
-        if "TERM_TILE" in names:
-            constexprs.update(TERM_TILE=tile, HAS_LUT=True, DOT_PRECISION="ieee")
-        ptx = triton.compile(ASTSource(fn=kernel, signature=signature, attrs=sixteen, constexprs=constexprs),
-                             target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+        plans += [("term_attention_dq_kernel", {**term, "BLOCK_M": bm, "BLOCK_N": bn, "TERM_GRAD": mode,
+                                                "PAIR_BATCH": False, "BLOCK_C": 64 if mode == 1 else 1})]
+    # mode 4 stores dS in the table's dtype (bf16 on a GPU)
+    specs = [{"kernel": name, "types": {**pointers, "dterm": "*bf16"} if constants.get("TERM_GRAD") == 4 else pointers,
+              "aligned": aligned, "aligned_suffixes": ["_b", "_h", "_n"], "constexprs": constants} for name, constants in plans]
+    for (name, constants), ptx in zip(plans, hopper_ptx("vispe.encodings._triton_bias_kernel", specs)):
         assert re.search(r"\bld\.global(\.\w+)*\.v4\.b32\b", ptx), (name, constants, "no 16-byte tile loads")
         if name != "term_attention_delta_kernel":  # row sums: no products
             assert "wgmma.mma_async" in ptx or "mma.sync" in ptx, (name, constants, "no tensor-core products")

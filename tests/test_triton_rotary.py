@@ -99,21 +99,22 @@ def _step(model, x):
 
 @contextlib.contextmanager
 def _launches():
-    """The kernel launches inside the block, by their rotation sign (1: forward, -1: backward)."""
-    import vispe.encodings.triton_rotary as tr
+    """The kernel launches inside the block, by their rotation sign (1: forward, -1: backward): the kernel's runs, so a
+    compiled graph's launches count and its tracing (which records them) does not."""
+    from vispe.encodings._triton_rotary_kernel import rotate_qkv_kernel as kernel
 
     calls: list[int] = []
-    launch = tr._launch
+    run = kernel.run
 
-    def counted(ins, outs, table, sign, interleaved):
-        calls.append(sign)
-        return launch(ins, outs, table, sign, interleaved)
+    def counted(*args, **kwargs):
+        calls.append({**dict(zip(kernel.arg_names, args)), **kwargs}["SIGN"])
+        return run(*args, **kwargs)
 
-    tr._launch = counted
+    kernel.run = counted
     try:
         yield calls
     finally:
-        tr._launch = launch
+        del kernel.run
 
 
 def test_the_fused_encodings_are_the_phase_rotations():
@@ -142,7 +143,7 @@ def test_compiled_models_with_the_fused_kernel_stay_one_graph_and_equal_eager(na
     ref, x = _model(name)
     fused, _ = _model(name, "triton")
     fused.load_state_dict(ref.state_dict())
-    counter = CompileCounterWithBackend("aot_eager_default_partitioner")
+    counter = CompileCounterWithBackend("aot_eager_decomp_partition")  # inductor's decompositions and partitioner
     compiled = torch.compile(fused, backend=counter, fullgraph=True)
     out_ref, grads_ref = _step(ref, x)
     with _launches() as calls:
@@ -219,32 +220,42 @@ def test_bad_backends_are_refused_before_anything_runs(monkeypatch):
         model(x)
 
 
-@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "half"])
-def test_the_kernel_compiles_for_hopper_gpus_with_128_bit_accesses(interleaved, monkeypatch):
-    # what the interpreter cannot show: Triton's compiler takes the source (no GPU needed to compile), and with the
-    # strides and pair count a ViT gives (multiples of 16, which Triton's launcher specialises on) every global load
-    # and store of the tile is 16 bytes wide
-    monkeypatch.delenv("TRITON_INTERPRET")
-    import re
+def test_pytorch_reads_what_the_kernel_writes_as_the_test_session_does():
+    # PyTorch's reading of the kernel's Triton IR (a Hopper target, in a child process) and the test session's reading
+    # of its source (tests/conftest.py) agree: the kernel writes its three outputs only
+    import inspect
 
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from triton_compile import pytorch_written_arguments, stored_arguments
 
     from vispe.encodings._triton_rotary_kernel import rotate_qkv_kernel
 
-    kernel = triton.jit(rotate_qkv_kernel)
-    names = kernel.arg_names
-    pointers = {"q_in": "*bf16", "k_in": "*bf16", "v_in": "*bf16", "q_out": "*bf16", "k_out": "*bf16", "v_out": "*bf16",
-                "table": "*fp32"}
-    signature = {n: pointers.get(n, "constexpr" if n.isupper() else "i32") for n in names}
-    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if not n.isupper() and n not in ("tokens", "heads")}
-    source = ASTSource(fn=kernel, signature=signature, attrs=aligned,
-                       constexprs={"SIGN": -1, "INTERLEAVED": interleaved, "BLOCK_N": 64, "BLOCK_P": 32})
-    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
-    accesses = re.findall(r"\b(ld|st)\.global(\.\w+)*", ptx)
-    widths = set(re.findall(r"\b(?:ld|st)\.global(?:\.\w+)*?\.(v4\.b32|v2\.b32|b32|b16)\b", ptx))
-    assert accesses and widths == {"v4.b32"}, widths
+    tensors = {n: "bfloat16" for n in ("q_in", "k_in", "v_in", "q_out", "k_out", "v_out")} | {"table": "float32"}
+    plans = {f"rotate_qkv_kernel:{layout}": {"tensors": tensors, "constexprs": {"SIGN": 1, "INTERLEAVED": layout == "interleaved",
+                                                                                "BLOCK_N": 16, "BLOCK_P": 32}}
+             for layout in ("interleaved", "half")}
+    found = pytorch_written_arguments("vispe.encodings._triton_rotary_kernel", plans)
+    assert list(found.values()) == [["k_out", "q_out", "v_out"]] * 2
+    fn = rotate_qkv_kernel.fn
+    assert stored_arguments(inspect.getsource(fn), list(inspect.signature(fn).parameters)) == ["k_out", "q_out", "v_out"]
+
+
+def test_the_kernel_compiles_for_hopper_gpus_with_128_bit_accesses():
+    # what the interpreter cannot show: Triton's compiler takes the source (no GPU needed to compile), and with the
+    # strides and pair count a ViT gives (multiples of 16, which Triton's launcher specialises on) every global load
+    # and store of the tile is 16 bytes wide, in both pair layouts
+    import re
+
+    from triton_compile import hopper_ptx
+
+    pointers = {n: "*bf16" for n in ("q_in", "k_in", "v_in", "q_out", "k_out", "v_out")} | {"table": "*fp32"}
+    strides = [f"{t}{io}_{d}" for t in "qkv" for io in "io" for d in "bhn"] + ["t_b", "t_h", "t_n"]
+    plans = [{"kernel": "rotate_qkv_kernel", "types": pointers, "aligned": [*pointers, *strides, "pairs"],
+              "constexprs": {"SIGN": -1, "INTERLEAVED": interleaved, "BLOCK_N": 64, "BLOCK_P": 32}}
+             for interleaved in (True, False)]
+    for plan, ptx in zip(plans, hopper_ptx("vispe.encodings._triton_rotary_kernel", plans)):
+        accesses = re.findall(r"\b(ld|st)\.global(\.\w+)*", ptx)
+        widths = set(re.findall(r"\b(?:ld|st)\.global(?:\.\w+)*?\.(v4\.b32|v2\.b32|b32|b16)\b", ptx))
+        assert accesses and widths == {"v4.b32"}, (plan["constexprs"], widths)
 
 
 def test_a_composition_runs_its_rotary_part_on_the_kernel():

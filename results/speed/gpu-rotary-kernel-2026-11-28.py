@@ -7,7 +7,8 @@ gradient:
 - ``split``: timm's views (no work forward; the backward stacks the three gradients): APE's share of the step;
 - ``torch``: q and k rotated by ``apply_rotary`` (float32 maths), what ``rotary_backend='torch'`` runs eagerly;
 - ``torch_compiled``: the same under ``torch.compile`` (inductor), what a compiled model runs;
-- ``triton``: the fused kernel, ``rotary_backend='triton'``.
+- ``triton``: the fused kernel, ``rotary_backend='triton'``; ``triton_compiled``: under ``torch.compile``, which traces
+  the operator and launches the kernel from its own code, as in a compiled model.
 
 Two tables: one shared by every head, no gradient (``rope_axial``), and one per head with a gradient (learned
 frequencies, ``rope_mixed``). Reports the median time of ``REPS`` runs (CUDA events) and the bytes each variant
@@ -28,7 +29,7 @@ CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from vispe.benchmarks.speed_measure import median_call_ms
+from vispe.benchmarks.speed_measure import median_call_ms, triton_mutation_fallbacks
 from vispe.encodings.rotary import apply_rotary, rotary_table
 from vispe.encodings.triton_rotary import rotary_qkv
 
@@ -61,6 +62,8 @@ def main() -> None:
     bsz, tokens, heads, dh = (128, 197, 6, 64) if CUDA else (2, 5, 2, 8)
     plane = bsz * tokens * heads * dh * 2  # bytes of q (bf16)
     rows = []
+    watch = triton_mutation_fallbacks()  # kept: the watch ends when it is collected
+    fallbacks = watch.__enter__()
     for label, lead, learned in (("shared table (rope_axial)", (), False), ("per-head learned table (rope_mixed)", (heads,), True)):
         angles = torch.randn(*lead, tokens, dh // 2, device=device)
         base = torch.view_as_real(rotary_table(angles)).contiguous()
@@ -81,18 +84,21 @@ def main() -> None:
         rows.append({"table": label, "variant": "check", "max_rel_diff_vs_float32": worst})
         compiled = torch.compile(torch_rotation)
         for name, fn, table in (("split", split, base), ("torch", torch_rotation, complex_table),
-                                ("torch_compiled", compiled, base), ("triton", fused, base)):
+                                ("torch_compiled", compiled, base), ("triton", fused, base),
+                                ("triton_compiled", torch.compile(fused, backend="inductor" if CUDA else "aot_eager"), base)):
             qkv = torch.randn(bsz, tokens, 3, heads, dh, device=device, dtype=torch.bfloat16, requires_grad=True)
             t = table.detach().requires_grad_(learned)
             ms = timed(fn, qkv, t, grads, reps)
             # the least a variant moves: the backward reads 3 gradient planes and writes 3; the rotations read and
             # write q and k in the forward (the fused kernel also copies v: 6 planes)
-            floor = 6 * plane + {"split": 0, "triton": 6 * plane}.get(name, 4 * plane)
+            floor = 6 * plane + {"split": 0, "triton": 6 * plane, "triton_compiled": 6 * plane}.get(name, 4 * plane)
             rows.append({"table": label, "variant": name, "ms": round(ms, 4), "floor_bytes": floor,
                          "gb_per_s_at_floor": round(floor / ms / 1e6, 1)})
             print(f"{label:38s} {name:15s} {ms:8.3f} ms   floor {floor / 1e6:7.1f} MB   {floor / ms / 1e6:8.1f} GB/s")
     meta = {"device": torch.cuda.get_device_name() if CUDA else "cpu (interpreter check)", "torch": torch.__version__,
-            "shape": [bsz, tokens, 3, heads, dh], "dtype": "bfloat16", "reps": reps}
+            "shape": [bsz, tokens, 3, heads, dh], "dtype": "bfloat16", "reps": reps,
+            "compiled_kernels_analysis_fallbacks": len(fallbacks)}
+    print(f"kernels compiled into graphs whose written arguments PyTorch could not read (each argument copied): {len(fallbacks)}")
     with open(out_path, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
 

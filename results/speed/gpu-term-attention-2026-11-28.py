@@ -7,7 +7,8 @@ Variants, each timed as forward + backward with the gradient of the output given
 
 - ``sdpa``: no term (SDPA's fused kernel; APE's attention, the floor every variant is read against);
 - ``dense_compiled``: ``attention_backend='dense'`` under ``torch.compile``, what a compiled model runs on CUDA;
-- ``triton``: the fused kernels; for iRPE also ``triton_one_hot`` and ``triton_atomic`` (the term's gradient per
+- ``triton``: the fused kernels, eager; ``triton_compiled``: under ``torch.compile``, which traces the operators and
+  launches the kernels from its own code, as in a compiled model; for iRPE also ``triton_one_hot`` and ``triton_atomic`` (the term's gradient per
   row summed in the kernel by one-hot sums or atomic adds instead of the stored dS and a batched matmul:
   ``triton_bias.ROW_GRAD``), and then other tiles and warps per kernel (``triton_bias.LAUNCH``, one kernel changed
   at a time).
@@ -31,7 +32,7 @@ CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from vispe.benchmarks.speed_measure import median_call_ms
+from vispe.benchmarks.speed_measure import median_call_ms, triton_mutation_fallbacks
 from vispe.encodings import (
     EncodingContext,
     PositionGrid,
@@ -68,6 +69,8 @@ def main() -> None:
     g = torch.Generator(device=device).manual_seed(0)
     base = [torch.randn(bsz, heads, tokens, dh, device=device, generator=g) for _ in range(3)]
     grad = torch.randn(bsz, heads, tokens, dh, device=device, generator=g)
+    watch = triton_mutation_fallbacks()  # kept: the watch ends when it is collected
+    fallbacks = watch.__enter__()
     for name, options in (("irpe", {"init_std": 0.5}), ("alibi_2d", {}), ("fire", {})):
         enc = create_encoding(name, ctx, **options).to(device)
         fn = attend_fn(enc, grid, device)
@@ -89,7 +92,8 @@ def main() -> None:
         inputs = [t.detach().to(half).requires_grad_() for t in base]
         g_half = grad.to(half)
         variants = [("sdpa", lambda q, k, v: F.scaled_dot_product_attention(q, k, v), None)]
-        variants += [("dense_compiled", torch.compile(fn), "dense"), ("triton", fn, "triton")]
+        variants += [("dense_compiled", torch.compile(fn), "dense"), ("triton", fn, "triton"),
+                     ("triton_compiled", torch.compile(fn, backend="inductor" if CUDA else "aot_eager"), "triton")]
         if name == "irpe":
             variants += [("triton_one_hot", fn, "triton"), ("triton_atomic", fn, "triton")]
         for variant, call, backend in variants:
@@ -119,7 +123,9 @@ def main() -> None:
             print(f"irpe launch {kernel:10s} {choice}: {ms} ms (default {default[kernel]})")
     triton_bias.LAUNCH = default
     meta = {"device": torch.cuda.get_device_name() if CUDA else "cpu (interpreter check)", "torch": torch.__version__,
-            "shape": [bsz, heads, tokens, dh], "dtype": str(half), "reps": reps}
+            "shape": [bsz, heads, tokens, dh], "dtype": str(half), "reps": reps,
+            "compiled_kernels_analysis_fallbacks": len(fallbacks)}
+    print(f"kernels compiled into graphs whose written arguments PyTorch could not read (each argument copied): {len(fallbacks)}")
     with open(out_path, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
 

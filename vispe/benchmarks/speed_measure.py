@@ -6,7 +6,7 @@ import contextlib
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Iterable
+from typing import Any, Callable, ContextManager, Iterable, Iterator
 
 import torch
 import torch.nn as nn
@@ -72,6 +72,29 @@ def graphs_compiled() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
+
+
+@contextlib.contextmanager
+def triton_mutation_fallbacks() -> Iterator[list[str]]:
+    """PyTorch's warnings, within the block, that it could not read which arguments a Triton kernel writes from the
+    kernel's Triton IR when tracing a graph around it (it then assumes every argument written and copies each): one
+    message per kernel launch traced so. Empty where every compiled kernel was analysed (as on a GPU it should be)."""
+    import logging
+
+    names: list[str] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "assuming every input is mutated" in record.getMessage():
+                names.append(record.getMessage())
+
+    logger = logging.getLogger("torch._dynamo")  # where torch._higher_order_ops.triton_kernel_wrap logs it
+    handler = Catch(logging.WARNING)
+    logger.addHandler(handler)
+    try:
+        yield names
+    finally:
+        logger.removeHandler(handler)
 
 
 def _sync(device: torch.device) -> None:

@@ -1,5 +1,5 @@
-"""The Triton source of :mod:`vispe.encodings.triton_bias`'s kernels, in a module of its own: it imports Triton
-(imported only when a kernel is built) and keeps its annotations as objects, which Triton reads to find the
+"""The Triton kernels of :mod:`vispe.encodings.triton_bias`, in a module of its own: it imports Triton (imported only
+when a kernel runs) and keeps its annotations as objects, which Triton reads to find the
 compile-time constants (a module with postponed annotations would give it strings).
 
 Every kernel adds the lattice term ``table[b, h, i, bucket(i, j)]`` to the logits of a tile, with
@@ -9,19 +9,14 @@ contiguous channels; the table by (batch, head, row) strides (0 where it is shar
 float32 tiles take ``DOT_PRECISION`` (``'ieee'``, or ``'tf32'`` where PyTorch allows TF32 matmuls); 16-bit tiles
 multiply exactly with float32 sums either way.
 """
+import triton
 import triton.language as tl
 
-# Triton's own combine functions, named directly rather than through tl.sum / tl.max / tl.zeros: those are jit
-# functions of Triton's standard library, which the interpreter can call only when TRITON_INTERPRET was set before
-# Triton was imported (a test sets it later); it recognises these combines and reduces with numpy
-_SUM = tl.standard._sum_combine
-_MAX = tl.standard._elementwise_max
 
-
+@triton.jit
 def term_tile(table, codes_q, codes_k, lut, t_b, t_h, t_l, cq_b, ck_b, b, h, rows, cols, tokens, center, fill,
                HAS_LUT: tl.constexpr):
-    """The term of one (query rows x key columns) tile in float32, and each pair's bucket (its table column). The
-    kernels take it as their ``TERM_TILE`` argument: ``triton.jit(term_tile)`` when compiled, itself when interpreted."""
+    """The term of one (query rows x key columns) tile in float32, and each pair's bucket (its table column)."""
     row_ok = rows < tokens
     col_ok = cols < tokens
     cq = tl.load(codes_q + b * cq_b + rows, mask=row_ok, other=-1)
@@ -37,12 +32,13 @@ def term_tile(table, codes_q, codes_k, lut, t_b, t_h, t_l, cq_b, ck_b, b, h, row
     return term.to(tl.float32), bucket
 
 
+@triton.jit
 def term_attention_forward_kernel(
     q, k, v, out, lse, table, codes_q, codes_k, lut,
     q_b, q_h, q_n, k_b, k_h, k_n, v_b, v_h, v_n, o_b, o_h, o_n,
     t_b, t_h, t_l, cq_b, ck_b,
     heads, tokens, head_dim, center, fill, scale,
-    TERM_TILE: tl.constexpr, HAS_LUT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_LUT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """One (sample, head, block of query rows): softmax(q k^T s + term) v with a running maximum and sum (nothing of
     size rows x keys leaves the chip), and each row's log-sum-exp for the backward."""
@@ -63,14 +59,14 @@ def term_attention_forward_kernel(
         kv_mask = col_ok[:, None] & d_ok[None, :]
         kt = tl.load(k + b * k_b + h * k_h + cols[:, None] * k_n + d[None, :], mask=kv_mask, other=0.0)
         vt = tl.load(v + b * v_b + h * v_h + cols[:, None] * v_n + d[None, :], mask=kv_mask, other=0.0)
-        term, _ = TERM_TILE(table, codes_q, codes_k, lut, t_b, t_h, t_l, cq_b, ck_b, b, h, rows, cols, tokens, center,
+        term, _ = term_tile(table, codes_q, codes_k, lut, t_b, t_h, t_l, cq_b, ck_b, b, h, rows, cols, tokens, center,
                              fill, HAS_LUT)
         s = tl.dot(qt, tl.trans(kt), input_precision=DOT_PRECISION) * scale + term
         s = tl.where(col_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.reduce(p, 1, _SUM)
+        l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PRECISION)
         m_i = m_new
     acc = acc / l_i[:, None]
@@ -79,12 +75,13 @@ def term_attention_forward_kernel(
     tl.store(lse + bh * tokens + rows, m_i + tl.log(l_i), mask=row_ok)
 
 
+@triton.jit
 def term_attention_dkdv_kernel(
     q, k, v, dout, lse, delta, dk, dv, table, codes_q, codes_k, lut,
     q_b, q_h, q_n, k_b, k_h, k_n, v_b, v_h, v_n, do_b, do_h, do_n, dk_b, dk_h, dk_n, dv_b, dv_h, dv_n,
     t_b, t_h, t_l, cq_b, ck_b,
     heads, tokens, head_dim, center, fill, scale,
-    TERM_TILE: tl.constexpr, HAS_LUT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_LUT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """One (sample, head, block of keys): dV = P^T dO and dK = s dS^T q over every query block, P rebuilt from the
     log-sum-exp and dS = P (dP - delta), delta = rowsum(dO * O)."""
@@ -108,7 +105,7 @@ def term_attention_dkdv_kernel(
         dot_ = tl.load(dout + b * do_b + h * do_h + rows[:, None] * do_n + d[None, :], mask=q_mask, other=0.0)
         m = tl.load(lse + bh * tokens + rows, mask=row_ok, other=0.0)
         dl = tl.load(delta + bh * tokens + rows, mask=row_ok, other=0.0)
-        term, _ = TERM_TILE(table, codes_q, codes_k, lut, t_b, t_h, t_l, cq_b, ck_b, b, h, rows, cols, tokens, center,
+        term, _ = term_tile(table, codes_q, codes_k, lut, t_b, t_h, t_l, cq_b, ck_b, b, h, rows, cols, tokens, center,
                              fill, HAS_LUT)
         s = tl.dot(qt, tl.trans(kt), input_precision=DOT_PRECISION) * scale + term
         p = tl.where(row_ok[:, None] & col_ok[None, :], tl.exp(s - m[:, None]), 0.0)
@@ -120,12 +117,13 @@ def term_attention_dkdv_kernel(
     tl.store(dv + b * dv_b + h * dv_h + cols[:, None] * dv_n + d[None, :], dv_acc.to(dv.dtype.element_ty), mask=kv_mask)
 
 
+@triton.jit
 def term_attention_dq_kernel(
     q, k, v, dout, lse, delta, dq, dterm, table, codes_q, codes_k, lut,
     q_b, q_h, q_n, k_b, k_h, k_n, v_b, v_h, v_n, do_b, do_h, do_n, dq_b, dq_h, dq_n,
     t_b, t_h, t_l, cq_b, ck_b,
     heads, tokens, head_dim, columns, center, fill, scale,
-    TERM_TILE: tl.constexpr, HAS_LUT: tl.constexpr, DOT_PRECISION: tl.constexpr, TERM_GRAD: tl.constexpr, PAIR_BATCH: tl.constexpr,
+    HAS_LUT: tl.constexpr, DOT_PRECISION: tl.constexpr, TERM_GRAD: tl.constexpr, PAIR_BATCH: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """One (sample, head, block of query rows): dQ = s dS k over every key block, and the term's gradient as
@@ -163,7 +161,7 @@ def term_attention_dq_kernel(
         kv_mask = col_ok[:, None] & d_ok[None, :]
         kt = tl.load(k + b * k_b + h * k_h + cols[:, None] * k_n + d[None, :], mask=kv_mask, other=0.0)
         vt = tl.load(v + b * v_b + h * v_h + cols[:, None] * v_n + d[None, :], mask=kv_mask, other=0.0)
-        term, bucket = TERM_TILE(table, codes_q, codes_k, lut, t_b, t_h, t_l, cq_b, ck_b, b, h, rows, cols, tokens,
+        term, bucket = term_tile(table, codes_q, codes_k, lut, t_b, t_h, t_l, cq_b, ck_b, b, h, rows, cols, tokens,
                                  center, fill, HAS_LUT)
         s = tl.dot(qt, tl.trans(kt), input_precision=DOT_PRECISION) * scale + term
         p = tl.where(both, tl.exp(s - m[:, None]), 0.0)
@@ -172,7 +170,7 @@ def term_attention_dq_kernel(
         dq_acc += tl.dot(ds.to(kt.dtype), kt, input_precision=DOT_PRECISION)
         if TERM_GRAD == 1:
             hit = bucket[:, :, None] == c[None, None, :]
-            dterm_acc += tl.reduce(tl.where(hit, ds[:, :, None], 0.0), 1, _SUM)
+            dterm_acc += tl.sum(tl.where(hit, ds[:, :, None], 0.0), 1)
         if TERM_GRAD == 2:
             tl.atomic_add(term_rows + bucket, ds, mask=both, sem="relaxed")
         if TERM_GRAD == 3:
@@ -187,6 +185,7 @@ def term_attention_dq_kernel(
         tl.store(term_rows + c[None, :], dterm_acc, mask=row_ok[:, None] & (c[None, :] < columns))
 
 
+@triton.jit
 def term_attention_delta_kernel(
     out, dout, delta, o_b, o_h, o_n, do_b, do_h, do_n, heads, tokens, head_dim,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -202,4 +201,4 @@ def term_attention_delta_kernel(
     mask = row_ok[:, None] & (d[None, :] < head_dim)
     o = tl.load(out + b * o_b + h * o_h + rows[:, None] * o_n + d[None, :], mask=mask, other=0.0).to(tl.float32)
     g = tl.load(dout + b * do_b + h * do_h + rows[:, None] * do_n + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    tl.store(delta + bh * tokens + rows, tl.reduce(o * g, 1, _SUM), mask=row_ok)
+    tl.store(delta + bh * tokens + rows, tl.sum(o * g, 1), mask=row_ok)

@@ -1,9 +1,11 @@
-"""The Triton source of :mod:`vispe.encodings.triton_rotary`'s kernel, in a module of its own: it imports Triton
-(imported only when the kernel is built) and keeps its annotations as objects, which Triton reads to find the
-compile-time constants (a module with postponed annotations would give it strings)."""
+"""The Triton kernel of :mod:`vispe.encodings.triton_rotary`, in a module of its own: it imports Triton (imported only
+when the kernel runs) and keeps its annotations as objects, which Triton reads to find the compile-time constants (a
+module with postponed annotations would give it strings)."""
+import triton
 import triton.language as tl
 
 
+@triton.jit
 def rotate_qkv_kernel(
     q_in, k_in, v_in, q_out, k_out, v_out, table,
     qi_b, qi_h, qi_n, ki_b, ki_h, ki_n, vi_b, vi_h, vi_n,

@@ -18,9 +18,11 @@ whose bucket is ``c``: by default the queries' kernel stores dS and one batched 
 it (:data:`ROW_GRAD`); any other table gets dS per pair summed over the batch by atomic adds, then one ``index_add``
 onto the table's columns.
 
-The operators are ``torch.ops.vispe.term_attention`` / ``torch.ops.vispe.term_attention_backward`` (custom ops with
-fake kernels and autograd: opaque to ``torch.compile``). They run CUDA tensors, and CPU tensors in Triton's
-interpreter when ``TRITON_INTERPRET=1`` (slow; for tests).
+The operators are ``torch.ops.vispe.term_attention`` / ``torch.ops.vispe.term_attention_backward``, ``triton_op`` s
+with autograd that a compiled model traces into (:mod:`~vispe.encodings.triton_support`): its graph launches the
+kernels itself, and the backward's position-only tensors (every pair's bucket, their one-hot) are computed once for
+all layers. They run CUDA tensors, and CPU tensors in Triton's interpreter when ``TRITON_INTERPRET=1`` was set before
+Triton's import (slow; for tests).
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from typing import Any
 
 import torch
 
-from .triton_support import kernel_for, on_device, triton_unavailable
+from .triton_support import launch, triton_unavailable
 
 __all__ = ["MAX_GRAD_COLUMNS", "term_attention", "triton_bias_unavailable"]
 
@@ -75,15 +77,14 @@ def _term_strides(table: torch.Tensor, codes_q: torch.Tensor, codes_k: torch.Ten
     return [*_bhn(table), 0 if codes_q.shape[0] == 1 else codes_q.stride(0), 0 if codes_k.shape[0] == 1 else codes_k.stride(0)]
 
 
-def _kernel(name: str, device: torch.device) -> tuple[Any, Any]:
-    """The kernel ``name`` and the tile helper it takes, built for ``device``."""
+def _kernels(device: torch.device) -> Any:
+    """The kernels' module, once the device is known to run them."""
     why = triton_bias_unavailable(device)
     if why is not None:
         raise RuntimeError(why)
-    from . import _triton_bias_kernel as source
+    from . import _triton_bias_kernel
 
-    compiled = device.type == "cuda"
-    return kernel_for(getattr(source, name), compiled), (kernel_for(source.term_tile, True) if compiled else source.term_tile)
+    return _triton_bias_kernel
 
 
 def _dot_precision() -> str:
@@ -97,7 +98,7 @@ def _attention_layout(like: torch.Tensor) -> torch.Tensor:
     return torch.empty_permuted(like.shape, (0, 2, 1, 3), dtype=like.dtype, device=like.device)
 
 
-@torch.library.custom_op("vispe::term_attention", mutates_args=())
+@torch.library.triton_op("vispe::term_attention", mutates_args=())
 def _term_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, codes_q: torch.Tensor,
                        codes_k: torch.Tensor, lut: torch.Tensor | None, center: int, fill: int, scale: float
                        ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,21 +106,14 @@ def _term_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table:
     bsz, heads, tokens, dh = q.shape
     out = _attention_layout(q)
     lse = torch.empty((bsz, heads, tokens), dtype=torch.float32, device=q.device)
-    kernel, tile = _kernel("term_attention_forward_kernel", q.device)
     bm, bn, warps = LAUNCH["forward"]
-    with on_device(q):
-        kernel[(-(-tokens // bm), bsz * heads)](
-            q, k, v, out, lse, *_term_args(table, codes_q, codes_k, lut),
-            *_bhn(q), *_bhn(k), *_bhn(v), *_bhn(out), *_term_strides(table, codes_q, codes_k),
-            heads, tokens, dh, center, fill, scale,
-            TERM_TILE=tile, HAS_LUT=lut is not None, DOT_PRECISION=_dot_precision(), BLOCK_M=bm, BLOCK_N=bn,
-            BLOCK_D=_pow2(dh), num_warps=warps)
+    launch(_kernels(q.device).term_attention_forward_kernel, (-(-tokens // bm), bsz * heads),
+           q, k, v, out, lse, *_term_args(table, codes_q, codes_k, lut),
+           *_bhn(q), *_bhn(k), *_bhn(v), *_bhn(out), *_term_strides(table, codes_q, codes_k),
+           heads, tokens, dh, center, fill, scale,
+           HAS_LUT=lut is not None, DOT_PRECISION=_dot_precision(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=_pow2(dh),
+           num_warps=warps)
     return out, lse
-
-
-@_term_attention_op.register_fake
-def _(q, k, v, table, codes_q, codes_k, lut, center, fill, scale):
-    return _attention_layout(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 def _pair_buckets(codes_q: torch.Tensor, codes_k: torch.Tensor, lut: torch.Tensor | None, center: int, fill: int) -> torch.Tensor:
@@ -148,17 +142,18 @@ def _round_up(n: int, multiple: int) -> int:
 def _row_grad_by_matmul(ds_rows: torch.Tensor, bucket: torch.Tensor, table: torch.Tensor, bsz: int, heads: int) -> torch.Tensor:
     """The per-row table's gradient from dS stored query-major ``(L, B * H, Lp)`` (``Lp >= L``: rows padded for aligned
     products) and the buckets ``(1, L, L)``: for each query row, its dS against the one-hot of its buckets, all rows
-    in one batched matmul ``(L, B*H, Lp) @ (L, Lp, Cp)``. Exact: each pair has one bucket."""
+    in one batched matmul ``(L, B*H, Lp) @ (L, Lp, Cp)``. Exact: each pair has one bucket. In dS's dtype (the
+    table's), as a ``(B, H, L, C)`` view: the caller's cast to the table's dtype is the one copy."""
     tokens, _, padded = ds_rows.shape
     columns = table.shape[-1]
     one_hot = ds_rows.new_zeros(tokens, padded, _round_up(columns, 8))
     one_hot[:, :tokens].scatter_(-1, bucket[0].long().unsqueeze(-1), 1.0)
     ds_rows[..., tokens:] = 0  # the padding the kernel does not write
     dz = torch.bmm(ds_rows, one_hot)[..., :columns]  # (L, B*H, C)
-    return dz.view(tokens, bsz, heads, columns).permute(1, 2, 0, 3).float()
+    return dz.view(tokens, bsz, heads, columns).permute(1, 2, 0, 3)
 
 
-@torch.library.custom_op("vispe::term_attention_backward", mutates_args=())
+@torch.library.triton_op("vispe::term_attention_backward", mutates_args=())
 def _term_attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                                 lse: torch.Tensor, table: torch.Tensor, codes_q: torch.Tensor, codes_k: torch.Tensor,
                                 lut: torch.Tensor | None, center: int, fill: int, scale: float, term_grad: bool
@@ -184,39 +179,30 @@ def _term_attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Te
     term = [*_term_args(table, codes_q, codes_k, lut)]
     term_strides = _term_strides(table, codes_q, codes_k)
     block_d = _pow2(dh)
-    dkdv, tile = _kernel("term_attention_dkdv_kernel", q.device)
-    dq_kernel, _ = _kernel("term_attention_dq_kernel", q.device)
-    delta_kernel, _ = _kernel("term_attention_delta_kernel", q.device)
-    with on_device(q):
-        bm = LAUNCH["delta"][0]
-        delta_kernel[(-(-tokens // bm), bsz * heads)](out, dout, delta, *_bhn(out), *_bhn(dout), heads, tokens, dh,
-                                                     BLOCK_M=bm, BLOCK_D=block_d, num_warps=LAUNCH["delta"][2])
-        bm, bn, warps = LAUNCH["dkdv"]
-        dkdv[(-(-tokens // bn), bsz * heads)](
-            q, k, v, dout, lse, delta, dk, dv, *term,
-            *_bhn(q), *_bhn(k), *_bhn(v), *_bhn(dout), *_bhn(dk), *_bhn(dv), *term_strides,
-            heads, tokens, dh, center, fill, scale,
-            TERM_TILE=tile, HAS_LUT=lut is not None, DOT_PRECISION=_dot_precision(), BLOCK_M=bm, BLOCK_N=bn,
-            BLOCK_D=block_d, num_warps=warps)
-        bm, bn, warps = LAUNCH["dq_one_hot" if mode == 1 else "dq"]
-        dq_kernel[(-(-tokens // bm), bsz * heads)](
-            q, k, v, dout, lse, delta, dq, dterm, *term,
-            *_bhn(q), *_bhn(k), *_bhn(v), *_bhn(dout), *_bhn(dq), *term_strides,
-            heads, tokens, dh, dterm.shape[-1] if mode == 4 else columns, center, fill, scale,
-            TERM_TILE=tile, HAS_LUT=lut is not None, DOT_PRECISION=_dot_precision(), TERM_GRAD=mode, PAIR_BATCH=pair_batch,
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, BLOCK_C=_pow2(columns, 1) if mode == 1 else 1, num_warps=warps)
+    kernels = _kernels(q.device)
+    bm = LAUNCH["delta"][0]
+    launch(kernels.term_attention_delta_kernel, (-(-tokens // bm), bsz * heads),
+           out, dout, delta, *_bhn(out), *_bhn(dout), heads, tokens, dh,
+           BLOCK_M=bm, BLOCK_D=block_d, num_warps=LAUNCH["delta"][2])
+    bm, bn, warps = LAUNCH["dkdv"]
+    launch(kernels.term_attention_dkdv_kernel, (-(-tokens // bn), bsz * heads),
+           q, k, v, dout, lse, delta, dk, dv, *term,
+           *_bhn(q), *_bhn(k), *_bhn(v), *_bhn(dout), *_bhn(dk), *_bhn(dv), *term_strides,
+           heads, tokens, dh, center, fill, scale,
+           HAS_LUT=lut is not None, DOT_PRECISION=_dot_precision(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d,
+           num_warps=warps)
+    bm, bn, warps = LAUNCH["dq_one_hot" if mode == 1 else "dq"]
+    launch(kernels.term_attention_dq_kernel, (-(-tokens // bm), bsz * heads),
+           q, k, v, dout, lse, delta, dq, dterm, *term,
+           *_bhn(q), *_bhn(k), *_bhn(v), *_bhn(dout), *_bhn(dq), *term_strides,
+           heads, tokens, dh, dterm.shape[-1] if mode == 4 else columns, center, fill, scale,
+           HAS_LUT=lut is not None, DOT_PRECISION=_dot_precision(), TERM_GRAD=mode, PAIR_BATCH=pair_batch,
+           BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, BLOCK_C=_pow2(columns, 1) if mode == 1 else 1, num_warps=warps)
     if mode == 3:
         dterm = _pair_grad_to_table(dterm, table, _pair_buckets(codes_q, codes_k, lut, center, fill))
     elif mode == 4:
         dterm = _row_grad_by_matmul(dterm, _pair_buckets(codes_q, codes_k, lut, center, fill), table, bsz, heads)
-    # contiguous, as the fake kernel states it (a compiled graph checks the layout of what an operator returns)
-    return dq, dk, dv, (dterm.sum_to_size(table.shape) if mode in (1, 2, 4) else dterm).contiguous()
-
-
-@_term_attention_backward_op.register_fake
-def _(dout, q, k, v, out, lse, table, codes_q, codes_k, lut, center, fill, scale, term_grad):
-    dterm = q.new_empty(table.shape if term_grad else (0,), dtype=torch.float32)
-    return _attention_layout(q), _attention_layout(k), _attention_layout(v), dterm
+    return dq, dk, dv, dterm.sum_to_size(table.shape) if mode in (1, 2, 4) else dterm
 
 
 def _pair_grad_to_table(dpair: torch.Tensor, table: torch.Tensor, bucket: torch.Tensor) -> torch.Tensor:

@@ -13,8 +13,9 @@ real view ``(cos, sin)`` of a unit-modulus table (``rotary_table``), broadcast o
 (learned frequencies) is computed from the rotated outputs, which attention keeps anyway: with ``|table| = 1`` the
 unrotated input is the output rotated back.
 
-The operators are ``torch.ops.vispe.rotary_qkv`` and ``torch.ops.vispe.rotary_qkv_backward``. They run CUDA tensors
-in the compiled kernel, and CPU tensors in Triton's interpreter when ``TRITON_INTERPRET=1`` (slow; for tests).
+The operators are ``torch.ops.vispe.rotary_qkv`` and ``torch.ops.vispe.rotary_qkv_backward``, ``triton_op`` s that a
+compiled model traces into (:mod:`~vispe.encodings.triton_support`). They run CUDA tensors in the compiled kernel,
+and CPU tensors in Triton's interpreter when ``TRITON_INTERPRET=1`` was set before Triton's import (slow; for tests).
 Encodings choose this path with ``rotary_backend='triton'`` (:class:`~vispe.encodings.rotary.RotaryEncoding`).
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .triton_support import interpreter_enabled, kernel_for, on_device, triton_unavailable
+from .triton_support import interpreter_enabled, launch, triton_unavailable
 
 __all__ = ["interpreter_enabled", "rotary_qkv", "triton_rotary_unavailable"]
 
@@ -48,14 +49,12 @@ def _launch(ins: tuple[torch.Tensor, ...], outs: tuple[torch.Tensor, ...], table
         raise RuntimeError(why)
     from ._triton_rotary_kernel import rotate_qkv_kernel
 
-    kernel = kernel_for(rotate_qkv_kernel, ins[0].device.type == "cuda")
     block_p = 1 << max(pairs - 1, 0).bit_length()
     block_n = max(1, min(64, 4096 // (2 * block_p)))
     grid = (bsz * heads, -(-tokens // block_n))
     strides = [s for t in (*ins, *outs, table) for s in _bhn_strides(t)]
-    with on_device(ins[0]):
-        kernel[grid](*ins, *outs, table, *strides, heads, tokens, pairs,
-                     SIGN=sign, INTERLEAVED=interleaved, BLOCK_N=block_n, BLOCK_P=block_p)
+    launch(rotate_qkv_kernel, grid, *ins, *outs, table, *strides, heads, tokens, pairs,
+           SIGN=sign, INTERLEAVED=interleaved, BLOCK_N=block_n, BLOCK_P=block_p)
 
 
 def _table5(table: torch.Tensor, tokens: int) -> torch.Tensor:
@@ -77,7 +76,7 @@ def _attention_layout(shape: tuple[int, ...], like: torch.Tensor, dtype: torch.d
     return torch.empty_permuted(shape, (0, 2, 1, 3), dtype=dtype, device=like.device)
 
 
-@torch.library.custom_op("vispe::rotary_qkv", mutates_args=())
+@torch.library.triton_op("vispe::rotary_qkv", mutates_args=())
 def _rotary_qkv_op(qkv: torch.Tensor, table: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     bsz, tokens, _, heads, dh = qkv.shape
     src = qkv if qkv.stride(-1) == 1 else qkv.contiguous()
@@ -87,13 +86,7 @@ def _rotary_qkv_op(qkv: torch.Tensor, table: torch.Tensor, interleaved: bool) ->
     return outs  # type: ignore[return-value]
 
 
-@_rotary_qkv_op.register_fake
-def _(qkv: torch.Tensor, table: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    bsz, tokens, _, heads, dh = qkv.shape
-    return tuple(_attention_layout((bsz, heads, tokens, dh), qkv, qkv.dtype) for _ in range(3))  # type: ignore[return-value]
-
-
-@torch.library.custom_op("vispe::rotary_qkv_backward", mutates_args=())
+@torch.library.triton_op("vispe::rotary_qkv_backward", mutates_args=())
 def _rotary_qkv_backward_op(grad_q: torch.Tensor, grad_k: torch.Tensor, grad_v: torch.Tensor, table: torch.Tensor,
                             interleaved: bool) -> torch.Tensor:
     bsz, heads, tokens, dh = grad_q.shape
@@ -101,12 +94,6 @@ def _rotary_qkv_backward_op(grad_q: torch.Tensor, grad_k: torch.Tensor, grad_v: 
     out = torch.empty((bsz, tokens, 3, heads, dh), dtype=grad_q.dtype, device=grad_q.device)
     _launch(grads, tuple(out[:, :, i].transpose(1, 2) for i in range(3)), _table5(table, tokens), -1, interleaved)
     return out
-
-
-@_rotary_qkv_backward_op.register_fake
-def _(grad_q: torch.Tensor, grad_k: torch.Tensor, grad_v: torch.Tensor, table: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    bsz, heads, tokens, dh = grad_q.shape
-    return grad_q.new_empty((bsz, tokens, 3, heads, dh))
 
 
 def _setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
