@@ -289,8 +289,8 @@ def test_pytorch_reads_what_each_kernel_writes_as_the_test_session_does():
 
 
 def test_the_kernels_compile_for_hopper_gpus():
-    # what the interpreter cannot show: Triton's compiler takes the four kernels (no GPU needed to compile), with
-    # the tile helper they call, every gradient mode of the queries' kernel included; with the strides and head width
+    # what the interpreter cannot show: Triton's compiler takes the four kernels (no GPU needed to compile) as
+    # inductor writes them into a compiled graph's code, with the tile helper they call, every gradient mode of the queries' kernel included; with the strides and head width
     # a ViT gives (multiples of 16, which Triton's launcher specialises on) the q/k/v tiles load 16 bytes at a time
     # and the products run on tensor cores
     import re

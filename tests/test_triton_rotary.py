@@ -240,9 +240,9 @@ def test_pytorch_reads_what_the_kernel_writes_as_the_test_session_does():
 
 
 def test_the_kernel_compiles_for_hopper_gpus_with_128_bit_accesses():
-    # what the interpreter cannot show: Triton's compiler takes the source (no GPU needed to compile), and with the
-    # strides and pair count a ViT gives (multiples of 16, which Triton's launcher specialises on) every global load
-    # and store of the tile is 16 bytes wide, in both pair layouts
+    # what the interpreter cannot show: Triton's compiler takes the source inductor writes into a compiled graph's
+    # code (no GPU needed to compile), and with the strides and pair count a ViT gives (multiples of 16, which
+    # Triton's launcher specialises on) every global load and store of the tile is 16 bytes wide, in both pair layouts
     import re
 
     from triton_compile import hopper_ptx

@@ -19,9 +19,26 @@ import importlib, json, sys
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 module = importlib.import_module(sys.argv[1])
+
+
+def as_inductor_writes_it(kernel):
+    # the source a compiled graph's generated code holds for a user kernel: the kernel and every jit function it
+    # calls, collected by inductor, under Triton's imports; loaded as a module of its own
+    import importlib.util, os, tempfile
+    from torch._inductor.codegen.wrapper import user_defined_triton_kernel_transitive_closure_source_code as closure
+    text = "import triton\\nimport triton.language as tl\\n\\n\\n@triton.jit\\n" + closure(kernel)
+    path = os.path.join(tempfile.mkdtemp(), kernel.fn.__name__ + "_inductor.py")
+    with open(path, "w") as f:
+        f.write(text)
+    spec = importlib.util.spec_from_file_location(kernel.fn.__name__ + "_inductor", path)
+    emitted = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(emitted)
+    return getattr(emitted, kernel.fn.__name__)
+
+
 ptx = []
 for plan in json.loads(sys.stdin.read()):
-    kernel = getattr(module, plan["kernel"])
+    kernel = as_inductor_writes_it(getattr(module, plan["kernel"]))
     names = kernel.arg_names
     signature = {n: plan["types"].get(n, "constexpr" if n in plan["constexprs"] else "i32") for n in names}
     aligned = [i for i, n in enumerate(names) if n in plan["aligned"] or n.endswith(tuple(plan.get("aligned_suffixes", ())))]
@@ -33,7 +50,8 @@ print(json.dumps(ptx))
 
 
 def hopper_ptx(module: str, plans: list[dict]) -> list[str]:
-    """The PTX of each plan's kernel of ``module`` compiled for sm_90. A plan: ``kernel`` (its name), ``types`` (Triton
+    """The PTX of each plan's kernel of ``module`` compiled for sm_90, from the source inductor writes for it into a
+    compiled graph (the kernel and the jit functions it calls, collected). A plan: ``kernel`` (its name), ``types`` (Triton
     types of the pointer and float arguments; others are ``i32``), ``aligned`` (arguments Triton's launcher would see
     as multiples of 16; optional ``aligned_suffixes``: those whose names end so), ``constexprs`` (every compile-time argument's value)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
