@@ -29,7 +29,7 @@ CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from vispe.benchmarks.speed_measure import median_call_ms, triton_mutation_fallbacks
+from vispe.benchmarks.speed_measure import median_backward_ms, triton_mutation_fallbacks
 from vispe.encodings.rotary import apply_rotary, rotary_table
 from vispe.encodings.triton_rotary import rotary_qkv
 
@@ -45,14 +45,6 @@ def torch_rotation(qkv, table):
 
 def fused(qkv, table):
     return rotary_qkv(qkv, table)
-
-
-def timed(fn, qkv, table, grads, reps: int) -> float:
-    def once():
-        outs = fn(qkv, table)
-        torch.autograd.backward(outs, grads)
-
-    return median_call_ms(once, reps)
 
 
 def main() -> None:
@@ -88,7 +80,7 @@ def main() -> None:
                                 ("triton_compiled", torch.compile(fused, backend="inductor" if CUDA else "aot_eager"), base)):
             qkv = torch.randn(bsz, tokens, 3, heads, dh, device=device, dtype=torch.bfloat16, requires_grad=True)
             t = table.detach().requires_grad_(learned)
-            ms = timed(fn, qkv, t, grads, reps)
+            ms = median_backward_ms(fn, (qkv, t), grads, reps)
             # the least a variant moves: the backward reads 3 gradient planes and writes 3; the rotations read and
             # write q and k in the forward (the fused kernel also copies v: 6 planes)
             floor = 6 * plane + {"split": 0, "triton": 6 * plane, "triton_compiled": 6 * plane}.get(name, 4 * plane)

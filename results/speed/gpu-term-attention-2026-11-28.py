@@ -32,7 +32,7 @@ CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from vispe.benchmarks.speed_measure import median_call_ms, triton_mutation_fallbacks
+from vispe.benchmarks.speed_measure import median_backward_ms, triton_mutation_fallbacks
 from vispe.encodings import (
     EncodingContext,
     PositionGrid,
@@ -46,14 +46,6 @@ def attend_fn(enc, grid, device):
         return enc.attend(q, k, v, layer=0, state=enc.prepare(grid, device))
 
     return fn
-
-
-def timed(fn, inputs, grad, reps: int) -> float:
-    def once():
-        out = fn(*inputs)
-        torch.autograd.backward(out, grad)
-
-    return median_call_ms(once, reps)
 
 
 def main() -> None:
@@ -100,7 +92,7 @@ def main() -> None:
             if backend is not None:
                 enc.set_attention_backend(backend)
             triton_bias.ROW_GRAD = {"triton_atomic": "atomic", "triton_one_hot": "one_hot"}.get(variant, "matmul")
-            ms = timed(call, inputs, g_half, reps)
+            ms = median_backward_ms(call, inputs, g_half, reps)
             rows.append({"encoding": name, "variant": variant, "ms": round(ms, 4)})
             print(f"{name:10s} {variant:16s} {ms:8.3f} ms")
         triton_bias.ROW_GRAD = "matmul"
@@ -116,7 +108,7 @@ def main() -> None:
         for choice in choices:
             triton_bias.LAUNCH = {**default, kernel: choice}
             try:
-                ms = round(timed(fn, inputs, grad.to(half), reps), 4)
+                ms = round(median_backward_ms(fn, inputs, grad.to(half), reps), 4)
             except Exception as exc:  # noqa: BLE001  (a tile this GPU cannot hold: say so, keep sweeping)
                 ms = f"failed: {type(exc).__name__}: {str(exc)[:120]}"
             rows.append({"encoding": "irpe", "variant": "launch", "kernel": kernel, "launch": list(choice), "ms": ms})

@@ -74,6 +74,16 @@ def graphs_compiled() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def median_backward_ms(fn: Callable[..., Any], args: Iterable[Any], grads: Any, reps: int) -> float:
+    """:func:`median_call_ms` of one forward ``fn(*args)`` and its backward from the output gradients ``grads``."""
+    args = tuple(args)
+
+    def once() -> None:
+        torch.autograd.backward(fn(*args), grads)
+
+    return median_call_ms(once, reps)
+
+
 @contextlib.contextmanager
 def triton_mutation_fallbacks() -> Iterator[list[str]]:
     """PyTorch's warnings, within the block, that it could not read which arguments a Triton kernel writes from the
