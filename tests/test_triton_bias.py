@@ -253,7 +253,8 @@ def test_a_compiled_model_launches_the_kernels_itself_and_builds_the_buckets_onc
     assert not [op for op in (*forward, *backward) if op.startswith("vispe.")]  # no opaque operator left
     assert forward["triton_kernel_wrapper_functional"] == depth  # the forward kernel per layer
     assert backward["triton_kernel_wrapper_functional"] == 3 * depth  # row sums, keys', queries' kernels per layer
-    assert backward["aten.scatter.value"] == 1 and backward["aten.index.Tensor"] == 1  # the one-hot, the lookup: once
+    assert backward["aten.index.Tensor"] == 1  # the pairs' bucket lookup: once
+    assert backward["aten.eq.Tensor"] == 1 and backward["aten.constant_pad_nd.default"] == 1  # their one-hot: once
 
 
 def test_pytorch_reads_what_each_kernel_writes_as_the_test_session_does():

@@ -72,17 +72,23 @@ def stored_arguments(source: str, names: list[str]) -> list[str] | None:
         return node.id if isinstance(node, ast.Name) else None
 
     tree = ast.parse(textwrap.dedent(source))
-    aliases = collections.defaultdict(set)
+    aliases = collections.defaultdict(set)  # local name -> the names it is offset from
     for node in ast.walk(tree):
         if isinstance(node, ast.Assign) and len(node.targets) == 1:
             target, value = node.targets[0], node.value
             pairs = zip(target.elts, value.elts) if isinstance(target, ast.Tuple) and isinstance(value, ast.Tuple) else [(target, value)]
             for t, v in pairs:
-                if isinstance(t, ast.Name) and base(v) in names:
+                if isinstance(t, ast.Name) and base(v) is not None:
                     aliases[t.id].add(base(v))
+
+    def resolve(name, seen=()):  # a local pointer through its chain of offsets to arguments
+        if name in names or name not in aliases or name in seen:
+            return {name}
+        return set().union(*(resolve(b, (*seen, name)) for b in aliases[name]))
+
     stores = [node.args[0] for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
               and (node.func.attr == "store" or node.func.attr.startswith("atomic_")) and node.args]
-    targets = {name for p in stores for name in aliases.get(base(p)) or {base(p)}}
+    targets = set().union(*(resolve(base(p)) for p in stores)) if stores else set()
     return sorted(targets) if targets <= set(names) else None
 
 

@@ -131,8 +131,8 @@ def term_attention_dq_kernel(
     bucket is ``c`` (the block owns its rows), by a one-hot sum over the tile's keys (1) or by atomic adds (2). 3: dS
     per pair, ``dterm[b', h, i, j]``, summed over the batch by atomic adds (``PAIR_BATCH`` false: ``b' = 0``; the
     caller turns pairs into table columns) or stored per sample. 4: dS per pair stored query-major,
-    ``dterm[i, b * heads + h, j]`` with rows of ``columns`` (>= tokens) entries, for the caller's batched product with
-    the buckets."""
+    ``dterm[i, b * heads + h, j]`` with rows of ``columns`` (>= tokens, at most the key tiles' reach) entries, the
+    padding zero, for the caller's batched product with the buckets."""
     bh = tl.program_id(1)
     b = bh // heads
     h = bh % heads
@@ -178,8 +178,8 @@ def term_attention_dq_kernel(
                 tl.store(pair_rows + cols[None, :], ds, mask=both)
             else:
                 tl.atomic_add(pair_rows + cols[None, :], ds, mask=both, sem="relaxed")
-        if TERM_GRAD == 4:
-            tl.store(by_row + cols[None, :], ds.to(dterm.dtype.element_ty), mask=both)
+        if TERM_GRAD == 4:  # the row's padding too (its dS is 0): the caller's product reads whole rows
+            tl.store(by_row + cols[None, :], ds.to(dterm.dtype.element_ty), mask=row_ok[:, None] & (cols[None, :] < columns))
     tl.store(dq + b * dq_b + h * dq_h + rows[:, None] * dq_n + d[None, :], (dq_acc * scale).to(dq.dtype.element_ty), mask=q_mask)
     if TERM_GRAD == 1:
         tl.store(term_rows + c[None, :], dterm_acc, mask=row_ok[:, None] & (c[None, :] < columns))

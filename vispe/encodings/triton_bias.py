@@ -29,6 +29,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from .triton_support import launch, triton_unavailable
 
@@ -146,10 +147,10 @@ def _row_grad_by_matmul(ds_rows: torch.Tensor, bucket: torch.Tensor, table: torc
     table's), as a ``(B, H, L, C)`` view: the caller's cast to the table's dtype is the one copy."""
     tokens, _, padded = ds_rows.shape
     columns = table.shape[-1]
-    one_hot = ds_rows.new_zeros(tokens, padded, _round_up(columns, 8))
-    one_hot[:, :tokens].scatter_(-1, bucket[0].long().unsqueeze(-1), 1.0)
-    ds_rows[..., tokens:] = 0  # the padding the kernel does not write
-    dz = torch.bmm(ds_rows, one_hot)[..., :columns]  # (L, B*H, C)
+    # built without writing into tensors (a compiled graph would copy them): compare, then pad the keys
+    one_hot = bucket[0].unsqueeze(-1) == torch.arange(_round_up(columns, 8), device=bucket.device)
+    one_hot = F.pad(one_hot.to(ds_rows.dtype), (0, 0, 0, padded - tokens))  # (L, Lp, Cp)
+    dz = torch.bmm(ds_rows, one_hot)[..., :columns]  # (L, B*H, C); the kernel zeroed dS's padding
     return dz.view(tokens, bsz, heads, columns).permute(1, 2, 0, 3)
 
 
@@ -172,7 +173,8 @@ def _term_attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Te
         dterm = (torch.empty if mode == 1 else torch.zeros)((bsz, heads, tokens, columns), dtype=torch.float32, device=q.device)
     elif mode == 3:
         dterm = torch.zeros((bsz if pair_batch else 1, heads, tokens, tokens), dtype=torch.float32, device=q.device)
-    elif mode == 4:  # dS in the table's dtype (as the dense path's term gradient), rows padded to 16 bytes
+    elif mode == 4:  # dS in the table's dtype (as the dense path's term gradient), rows padded to 16 bytes (which the
+        # kernel's key tiles, at least 16 wide for tl.dot, reach and zero)
         dterm = torch.empty((tokens, bsz * heads, _round_up(tokens, 8)), dtype=table.dtype, device=q.device)
     else:
         dterm = q.new_empty(0, dtype=torch.float32)

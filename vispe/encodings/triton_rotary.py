@@ -39,8 +39,10 @@ def _bhn_strides(t: torch.Tensor) -> tuple[int, int, int]:
     return tuple(0 if t.shape[i] == 1 else t.stride(i) for i in range(3))  # type: ignore[return-value]
 
 
-def _launch(ins: tuple[torch.Tensor, ...], outs: tuple[torch.Tensor, ...], table: torch.Tensor, sign: int, interleaved: bool) -> None:
-    """Run the kernel: ``ins`` / ``outs`` are three ``(B, H, N, dh)`` views with contiguous channels, ``table`` is
+def _launch(ins: tuple[torch.Tensor, ...], outs: tuple[torch.Tensor, ...] | torch.Tensor, table: torch.Tensor, sign: int,
+            interleaved: bool) -> None:
+    """Run the kernel: ``ins`` are three ``(B, H, N, dh)`` views with contiguous channels; ``outs`` three such tensors,
+    or one ``(B, N, 3, H, dh)`` tensor whose slots take q, k and v (the projection's gradient); ``table`` is
     ``(B|1, H|1, N, P, 2)`` with contiguous ``(P, 2)``."""
     bsz, heads, tokens, dh = ins[0].shape
     pairs = dh // 2
@@ -52,9 +54,17 @@ def _launch(ins: tuple[torch.Tensor, ...], outs: tuple[torch.Tensor, ...], table
     block_p = 1 << max(pairs - 1, 0).bit_length()
     block_n = max(1, min(64, 4096 // (2 * block_p)))
     grid = (bsz * heads, -(-tokens // block_n))
-    strides = [s for t in (*ins, *outs, table) for s in _bhn_strides(t)]
-    launch(rotate_qkv_kernel, grid, *ins, *outs, table, *strides, heads, tokens, pairs,
-           SIGN=sign, INTERLEAVED=interleaved, BLOCK_N=block_n, BLOCK_P=block_p)
+    stacked = isinstance(outs, torch.Tensor)
+    if stacked:  # one written tensor: slot 0's view gives the strides, the slot stride the rest
+        slot0 = outs[:, :, 0].transpose(1, 2)
+        out_args = (outs, *(outs.new_empty(0),) * 2)  # k_out, v_out: not written
+        out_strides = [*_bhn_strides(slot0)] * 3 + [outs.stride(2)]
+    else:
+        out_args = outs
+        out_strides = [s for t in outs for s in _bhn_strides(t)] + [0]
+    strides = [s for t in ins for s in _bhn_strides(t)] + out_strides + [*_bhn_strides(table)]
+    launch(rotate_qkv_kernel, grid, *ins, *out_args, table, *strides, heads, tokens, pairs,
+           SIGN=sign, INTERLEAVED=interleaved, STACKED_OUT=stacked, BLOCK_N=block_n, BLOCK_P=block_p)
 
 
 def _table5(table: torch.Tensor, tokens: int) -> torch.Tensor:
@@ -92,7 +102,8 @@ def _rotary_qkv_backward_op(grad_q: torch.Tensor, grad_k: torch.Tensor, grad_v: 
     bsz, heads, tokens, dh = grad_q.shape
     grads = tuple(g if g.stride(-1) == 1 else g.contiguous() for g in (grad_q, grad_k, grad_v))
     out = torch.empty((bsz, tokens, 3, heads, dh), dtype=grad_q.dtype, device=grad_q.device)
-    _launch(grads, tuple(out[:, :, i].transpose(1, 2) for i in range(3)), _table5(table, tokens), -1, interleaved)
+    # written whole by one kernel: three views of it written separately would each be copied in a compiled graph
+    _launch(grads, out, _table5(table, tokens), -1, interleaved)
     return out
 
 
