@@ -19,7 +19,6 @@ a tiny version in Triton's interpreter to check the script.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -29,7 +28,7 @@ CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from vispe.benchmarks.speed_measure import median_backward_ms, triton_mutation_fallbacks
+from vispe.benchmarks.speed_measure import median_backward_ms, triton_mutation_fallbacks, write_probe
 from vispe.encodings.rotary import apply_rotary, rotary_table
 from vispe.encodings.triton_rotary import rotary_qkv
 
@@ -87,13 +86,7 @@ def main() -> None:
             rows.append({"table": label, "variant": name, "ms": round(ms, 4), "floor_bytes": floor,
                          "gb_per_s_at_floor": round(floor / ms / 1e6, 1)})
             print(f"{label:38s} {name:15s} {ms:8.3f} ms   floor {floor / 1e6:7.1f} MB   {floor / ms / 1e6:8.1f} GB/s")
-    meta = {"device": torch.cuda.get_device_name() if CUDA else "cpu (interpreter check)", "torch": torch.__version__,
-            "shape": [bsz, tokens, 3, heads, dh], "dtype": "bfloat16", "reps": reps,
-            "compiled_kernels_analysis_fallbacks": len(fallbacks)}
-    print(f"kernels compiled into graphs whose written arguments PyTorch could not read (each argument copied): {len(fallbacks)}")
-    with open(out_path, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
-
+    write_probe(out_path, rows, fallbacks, shape=[bsz, tokens, 3, heads, dh], dtype="bfloat16", reps=reps)
 
 if __name__ == "__main__":
     main()

@@ -21,7 +21,6 @@ tiny version in Triton's interpreter (float16: the interpreter's bfloat16 produc
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -32,7 +31,7 @@ CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from vispe.benchmarks.speed_measure import median_backward_ms, triton_mutation_fallbacks
+from vispe.benchmarks.speed_measure import median_backward_ms, triton_mutation_fallbacks, write_probe
 from vispe.encodings import (
     EncodingContext,
     PositionGrid,
@@ -114,13 +113,7 @@ def main() -> None:
             rows.append({"encoding": "irpe", "variant": "launch", "kernel": kernel, "launch": list(choice), "ms": ms})
             print(f"irpe launch {kernel:10s} {choice}: {ms} ms (default {default[kernel]})")
     triton_bias.LAUNCH = default
-    meta = {"device": torch.cuda.get_device_name() if CUDA else "cpu (interpreter check)", "torch": torch.__version__,
-            "shape": [bsz, heads, tokens, dh], "dtype": str(half), "reps": reps,
-            "compiled_kernels_analysis_fallbacks": len(fallbacks)}
-    print(f"kernels compiled into graphs whose written arguments PyTorch could not read (each argument copied): {len(fallbacks)}")
-    with open(out_path, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
-
+    write_probe(out_path, rows, fallbacks, shape=[bsz, heads, tokens, dh], dtype=str(half), reps=reps)
 
 if __name__ == "__main__":
     main()

@@ -107,6 +107,18 @@ def triton_mutation_fallbacks() -> Iterator[list[str]]:
         logger.removeHandler(handler)
 
 
+def write_probe(out_path: str, rows: list[dict], fallbacks: list[str], **meta: Any) -> None:
+    """A kernel probe's JSON (results/speed/gpu-*.py): its rows, and the device, torch version, ``meta`` and the number
+    of compiled kernel launches PyTorch could not analyse (:func:`triton_mutation_fallbacks`), which it also prints."""
+    import json
+
+    print(f"kernels compiled into graphs whose written arguments PyTorch could not read (each argument copied): {len(fallbacks)}")
+    meta = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (interpreter check)",
+            "torch": torch.__version__, **meta, "compiled_kernels_analysis_fallbacks": len(fallbacks)}
+    with open(out_path, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
