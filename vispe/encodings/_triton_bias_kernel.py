@@ -33,6 +33,21 @@ def term_tile(table, codes_q, codes_k, lut, t_b, t_h, t_l, cq_b, ck_b, b, h, row
 
 
 @triton.jit
+def load_rows(ptr, b, h, idx, s_b, s_h, s_n, d, mask):
+    """The ``(len(idx), len(d))`` tile of a ``(B, H, L, dh)`` tensor at tokens ``idx`` of sample ``b``, head ``h``."""
+    return tl.load(ptr + b * s_b + h * s_h + idx[:, None] * s_n + d[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def backward_tile(qt, kt, vt, dot_, m, dl, term, both, scale, DOT_PRECISION: tl.constexpr):
+    """A tile's probabilities ``P``, rebuilt from the rows' log-sum-exp ``m``, and ``dS = P (dP - delta)``."""
+    s = tl.dot(qt, tl.trans(kt), input_precision=DOT_PRECISION) * scale + term
+    p = tl.where(both, tl.exp(s - m[:, None]), 0.0)
+    dp = tl.dot(dot_, tl.trans(vt), input_precision=DOT_PRECISION)
+    return p, p * (dp - dl[:, None])
+
+
+@triton.jit
 def term_attention_forward_kernel(
     q, k, v, out, lse, table, codes_q, codes_k, lut,
     q_b, q_h, q_n, k_b, k_h, k_n, v_b, v_h, v_n, o_b, o_h, o_n,
@@ -49,7 +64,7 @@ def term_attention_forward_kernel(
     d = tl.arange(0, BLOCK_D)
     row_ok = rows < tokens
     d_ok = d < head_dim
-    qt = tl.load(q + b * q_b + h * q_h + rows[:, None] * q_n + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    qt = load_rows(q, b, h, rows, q_b, q_h, q_n, d, row_ok[:, None] & d_ok[None, :])
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.full((BLOCK_M,), 0.0, tl.float32)
     acc = tl.full((BLOCK_M, BLOCK_D), 0.0, tl.float32)
@@ -57,8 +72,8 @@ def term_attention_forward_kernel(
         cols = start + tl.arange(0, BLOCK_N)
         col_ok = cols < tokens
         kv_mask = col_ok[:, None] & d_ok[None, :]
-        kt = tl.load(k + b * k_b + h * k_h + cols[:, None] * k_n + d[None, :], mask=kv_mask, other=0.0)
-        vt = tl.load(v + b * v_b + h * v_h + cols[:, None] * v_n + d[None, :], mask=kv_mask, other=0.0)
+        kt = load_rows(k, b, h, cols, k_b, k_h, k_n, d, kv_mask)
+        vt = load_rows(v, b, h, cols, v_b, v_h, v_n, d, kv_mask)
         term, _ = term_tile(table, codes_q, codes_k, lut, t_b, t_h, t_l, cq_b, ck_b, b, h, rows, cols, tokens, center,
                              fill, HAS_LUT)
         s = tl.dot(qt, tl.trans(kt), input_precision=DOT_PRECISION) * scale + term
@@ -93,25 +108,22 @@ def term_attention_dkdv_kernel(
     col_ok = cols < tokens
     d_ok = d < head_dim
     kv_mask = col_ok[:, None] & d_ok[None, :]
-    kt = tl.load(k + b * k_b + h * k_h + cols[:, None] * k_n + d[None, :], mask=kv_mask, other=0.0)
-    vt = tl.load(v + b * v_b + h * v_h + cols[:, None] * v_n + d[None, :], mask=kv_mask, other=0.0)
+    kt = load_rows(k, b, h, cols, k_b, k_h, k_n, d, kv_mask)
+    vt = load_rows(v, b, h, cols, v_b, v_h, v_n, d, kv_mask)
     dk_acc = tl.full((BLOCK_N, BLOCK_D), 0.0, tl.float32)
     dv_acc = tl.full((BLOCK_N, BLOCK_D), 0.0, tl.float32)
     for start in range(0, tokens, BLOCK_M):
         rows = start + tl.arange(0, BLOCK_M)
         row_ok = rows < tokens
         q_mask = row_ok[:, None] & d_ok[None, :]
-        qt = tl.load(q + b * q_b + h * q_h + rows[:, None] * q_n + d[None, :], mask=q_mask, other=0.0)
-        dot_ = tl.load(dout + b * do_b + h * do_h + rows[:, None] * do_n + d[None, :], mask=q_mask, other=0.0)
+        qt = load_rows(q, b, h, rows, q_b, q_h, q_n, d, q_mask)
+        dot_ = load_rows(dout, b, h, rows, do_b, do_h, do_n, d, q_mask)
         m = tl.load(lse + bh * tokens + rows, mask=row_ok, other=0.0)
         dl = tl.load(delta + bh * tokens + rows, mask=row_ok, other=0.0)
         term, _ = term_tile(table, codes_q, codes_k, lut, t_b, t_h, t_l, cq_b, ck_b, b, h, rows, cols, tokens, center,
                              fill, HAS_LUT)
-        s = tl.dot(qt, tl.trans(kt), input_precision=DOT_PRECISION) * scale + term
-        p = tl.where(row_ok[:, None] & col_ok[None, :], tl.exp(s - m[:, None]), 0.0)
+        p, ds = backward_tile(qt, kt, vt, dot_, m, dl, term, row_ok[:, None] & col_ok[None, :], scale, DOT_PRECISION)
         dv_acc += tl.dot(tl.trans(p.to(dot_.dtype)), dot_)
-        dp = tl.dot(dot_, tl.trans(vt), input_precision=DOT_PRECISION)
-        ds = p * (dp - dl[:, None])
         dk_acc += tl.dot(tl.trans(ds.to(qt.dtype)), qt)
     tl.store(dk + b * dk_b + h * dk_h + cols[:, None] * dk_n + d[None, :], (dk_acc * scale).to(dk.dtype.element_ty), mask=kv_mask)
     tl.store(dv + b * dv_b + h * dv_h + cols[:, None] * dv_n + d[None, :], dv_acc.to(dv.dtype.element_ty), mask=kv_mask)
@@ -141,8 +153,8 @@ def term_attention_dq_kernel(
     row_ok = rows < tokens
     d_ok = d < head_dim
     q_mask = row_ok[:, None] & d_ok[None, :]
-    qt = tl.load(q + b * q_b + h * q_h + rows[:, None] * q_n + d[None, :], mask=q_mask, other=0.0)
-    dot_ = tl.load(dout + b * do_b + h * do_h + rows[:, None] * do_n + d[None, :], mask=q_mask, other=0.0)
+    qt = load_rows(q, b, h, rows, q_b, q_h, q_n, d, q_mask)
+    dot_ = load_rows(dout, b, h, rows, do_b, do_h, do_n, d, q_mask)
     m = tl.load(lse + bh * tokens + rows, mask=row_ok, other=0.0)
     dl = tl.load(delta + bh * tokens + rows, mask=row_ok, other=0.0)
     dq_acc = tl.full((BLOCK_M, BLOCK_D), 0.0, tl.float32)
@@ -159,14 +171,11 @@ def term_attention_dq_kernel(
         col_ok = cols < tokens
         both = row_ok[:, None] & col_ok[None, :]
         kv_mask = col_ok[:, None] & d_ok[None, :]
-        kt = tl.load(k + b * k_b + h * k_h + cols[:, None] * k_n + d[None, :], mask=kv_mask, other=0.0)
-        vt = tl.load(v + b * v_b + h * v_h + cols[:, None] * v_n + d[None, :], mask=kv_mask, other=0.0)
+        kt = load_rows(k, b, h, cols, k_b, k_h, k_n, d, kv_mask)
+        vt = load_rows(v, b, h, cols, v_b, v_h, v_n, d, kv_mask)
         term, bucket = term_tile(table, codes_q, codes_k, lut, t_b, t_h, t_l, cq_b, ck_b, b, h, rows, cols, tokens,
                                  center, fill, HAS_LUT)
-        s = tl.dot(qt, tl.trans(kt), input_precision=DOT_PRECISION) * scale + term
-        p = tl.where(both, tl.exp(s - m[:, None]), 0.0)
-        dp = tl.dot(dot_, tl.trans(vt), input_precision=DOT_PRECISION)
-        ds = p * (dp - dl[:, None])
+        _, ds = backward_tile(qt, kt, vt, dot_, m, dl, term, both, scale, DOT_PRECISION)
         dq_acc += tl.dot(ds.to(kt.dtype), kt, input_precision=DOT_PRECISION)
         if TERM_GRAD == 1:
             hit = bucket[:, :, None] == c[None, None, :]
