@@ -300,7 +300,7 @@ def test_the_kernels_compile_for_hopper_gpus():
 
     pointers = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "out": "*bf16", "dout": "*bf16", "dq": "*bf16", "dk": "*bf16",
                 "dv": "*bf16", "lse": "*fp32", "delta": "*fp32", "dterm": "*fp32", "table": "*bf16", "codes_q": "*i32",
-                "codes_k": "*i32", "lut": "*i32", "scale": "fp32"}
+                "codes_k": "*i32", "lut": "*i32", "scale": "fp64"}  # fp64: a compiled graph passes Python floats so
     aligned = [n for n in pointers if n != "scale"] + ["head_dim"]  # and the (batch, head, token) strides
     launch = triton_bias.LAUNCH  # the tiles the operators launch
     term = {"HAS_LUT": True, "DOT_PRECISION": "ieee", "BLOCK_D": 64}

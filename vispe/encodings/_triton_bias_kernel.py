@@ -57,6 +57,7 @@ def term_attention_forward_kernel(
 ):
     """One (sample, head, block of query rows): softmax(q k^T s + term) v with a running maximum and sum (nothing of
     size rows x keys leaves the chip), and each row's log-sum-exp for the backward."""
+    scale = tl.cast(scale, tl.float32)  # a compiled graph passes Python floats as float64
     bh = tl.program_id(1)
     b = bh // heads
     h = bh % heads
@@ -100,6 +101,7 @@ def term_attention_dkdv_kernel(
 ):
     """One (sample, head, block of keys): dV = P^T dO and dK = s dS^T q over every query block, P rebuilt from the
     log-sum-exp and dS = P (dP - delta), delta = rowsum(dO * O)."""
+    scale = tl.cast(scale, tl.float32)  # a compiled graph passes Python floats as float64
     bh = tl.program_id(1)
     b = bh // heads
     h = bh % heads
@@ -145,6 +147,7 @@ def term_attention_dq_kernel(
     caller turns pairs into table columns) or stored per sample. 4: dS per pair stored query-major,
     ``dterm[i, b * heads + h, j]`` with rows of ``columns`` (>= tokens, at most the key tiles' reach) entries, the
     padding zero, for the caller's batched product with the buckets."""
+    scale = tl.cast(scale, tl.float32)  # a compiled graph passes Python floats as float64
     bh = tl.program_id(1)
     b = bh // heads
     h = bh % heads
