@@ -57,7 +57,7 @@ def _launch(ins: tuple[torch.Tensor, ...], outs: tuple[torch.Tensor, ...] | torc
     stacked = isinstance(outs, torch.Tensor)
     if stacked:  # one written tensor: slot 0's view gives the strides, the slot stride the rest
         slot0 = outs[:, :, 0].transpose(1, 2)
-        out_args = (outs, *(outs.new_empty(0),) * 2)  # k_out, v_out: not written
+        out_args = (outs, outs.new_empty(0), outs.new_empty(0))  # k_out, v_out: not written
         out_strides = [*_bhn_strides(slot0)] * 3 + [outs.stride(2)]
     else:
         out_args = outs
