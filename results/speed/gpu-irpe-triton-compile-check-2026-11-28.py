@@ -1,7 +1,7 @@
 """Compile a 2-layer iRPE ViT-S/16 with attention_backend='triton' on CUDA (inductor, bf16 autocast, batch 8) and run
 one train step; on failure print the whole error, including what inductor's compile subprocess reported.
 
-Usage: ``python results/speed/gpu-irpe-triton-compile-check-2026-11-28.py``."""
+Usage: ``PYTHONPATH=. python results/speed/gpu-irpe-triton-compile-check-2026-11-28.py``."""
 import traceback
 
 import timm
