@@ -33,6 +33,15 @@ def term_tile(table, codes_q, codes_k, lut, t_b, t_h, t_l, cq_b, ck_b, b, h, row
 
 
 @triton.jit
+def program_block(heads, tokens, BLOCK: tl.constexpr):
+    """This program's (sample x head) index, sample, head, block of ``BLOCK`` tokens (grid axis 0) and which of them
+    exist."""
+    bh = tl.program_id(1)
+    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    return bh, bh // heads, bh % heads, idx, idx < tokens
+
+
+@triton.jit
 def load_rows(ptr, b, h, idx, s_b, s_h, s_n, d, mask):
     """The ``(len(idx), len(d))`` tile of a ``(B, H, L, dh)`` tensor at tokens ``idx`` of sample ``b``, head ``h``."""
     return tl.load(ptr + b * s_b + h * s_h + idx[:, None] * s_n + d[None, :], mask=mask, other=0.0)
@@ -58,12 +67,8 @@ def term_attention_forward_kernel(
     """One (sample, head, block of query rows): softmax(q k^T s + term) v with a running maximum and sum (nothing of
     size rows x keys leaves the chip), and each row's log-sum-exp for the backward."""
     scale = tl.cast(scale, tl.float32)  # a compiled graph passes Python floats as float64
-    bh = tl.program_id(1)
-    b = bh // heads
-    h = bh % heads
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    bh, b, h, rows, row_ok = program_block(heads, tokens, BLOCK_M)
     d = tl.arange(0, BLOCK_D)
-    row_ok = rows < tokens
     d_ok = d < head_dim
     qt = load_rows(q, b, h, rows, q_b, q_h, q_n, d, row_ok[:, None] & d_ok[None, :])
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
@@ -102,12 +107,8 @@ def term_attention_dkdv_kernel(
     """One (sample, head, block of keys): dV = P^T dO and dK = s dS^T q over every query block, P rebuilt from the
     log-sum-exp and dS = P (dP - delta), delta = rowsum(dO * O)."""
     scale = tl.cast(scale, tl.float32)  # a compiled graph passes Python floats as float64
-    bh = tl.program_id(1)
-    b = bh // heads
-    h = bh % heads
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    bh, b, h, cols, col_ok = program_block(heads, tokens, BLOCK_N)
     d = tl.arange(0, BLOCK_D)
-    col_ok = cols < tokens
     d_ok = d < head_dim
     kv_mask = col_ok[:, None] & d_ok[None, :]
     kt = load_rows(k, b, h, cols, k_b, k_h, k_n, d, kv_mask)
@@ -148,12 +149,8 @@ def term_attention_dq_kernel(
     ``dterm[i, b * heads + h, j]`` with rows of ``columns`` (>= tokens, at most the key tiles' reach) entries, the
     padding zero, for the caller's batched product with the buckets."""
     scale = tl.cast(scale, tl.float32)  # a compiled graph passes Python floats as float64
-    bh = tl.program_id(1)
-    b = bh // heads
-    h = bh % heads
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    bh, b, h, rows, row_ok = program_block(heads, tokens, BLOCK_M)
     d = tl.arange(0, BLOCK_D)
-    row_ok = rows < tokens
     d_ok = d < head_dim
     q_mask = row_ok[:, None] & d_ok[None, :]
     qt = load_rows(q, b, h, rows, q_b, q_h, q_n, d, q_mask)
@@ -204,12 +201,8 @@ def term_attention_delta_kernel(
 ):
     """One (sample, head, block of rows): ``delta = rowsum(dO * O)`` in float32, which both backward kernels read (one
     pass over O and dO, where PyTorch ops would write float32 copies of both first)."""
-    bh = tl.program_id(1)
-    b = bh // heads
-    h = bh % heads
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    bh, b, h, rows, row_ok = program_block(heads, tokens, BLOCK_M)
     d = tl.arange(0, BLOCK_D)
-    row_ok = rows < tokens
     mask = row_ok[:, None] & (d[None, :] < head_dim)
     o = tl.load(out + b * o_b + h * o_h + rows[:, None] * o_n + d[None, :], mask=mask, other=0.0).to(tl.float32)
     g = tl.load(dout + b * do_b + h * do_h + rows[:, None] * do_n + d[None, :], mask=mask, other=0.0).to(tl.float32)
